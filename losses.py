@@ -1,0 +1,215 @@
+"""GRPO math, exactly as veRL 0.9 computes it. Torch only: copy this file anywhere.
+
+  grpo_advantages     core_algos.compute_grpo_outcome_advantage
+  policy_loss         core_algos.compute_policy_loss_vanilla (clip-higher + dual clip)
+  kl_penalty          core_algos.kl_penalty (k1/abs/k2/k3 and the "+" straight-through forms)
+  entropy_from_logits verl.utils.torch_functional.entropy_from_logits
+  agg_loss            core_algos.agg_loss (token-mean & co., with GLOBAL counts)
+  masked_mean         verl.utils.torch_functional.masked_mean
+
+Shapes: B responses, T response tokens (right-padded), V vocabulary. `mask` is the
+response mask [B, T] (1 = a real response token). The total GRPO loss of veRL is
+
+    loss = pg_loss - entropy_coeff * entropy + kl_loss_coef * kl_loss
+
+with every term aggregated by `agg_loss` over the same tokens.
+
+Worked example (one prompt, three responses, rewards [1, 0, 1]):
+    >>> grpo_advantages(torch.tensor([1., 0., 1.]), ["q", "q", "q"])
+    tensor([ 0.5774, -1.1547,  0.5774])
+"""
+
+from collections import defaultdict
+
+import torch
+
+AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+KL_KINDS = ("kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3")  # each also with a "+" suffix
+
+
+def _check_same_shape(where: str, **tensors: torch.Tensor) -> None:
+    shapes = {name: tuple(t.shape) for name, t in tensors.items()}
+    if len(set(shapes.values())) > 1:
+        raise ValueError(f"{where}: shapes must match, got {shapes}")
+
+
+def _nonzero(count: torch.Tensor | float) -> torch.Tensor | float:
+    """count, or 1 where count == 0 (an empty batch then aggregates to 0, not NaN)."""
+    return count + (count == 0) if torch.is_tensor(count) else (count or 1)
+
+
+def masked_mean(x: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> torch.Tensor:
+    """sum(x * mask) / (sum(mask) + 1e-8)   (veRL masked_mean; masked NaN/inf are ignored).
+
+    masked_mean([1, 2, 3], [1, 1, 0]) = 3 / 2 = 1.5
+    """
+    _check_same_shape("masked_mean", x=x, mask=mask)
+    total = torch.where(mask.bool(), x, 0.0) * mask  # [B, T]
+    if dim is None:
+        return total.sum() / (mask.sum() + 1e-8)
+    return total.sum(dim) / (mask.sum(dim) + 1e-8)
+
+
+def agg_loss(
+    values: torch.Tensor,
+    mask: torch.Tensor,
+    mode: str = "token-mean",
+    num_tokens: float | torch.Tensor | None = None,
+    num_seqs: float | torch.Tensor | None = None,
+    scale_factor: float | None = None,
+) -> torch.Tensor:
+    """Aggregate a per-token loss [B, T] to a scalar (veRL `agg_loss`).
+
+    token-mean:               sum(x * m) / N_tokens
+    seq-mean-token-sum:       sum_i (sum_t x_it m_it) / N_seqs
+    seq-mean-token-mean:      sum_i (sum_t x_it m_it / (sum_t m_it + 1e-8)) / N_seqs
+    seq-mean-token-sum-norm:  seq-mean-token-sum / scale_factor (default T, the max response length)
+
+    N_tokens defaults to sum(m) and N_seqs to the number of rows with at least one token.
+    Pass `num_tokens` / `num_seqs` = the GLOBAL counts of the whole mini-batch (all micro-batches,
+    all ranks) and sum the micro-batch losses: the gradient is then the exact global mean.
+    (veRL also multiplies by dp_size to undo FSDP's gradient averaging; the trainer does that.)
+    """
+    if mode not in AGG_MODES:
+        raise ValueError(f"agg_loss: mode={mode!r}; accepted: {', '.join(AGG_MODES)}")
+    _check_same_shape("agg_loss", values=values, mask=mask)
+    if values.dim() != 2:
+        raise ValueError(f"agg_loss: values must be [batch, tokens], got shape {tuple(values.shape)}")
+    masked = torch.where(mask.bool(), values, 0.0) * mask  # [B, T]
+    if mode == "token-mean":
+        count = mask.sum() if num_tokens is None else num_tokens
+        return masked.sum() / _nonzero(count)
+    seq_tokens = mask.sum(-1)  # [B]
+    seq_has_tokens = (seq_tokens > 0).to(values.dtype)  # [B]
+    if mode == "seq-mean-token-mean":
+        seq_losses = masked.sum(-1) / (seq_tokens + 1e-8)  # [B]
+    else:
+        seq_losses = masked.sum(-1)  # [B]
+    count = seq_has_tokens.sum() if num_seqs is None else num_seqs
+    loss = (seq_losses * seq_has_tokens).sum() / _nonzero(count)
+    if mode == "seq-mean-token-sum-norm":
+        loss = loss / (scale_factor if scale_factor is not None else mask.shape[-1])
+    return loss
+
+
+def grpo_advantages(rewards, group_ids, eps: float = 1e-6, norm_by_std: bool = True) -> torch.Tensor:
+    """One advantage per response (veRL `compute_grpo_outcome_advantage`).
+
+    A_i = (r_i - mean_g) / (std_g + eps), std UNBIASED (torch.std), g = the group of response i
+    (the n responses of one prompt share a group id). norm_by_std=False: A_i = r_i - mean_g.
+    A group of one has mean 0 and std 1 (A = r / (1 + eps)); identical rewards give 0.
+
+    rewards [1, 0, 1] in one group -> [+0.5774, -1.1547, +0.5774].
+    The trainer broadcasts A_i over response i's tokens (A[:, None] * mask).
+    """
+    rewards = torch.as_tensor(rewards)
+    if not rewards.is_floating_point():
+        rewards = rewards.float()  # veRL's token_level_rewards are float32
+    if rewards.dim() != 1:
+        raise ValueError(f"grpo_advantages: rewards must be 1-D [batch], got shape {tuple(rewards.shape)}")
+    group_ids = list(group_ids)
+    if len(group_ids) != len(rewards):
+        raise ValueError(f"grpo_advantages: {len(rewards)} rewards but {len(group_ids)} group_ids")
+    members = defaultdict(list)  # group id -> row indices, in order
+    for i, gid in enumerate(group_ids):
+        members[gid].append(i)
+    advantages = rewards.detach().clone()  # [B]
+    for rows in members.values():
+        scores = rewards[rows]  # [n]
+        if len(rows) == 1:
+            mean, std = scores.new_tensor(0.0), scores.new_tensor(1.0)
+        else:
+            mean, std = scores.mean(), scores.std()
+        centred = scores - mean
+        advantages[rows] = centred / (std + eps) if norm_by_std else centred
+    return advantages
+
+
+def policy_loss(
+    logp: torch.Tensor,
+    old_logp: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    clip_low: float = 0.2,
+    clip_high: float = 0.2,
+    clip_c: float = 3.0,
+    agg_mode: str = "token-mean",
+    num_tokens: float | torch.Tensor | None = None,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """PPO clipped surrogate with clip-higher and dual clip (veRL `compute_policy_loss_vanilla`).
+
+    d = clamp(logp - old_logp, -20, 20);  ratio = exp(d)
+    L1 = -A * ratio;  L2 = -A * clamp(ratio, 1 - clip_low, 1 + clip_high);  Lc = max(L1, L2)
+    dual clip (A < 0 only): loss = min(-A * clip_c, Lc)
+    metrics: pg_clipfrac = mean(L2 > L1), pg_clipfrac_lower = mean(Lc > -A*clip_c and A < 0),
+             ppo_kl = mean(-d)   (masked means over response tokens)
+
+    All tensors [B, T] (advantages already broadcast over tokens). Returns (loss, metrics);
+    the loss is aggregated with `agg_loss(agg_mode, num_tokens=...)`.
+    Example: A = 1, ratio = 1.5, clip_high = 0.2 -> L1 = -1.5, L2 = -1.2, loss = -1.2 (clipped, no gradient).
+    """
+    if not clip_c > 1.0:
+        raise ValueError(f"policy_loss: clip_c must be > 1.0 (dual-clip lower bound), got {clip_c}")
+    _check_same_shape("policy_loss", logp=logp, old_logp=old_logp, advantages=advantages, mask=mask)
+    neg_approx_kl = torch.clamp(logp - old_logp, min=-20.0, max=20.0)  # [B, T]
+    ratio = torch.exp(neg_approx_kl)  # [B, T]
+    loss1 = -advantages * ratio  # [B, T]
+    loss2 = -advantages * torch.clamp(ratio, 1 - clip_low, 1 + clip_high)  # [B, T]
+    clipped = torch.maximum(loss1, loss2)  # [B, T]
+    loss3 = -advantages * clip_c  # [B, T]
+    dual_clipped = torch.min(loss3, clipped)  # [B, T]
+    per_token = torch.where(advantages < 0, dual_clipped, clipped)  # [B, T]
+    loss = agg_loss(per_token, mask, agg_mode, num_tokens=num_tokens)
+    with torch.no_grad():
+        metrics = {
+            "pg_clipfrac": masked_mean(torch.gt(loss2, loss1).float(), mask).item(),
+            "pg_clipfrac_lower": masked_mean(
+                torch.gt(clipped, loss3).float() * (advantages < 0).float(), mask
+            ).item(),
+            "ppo_kl": masked_mean(-neg_approx_kl, mask).item(),
+        }
+    return loss, metrics
+
+
+def _kl_forward(logp: torch.Tensor, ref_logp: torch.Tensor, kind: str) -> torch.Tensor:
+    if kind in ("kl", "k1"):
+        return logp - ref_logp
+    if kind == "abs":
+        return (logp - ref_logp).abs()
+    if kind in ("mse", "k2"):
+        return 0.5 * (logp - ref_logp).square()
+    # low_var_kl / k3 (Schulman): exp(ref - logp) - (ref - logp) - 1, clamped for stability
+    log_ratio = torch.clamp(ref_logp - logp, min=-20, max=20)
+    return torch.clamp(torch.exp(log_ratio) - log_ratio - 1, min=-10, max=10)
+
+
+def kl_penalty(logp: torch.Tensor, ref_logp: torch.Tensor, kind: str = "low_var_kl") -> torch.Tensor:
+    """Per-token KL estimate between the policy and the reference (veRL `kl_penalty`).
+
+    k1/"kl":  logp - ref                 "abs": |logp - ref|
+    k2/"mse": 0.5 * (logp - ref)^2
+    k3/"low_var_kl": k = clamp(ref - logp, -20, 20); clamp(exp(k) - k - 1, -10, 10)
+    "<kind>+" (e.g. "k3+"): straight-through: the forward value of <kind>, the gradient of k2.
+
+    logp = ref -> 0 for every kind;  logp - ref = 1 -> k1 1, k2 0.5, k3 e^-1 = 0.3679.
+    """
+    base = kind[:-1] if kind.endswith("+") else kind
+    if base not in KL_KINDS:
+        accepted = ", ".join(KL_KINDS + tuple(k + "+" for k in KL_KINDS))
+        raise ValueError(f"kl_penalty: kind={kind!r}; accepted: {accepted}")
+    _check_same_shape("kl_penalty", logp=logp, ref_logp=ref_logp)
+    forward = _kl_forward(logp, ref_logp, base)  # [B, T]
+    if not kind.endswith("+") or base in ("mse", "k2"):
+        return forward
+    k2 = 0.5 * (logp - ref_logp).square()  # [B, T]
+    return k2 - k2.detach() + forward.detach()
+
+
+def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
+    """Entropy of softmax(logits) over the last dim (veRL `entropy_from_logits`).
+
+    H = logsumexp(z) - sum(softmax(z) * z); logits [..., V] -> [...], already divided by the
+    sampling temperature. Uniform over V tokens -> log(V).
+    """
+    probs = torch.softmax(logits, dim=-1)  # [..., V]
+    return torch.logsumexp(logits, dim=-1) - torch.sum(probs * logits, dim=-1)  # [...]
