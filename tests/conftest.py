@@ -1,0 +1,58 @@
+"""Shared fixtures: tiny offline models built by tiny.py, and a helper to run torchrun scripts."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+# vLLM on CPU: in-process engine, a small KV cache (see ../shared/reference/cpu-notes.md).
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CACHE = os.path.join(ROOT, ".cache", "tests")
+
+
+@pytest.fixture(scope="session")
+def tiny_tokenizer():
+    import tiny
+    data = tiny.make_dataset(seed=0, n_train=400, n_test=10)
+    corpus = [r["question"] + " " + tiny.INSTRUCTION for r in data["train"]]
+    corpus += [tiny.chat_response(r["answer"], h) for r in data["train"] for h in (True, False)]
+    return tiny.build_tokenizer(corpus)
+
+
+@pytest.fixture(scope="session")
+def random_models(tiny_tokenizer):
+    """{"tied": path, "untied": path}: random tiny Qwen2 models (fp32) with the tiny tokenizer."""
+    import tiny
+    paths = {}
+    for name, tied in (("tied", True), ("untied", False)):
+        path = os.path.join(CACHE, f"random-{name}")
+        if not os.path.exists(os.path.join(path, "config.json")):
+            tiny.save_random_model(path, tiny_tokenizer, seed=1, tie_word_embeddings=tied)
+        paths[name] = path
+    return paths
+
+
+@pytest.fixture(scope="session")
+def tiny_build():
+    """The full tiny set-up (data, warm-started model): built once, cached in .cache/tiny."""
+    import tiny
+    return tiny.build(os.path.join(ROOT, ".cache", "tiny"), seed=0)
+
+
+def run_torchrun(script: str, nproc: int, *args: str, timeout: int = 600) -> list[dict]:
+    """Run tests/<script> under torchrun; each rank prints one JSON line starting with 'RESULT '."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
+           "--master_port", str(29500 + os.getpid() % 1000), os.path.join(ROOT, "tests", script), *args]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+    if proc.returncode != 0:
+        raise AssertionError(f"torchrun {script} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
+    results = [json.loads(line[len("RESULT "):]) for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+    assert len(results) == nproc, proc.stdout[-3000:]
+    return sorted(results, key=lambda r: r["rank"])

