@@ -45,12 +45,16 @@ def tiny_build():
     return tiny.build(os.path.join(ROOT, ".cache", "tiny"), seed=0)
 
 
-def run_torchrun(script: str, nproc: int, *args: str, timeout: int = 600) -> list[dict]:
-    """Run tests/<script> under torchrun; each rank prints one JSON line starting with 'RESULT '."""
+def run_torchrun(script: str, nproc: int, *args: str, timeout: int = 600, killed: bool = False) -> list[dict]:
+    """Run tests/<script> under torchrun; each rank prints one JSON line starting with 'RESULT '.
+    killed=True: the script is expected to die (SIGKILL) part-way; returns [] after checking it did."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
            "--master_port", str(29500 + os.getpid() % 1000), os.path.join(ROOT, "tests", script), *args]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
+    if killed:
+        assert proc.returncode != 0, f"{script} was expected to be killed:\n{proc.stdout[-2000:]}"
+        return []
     if proc.returncode != 0:
         raise AssertionError(f"torchrun {script} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
     results = [json.loads(line[len("RESULT "):]) for line in proc.stdout.splitlines() if line.startswith("RESULT ")]

@@ -1,0 +1,363 @@
+"""FSDP2 training side of GRPO: the policy and reference models, log-probs, the train step,
+checkpoints and HF export. Imports torch, transformers and accelerate only: copy it anywhere.
+
+The same code runs one CPU process (`python ...`, gloo) and many GPU nodes (`torchrun ...`, NCCL):
+
+    rank, world, device = init_distributed()
+    policy = load_model(path, device=device)                     # fully_shard per layer, then root
+    optimizer, scheduler = make_optimizer(policy, lr=1e-5)
+    logp, entropy = compute_logprobs(policy, batch, temperature=1.0, max_tokens=16384, entropy_fn=...)
+    metrics = train_step(policy, optimizer, mini_batch, loss_fn, temperature=1.0, max_tokens=16384)
+
+Batches are dicts of tensors in veRL's layout: `input_ids` / `attention_mask` [B, P + R] with the
+prompt LEFT-padded to width P and the response RIGHT-padded to width R; `response_mask` and every
+other 2-D tensor (old/ref log-probs, advantages) are [B, R], aligned with the response tokens.
+
+The exact-update promise: every loss is normalised by the number of response tokens of the WHOLE
+mini-batch (all micro-batches, all ranks; all-reduced), micro-batch losses are summed, and the loss
+is multiplied by the world size because FSDP averages gradients over ranks. The gradient then equals
+that of one process on the full batch, however unevenly tokens fall on micro-batches and ranks
+(tests/test_fsdp_train.py checks it against a plain PyTorch reference).
+"""
+
+import glob
+import math
+import os
+import shutil
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from accelerate import init_empty_weights
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_state_dict,
+                                                     set_model_state_dict, set_state_dict)
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from transformers import AutoConfig, AutoModelForCausalLM
+from transformers.modeling_utils import load_state_dict
+
+SEQ_KEYS = ("input_ids", "attention_mask")  # [B, P + R]; every other 2-D tensor is [B, R]
+
+
+# ------------------------------------------------------------------------------ distributed
+def init_distributed() -> tuple[int, int, torch.device]:
+    """(rank, world_size, device). torchrun: NCCL on GPU (gloo for CPU tensors), gloo on CPU.
+    Plain `python`: a world of one over an in-memory store, so every collective below still works.
+    On CPU, each process gets cores // local_world_size threads (oversubscription is ~10x slower);
+    set them BEFORE creating a vLLM engine, which freezes torch's thread count."""
+    cuda = torch.cuda.is_available()
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    if cuda:
+        torch.cuda.set_device(local_rank)
+    if not dist.is_initialized():
+        backend = "cpu:gloo,cuda:nccl" if cuda else "gloo"
+        if "RANK" in os.environ:
+            dist.init_process_group(backend)
+        else:
+            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+    if not cuda:
+        threads = max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
+        os.environ.setdefault("OMP_NUM_THREADS", str(threads))
+        torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+    return dist.get_rank(), dist.get_world_size(), torch.device("cuda", local_rank) if cuda else torch.device("cpu")
+
+
+def all_reduce(value: float | torch.Tensor, op=dist.ReduceOp.SUM) -> float:
+    t = torch.as_tensor(value, dtype=torch.float64).reshape(1).clone()
+    dist.all_reduce(t, op=op)
+    return t.item()
+
+
+# ------------------------------------------------------------------------------------ models
+def load_model(path: str, *, device: torch.device, param_dtype: torch.dtype = torch.float32,
+               compute_dtype: torch.dtype | None = None, activation_checkpointing: bool = False,
+               trainable: bool = True) -> torch.nn.Module:
+    """An HF causal LM sharded with FSDP2: fully_shard on each decoder layer, then on the root.
+
+    The full model is never materialised on every rank: all ranks build it on the meta device,
+    shard it, allocate only their shards, and rank 0 reads the checkpoint and broadcasts it
+    parameter by parameter. Tied embeddings stay tied (one parameter). compute_dtype (e.g. bf16 on
+    GPU, as veRL) keeps `param_dtype` master weights and casts for the forward/backward only.
+    """
+    config = AutoConfig.from_pretrained(path)
+    with init_empty_weights(include_buffers=False):  # parameters on meta; small buffers (RoPE) real
+        model = AutoModelForCausalLM.from_config(config, dtype=param_dtype)
+    model.tie_weights()  # init_empty_weights re-registers parameters, which unties lm_head from embed_tokens
+    buffers = {name: b.clone() for name, b in model.named_buffers()}
+    if activation_checkpointing:  # must come before fully_shard
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    mp = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32) if compute_dtype else MixedPrecisionPolicy()
+    for layer in model.model.layers:
+        fully_shard(layer, mp_policy=mp)
+    fully_shard(model, mp_policy=mp)
+    model.to_empty(device=device)
+    with torch.no_grad():
+        for name, b in model.named_buffers():
+            b.copy_(buffers[name])
+    full = _read_hf_weights(path, param_dtype, config) if dist.get_rank() == 0 else {}
+    set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+    model.requires_grad_(trainable)
+    model.train(trainable)
+    return model
+
+
+def _read_hf_weights(path: str, dtype: torch.dtype, config) -> dict[str, torch.Tensor]:
+    weights = {}
+    for file in sorted(glob.glob(os.path.join(path, "*.safetensors"))):
+        weights.update({k: v.to(dtype) for k, v in load_state_dict(file).items()})
+    if not weights:
+        raise FileNotFoundError(f"load_model: no *.safetensors weights in {path}")
+    if getattr(config, "tie_word_embeddings", False):
+        weights.setdefault("lm_head.weight", weights["model.embed_tokens.weight"])
+    return weights
+
+
+def make_optimizer(model, *, lr: float, betas=(0.9, 0.999), weight_decay: float = 0.01, warmup_steps: int = 0,
+                   total_steps: int = 1, schedule: str = "constant", min_lr_ratio: float = 0.0):
+    """AdamW (veRL's defaults) and a per-global-step LR schedule: linear warmup, then constant or
+    cosine decay to min_lr_ratio * lr."""
+    if schedule not in ("constant", "cosine"):
+        raise ValueError(f"make_optimizer: schedule={schedule!r}; accepted: constant, cosine")
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, betas=betas, weight_decay=weight_decay)
+
+    def factor(step: int) -> float:
+        if step < warmup_steps:
+            return (step + 1) / warmup_steps
+        if schedule == "constant":
+            return 1.0
+        progress = (step - warmup_steps) / max(1, total_steps - warmup_steps)
+        return min_lr_ratio + (1 - min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+
+    return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+
+
+# ----------------------------------------------------------------------------------- batches
+def make_batch(prompts: list[list[int]], responses: list[list[int]], pad_id: int) -> dict[str, torch.Tensor]:
+    """veRL's layout: prompts left-padded to P, responses right-padded to R.
+    prompts [[5, 6], [7]], responses [[8], [9, 10]] -> input_ids [[5, 6, 8, pad], [pad, 7, 9, 10]]."""
+    p_width, r_width = max(map(len, prompts)), max(1, max(map(len, responses)))
+    ids, attn, rmask = [], [], []
+    for p, r in zip(prompts, responses):
+        left, right = p_width - len(p), r_width - len(r)
+        ids.append([pad_id] * left + p + r + [pad_id] * right)
+        attn.append([0] * left + [1] * (len(p) + len(r)) + [0] * right)
+        rmask.append([1] * len(r) + [0] * right)
+    return {"input_ids": torch.tensor(ids), "attention_mask": torch.tensor(attn),  # [B, P + R]
+            "response_mask": torch.tensor(rmask, dtype=torch.float32)}  # [B, R]
+
+
+def select(batch: dict[str, torch.Tensor], rows: list[int]) -> dict[str, torch.Tensor]:
+    """Rows of a batch, with the padding columns that only those rows share trimmed away."""
+    r_width = batch["response_mask"].shape[1]
+    p_width = batch["input_ids"].shape[1] - r_width
+    sub = {k: v[rows] for k, v in batch.items()}
+    p_len = int(sub["attention_mask"][:, :p_width].sum(-1).max())
+    r_len = max(1, int(sub["response_mask"].sum(-1).max()))
+    for k, v in sub.items():
+        if k in SEQ_KEYS:
+            sub[k] = v[:, p_width - p_len:p_width + r_len]
+        elif v.dim() == 2:
+            sub[k] = v[:, :r_len]
+    return sub
+
+
+def micro_batches(batch: dict[str, torch.Tensor], max_tokens: int, num_groups: int = 0) -> list[list[int]]:
+    """Row groups of at most `max_tokens` padded tokens each (veRL's ppo_max_token_len_per_gpu; a
+    longer row gets a group of its own), rows sorted by length so that padding stays small. With
+    num_groups, the largest groups are split (then empty groups [] added) to reach exactly that many."""
+    p_width = batch["input_ids"].shape[1] - batch["response_mask"].shape[1]
+    p_lens = batch["attention_mask"][:, :p_width].sum(-1).tolist()
+    r_lens = batch["response_mask"].sum(-1).tolist()
+    order = sorted(range(len(p_lens)), key=lambda i: -(p_lens[i] + r_lens[i]))
+    groups, p_max, r_max = [], 0, 0
+    for i in order:
+        p_new, r_new = max(p_max, p_lens[i]), max(r_max, r_lens[i])
+        if groups and (len(groups[-1]) + 1) * (p_new + r_new) <= max_tokens:
+            groups[-1].append(i)
+            p_max, r_max = p_new, r_new
+        else:
+            groups.append([i])
+            p_max, r_max = p_lens[i], r_lens[i]
+    while len(groups) < num_groups and max(map(len, groups), default=0) > 1:
+        big = max(groups, key=len)
+        groups.remove(big)
+        groups += [big[: len(big) // 2], big[len(big) // 2:]]
+    return groups + [[] for _ in range(num_groups - len(groups))]
+
+
+def _synced_micro_batches(batch, max_tokens: int) -> list[list[int]]:
+    """micro_batches with the SAME count on every rank: FSDP's all-gathers and reduce-scatters are
+    collectives, so a rank with fewer rows runs extra (empty, masked-out) micro-batches."""
+    target = int(all_reduce(len(micro_batches(batch, max_tokens)), op=dist.ReduceOp.MAX))
+    return micro_batches(batch, max_tokens, target)
+
+
+def _forward(model, mb: dict[str, torch.Tensor], temperature: float, entropy_fn=None):
+    """Response log-probs [b, R] (log-softmax in fp32 of logits / temperature) and optionally entropy [b, R]."""
+    r_width = mb["response_mask"].shape[1]
+    position_ids = (mb["attention_mask"].cumsum(-1) - 1).clamp(min=0)  # [b, P + R], as vLLM counts
+    logits = model(input_ids=mb["input_ids"], attention_mask=mb["attention_mask"], position_ids=position_ids,
+                   use_cache=False).logits  # [b, P + R, V]
+    logits = logits[:, -r_width - 1:-1].float() / temperature  # [b, R, V]: position t predicts token t + 1
+    targets = mb["input_ids"][:, -r_width:]  # [b, R]
+    logp = torch.log_softmax(logits, dim=-1).gather(-1, targets[..., None])[..., 0]  # [b, R]
+    return logp, (entropy_fn(logits) if entropy_fn is not None else None)
+
+
+def _device_batch(batch, rows, device):
+    rows = rows or [0]  # an empty micro-batch still runs a forward (masked out) for FSDP's collectives
+    mb = {k: v.to(device) for k, v in select(batch, rows).items()}
+    return mb, rows
+
+
+@torch.no_grad()
+def compute_logprobs(model, batch: dict[str, torch.Tensor], *, temperature: float, max_tokens: int,
+                     entropy_fn=None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Per-token log-probs [B, R] (and entropy [B, R] if entropy_fn) of the batch's responses, in
+    token-budgeted micro-batches. Used for the old (policy) and reference log-probs."""
+    device = next(model.parameters()).device
+    shape = batch["response_mask"].shape
+    logp_all, ent_all = torch.zeros(shape), torch.zeros(shape) if entropy_fn else None
+    for rows in _synced_micro_batches(batch, max_tokens):
+        mb, idx = _device_batch(batch, rows, device)
+        logp, ent = _forward(model, mb, temperature, entropy_fn)
+        if rows:
+            width = logp.shape[1]
+            logp_all[idx, :width] = logp.cpu() * mb["response_mask"].cpu()
+            if ent_all is not None:
+                ent_all[idx, :width] = ent.cpu() * mb["response_mask"].cpu()
+    return logp_all, ent_all
+
+
+def train_step(model, optimizer, batch: dict[str, torch.Tensor], loss_fn, *, temperature: float,
+               max_tokens: int, grad_clip: float = 1.0, entropy_fn=None) -> dict[str, float]:
+    """One optimizer step on this rank's share of ONE mini-batch (veRL's update_policy inner loop).
+
+    loss_fn(logp [b, R], entropy [b, R] | None, mb, counts) -> (loss, metrics), where counts =
+    {"num_tokens", "num_seqs"} are the GLOBAL mini-batch totals: loss_fn normalises by them, so the
+    micro-batch losses and metric shares SUM to the mini-batch values (metrics are all-reduced here).
+    Skips the step (zeroing the gradients) when the pre-clip gradient norm is not finite.
+    """
+    device = next(model.parameters()).device
+    world = dist.get_world_size()
+    counts = {"num_tokens": all_reduce(batch["response_mask"].sum()),
+              "num_seqs": all_reduce((batch["response_mask"].sum(-1) > 0).sum())}
+    sums: dict[str, float] = {}
+    optimizer.zero_grad(set_to_none=True)
+    for rows in _synced_micro_batches(batch, max_tokens):
+        mb, _ = _device_batch(batch, rows, device)
+        if not rows:
+            mb["response_mask"] = torch.zeros_like(mb["response_mask"])
+        logp, entropy = _forward(model, mb, temperature, entropy_fn)
+        loss, metrics = loss_fn(logp, entropy, mb, counts)
+        (loss * world).backward()  # FSDP averages gradients over ranks: * world makes it the global sum
+        for k, v in metrics.items():
+            sums[k] = sums.get(k, 0.0) + float(v)
+    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=grad_clip)
+    grad_norm = (grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm).item()
+    skipped = not math.isfinite(grad_norm)
+    if skipped:
+        optimizer.zero_grad(set_to_none=True)
+    else:
+        optimizer.step()
+    keys = sorted(sums)
+    totals = torch.tensor([sums[k] for k in keys], dtype=torch.float64)
+    dist.all_reduce(totals)
+    return {**dict(zip(keys, totals.tolist())), "actor/grad_norm": grad_norm,
+            "actor/lr": optimizer.param_groups[0]["lr"], "actor/skipped_steps": float(skipped)}
+
+
+# ------------------------------------------------------------------------------- performance
+PEAK_BF16_FLOPS = {"H100": 989e12, "H800": 989e12, "H200": 989e12, "A100": 312e12, "A800": 312e12}
+
+
+def peak_flops() -> float:
+    """Dense bf16 peak of this device, 0 when unknown (e.g. CPU): MFU is then reported as 0."""
+    if not torch.cuda.is_available():
+        return 0.0
+    name = torch.cuda.get_device_name()
+    return next((v for k, v in PEAK_BF16_FLOPS.items() if k in name), 0.0)
+
+
+def mfu(config, seqlens: list[int], seconds: float, world_size: int, peak: float) -> float:
+    """veRL's FlopsCounter for dense decoders: 6*N*sum(s) + 6*sum(s^2)*d*H*L FLOPs for forward and
+    backward, N = L*(3*h*I + h*(H*d + 2*K*d + H*d)) + 2*V*h; mfu = FLOPs / seconds / peak / world."""
+    if peak <= 0 or seconds <= 0:
+        return 0.0
+    h, inter, layers = config.hidden_size, config.intermediate_size, config.num_hidden_layers
+    heads, kv_heads, vocab = config.num_attention_heads, config.num_key_value_heads, config.vocab_size
+    d = getattr(config, "head_dim", None) or h // heads
+    n = layers * (3 * h * inter + h * (heads * d + 2 * kv_heads * d + heads * d)) + 2 * vocab * h
+    flops = 6 * n * sum(seqlens) + 6 * sum(s * s for s in seqlens) * d * heads * layers
+    return flops / seconds / peak / world_size
+
+
+# ------------------------------------------------------------------------------- checkpoints
+def save_checkpoint(root: str, step: int, model, optimizer, scheduler, extra: dict | None = None,
+                    keep: int = 2) -> str:
+    """Write <root>/step_<N> atomically: DCP shards (model + optimizer) and the loop's state go into
+    step_<N>.tmp, a COMPLETE marker is written last, then the directory is renamed. A crash at any
+    point leaves either the previous checkpoints or a *.tmp that nothing loads. `extra` is saved per
+    rank (RNG states differ by rank). Keeps the newest `keep` checkpoints."""
+    rank = dist.get_rank()
+    final, tmp = os.path.join(root, f"step_{step}"), os.path.join(root, f"step_{step}.tmp")
+    if rank == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+        os.makedirs(tmp)
+    dist.barrier()
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=tmp)
+    torch.save({"scheduler": scheduler.state_dict(), "extra": extra or {}, "world_size": dist.get_world_size()},
+               os.path.join(tmp, f"state_rank{rank}.pt"))
+    dist.barrier()
+    if rank == 0:
+        with open(os.path.join(tmp, "COMPLETE"), "w") as f:
+            f.write(f"{step}\n")
+            f.flush()
+            os.fsync(f.fileno())
+        shutil.rmtree(final, ignore_errors=True)
+        os.rename(tmp, final)
+        for old in list_checkpoints(root)[:-keep]:
+            shutil.rmtree(old, ignore_errors=True)
+    dist.barrier()
+    return final
+
+
+def list_checkpoints(root: str) -> list[str]:
+    """Complete checkpoints under root, oldest first."""
+    found = [p for p in glob.glob(os.path.join(root, "step_*")) if os.path.exists(os.path.join(p, "COMPLETE"))]
+    return sorted(found, key=lambda p: int(os.path.basename(p).split("_")[1]))
+
+
+def load_checkpoint(path: str, model, optimizer, scheduler) -> dict:
+    """Load a checkpoint written at ANY world size (DCP reshards). Returns this rank's `extra`
+    (rank 0's when this rank did not exist in the saving run)."""
+    if not os.path.exists(os.path.join(path, "COMPLETE")):
+        raise FileNotFoundError(f"load_checkpoint: {path} is not a complete checkpoint (no COMPLETE marker)")
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    state = {"model": model_sd, "optim": optim_sd}
+    dcp.load(state, checkpoint_id=path)
+    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    own = os.path.join(path, f"state_rank{dist.get_rank()}.pt")
+    saved = torch.load(own if os.path.exists(own) else os.path.join(path, "state_rank0.pt"), weights_only=False)
+    scheduler.load_state_dict(saved["scheduler"])
+    return {**saved["extra"], "saved_world_size": saved["world_size"]}
+
+
+def export_hf(model, out_dir: str, tokenizer=None) -> str:
+    """Write a safetensors HF model (config, generation config, tokenizer) that transformers and vLLM
+    load directly. Gathers the full state dict on rank 0 only (CPU-offloaded)."""
+    full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    if dist.get_rank() == 0:
+        tmp = out_dir.rstrip("/") + ".tmp"
+        shutil.rmtree(tmp, ignore_errors=True)
+        with torch.device("meta"):  # a plain (un-FSDP'd) model, so config.architectures stays the HF class
+            plain = AutoModelForCausalLM.from_config(model.config)
+        plain.generation_config = model.generation_config
+        plain.save_pretrained(tmp, state_dict=full, safe_serialization=True)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(tmp)
+        shutil.rmtree(out_dir, ignore_errors=True)
+        os.rename(tmp, out_dir)
+    dist.barrier()
+    return out_dir
+

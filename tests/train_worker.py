@@ -1,0 +1,141 @@
+"""torchrun worker for tests/test_fsdp_train.py.
+
+    torchrun --nproc_per_node N tests/train_worker.py MODEL_PATH OUT_DIR --steps 3 [--save-at 2 --kill-after-save]
+                                                      [--resume] [--nan-at 2] [--crash-save-at 2] [--export]
+
+Every step trains on a synthetic GRPO mini-batch that is identical whatever the world size (seeded by
+the step): 8 sequences whose response lengths differ wildly, split across ranks so that rank 0 holds
+most of the tokens. Rank 0 prints one RESULT line per rank with the metrics of every step.
+"""
+
+import argparse
+import json
+import os
+import signal
+
+import torch
+import torch.distributed as dist
+
+import fsdp_train as ft
+import losses
+
+CLIP = dict(clip_low=0.2, clip_high=0.28, clip_c=3.0)
+ENTROPY_COEF, KL_COEF = 0.003, 0.001
+
+
+def global_batch(step: int, vocab: int) -> dict:
+    """8 sequences: 6 long (responses of 20..40 tokens) then 2 short (1..3 tokens)."""
+    g = torch.Generator().manual_seed(1000 + step)
+    prompts, responses = [], []
+    for i in range(8):
+        p_len = int(torch.randint(3, 12, (1,), generator=g))
+        r_len = int(torch.randint(20, 41, (1,), generator=g)) if i < 6 else int(torch.randint(1, 4, (1,), generator=g))
+        prompts.append(torch.randint(3, vocab, (p_len,), generator=g).tolist())
+        responses.append(torch.randint(3, vocab, (r_len,), generator=g).tolist())
+    batch = ft.make_batch(prompts, responses, pad_id=0)
+    shape = batch["response_mask"].shape
+    batch["old_logprobs"] = -torch.rand(shape, generator=g) * 6 - 4.0  # far from the model: ratios get clipped
+    batch["ref_logprobs"] = -torch.rand(shape, generator=g) * 6 - 4.0
+    batch["advantages"] = (torch.randn(8, generator=g)[:, None] * torch.ones(shape)) * batch["response_mask"]
+    return batch
+
+
+def rows_of_rank(rank: int, world: int) -> list[int]:
+    if world == 1:
+        return list(range(8))
+    return [0, 1, 2, 3, 4, 5] if rank == 0 else [6, 7]  # very unequal token counts
+
+
+def grpo_loss(logp, entropy, mb, counts, nan_hook=False):
+    mask = mb["response_mask"]
+    n = counts["num_tokens"]
+    pg, m = losses.policy_loss(logp, mb["old_logprobs"], mb["advantages"], mask, **CLIP, num_tokens=n)
+    ent = losses.agg_loss(entropy, mask, num_tokens=n)
+    kl = losses.agg_loss(losses.kl_penalty(logp, mb["ref_logprobs"], "low_var_kl"), mask, num_tokens=n)
+    if nan_hook and mask.sum() > 0:
+        logp.register_hook(lambda g: torch.where(torch.arange(g.numel()).reshape(g.shape) == 0, float("nan"), g))
+    share = mask.sum().item() / n
+    return pg - ENTROPY_COEF * ent + KL_COEF * kl, {
+        "actor/pg_loss": pg.item(), "actor/entropy": ent.item(), "actor/kl_loss": kl.item(),
+        "actor/pg_clipfrac": m["pg_clipfrac"] * share, "actor/ppo_kl": m["ppo_kl"] * share}
+
+
+def full_weights(model) -> dict:
+    return {k: v.clone() for k, v in ft.get_model_state_dict(
+        model, options=ft.StateDictOptions(full_state_dict=True, cpu_offload=True)).items()}
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("model")
+    ap.add_argument("out")
+    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--lr", type=float, default=1e-3)
+    ap.add_argument("--save-at", type=int, default=0)
+    ap.add_argument("--kill-after-save", action="store_true")
+    ap.add_argument("--resume", action="store_true")
+    ap.add_argument("--nan-at", type=int, default=0)
+    ap.add_argument("--crash-save-at", type=int, default=0)
+    ap.add_argument("--export", action="store_true")
+    args = ap.parse_args()
+
+    rank, world, device = ft.init_distributed()
+    os.makedirs(args.out, exist_ok=True)
+    torch.manual_seed(0)
+    model = ft.load_model(args.model, device=device)
+    optimizer, scheduler = ft.make_optimizer(model, lr=args.lr, warmup_steps=2, total_steps=6, schedule="cosine")
+    ckpt_root = os.path.join(args.out, "ckpt")
+    start = 1
+    if args.resume:
+        extra = ft.load_checkpoint(ft.list_checkpoints(ckpt_root)[-1], model, optimizer, scheduler)
+        start = extra["step"] + 1
+        if extra["saved_world_size"] == world:
+            torch.set_rng_state(extra["rng"])
+        if rank == 0:
+            torch.save(full_weights(model), os.path.join(args.out, f"loaded_ws{world}.pt"))
+        else:
+            full_weights(model)
+    history = []
+    for step in range(start, args.steps + 1):
+        batch = global_batch(step, model.config.vocab_size)
+        batch["advantages"] = batch["advantages"] * (1 + 0.1 * torch.rand(1))  # uses the global RNG
+        mine = ft.select(batch, rows_of_rank(rank, world))
+        before = full_weights(model) if step == args.nan_at else None
+        metrics = ft.train_step(model, optimizer, mine,
+                                lambda lp, e, mb, c: grpo_loss(lp, e, mb, c, nan_hook=step == args.nan_at),
+                                temperature=1.0, max_tokens=args.max_tokens, grad_clip=1.0,
+                                entropy_fn=losses.entropy_from_logits)
+        scheduler.step()
+        if before is not None:
+            after = full_weights(model)
+            metrics["weights_unchanged"] = float(all(torch.equal(before[k], after[k]) for k in before))
+        history.append({"step": step, **metrics})
+        if step == args.crash_save_at:
+            ft.torch.save = lambda *a, **k: os.kill(os.getpid(), signal.SIGKILL)  # dies mid-save, after DCP shards
+        if step in (args.save_at, args.crash_save_at):
+            ft.save_checkpoint(ckpt_root, step, model, optimizer, scheduler,
+                               extra={"step": step, "rng": torch.get_rng_state()})
+            weights = full_weights(model)
+            if rank == 0:
+                torch.save(weights, os.path.join(args.out, f"saved_step{step}.pt"))
+            if args.kill_after_save:
+                dist.barrier()
+                os.kill(os.getpid(), signal.SIGKILL)
+    if args.export:
+        from transformers import AutoTokenizer
+        ft.export_hf(model, os.path.join(args.out, "hf"), AutoTokenizer.from_pretrained(args.model))
+        probe = global_batch(99, model.config.vocab_size)
+        logp, _ = ft.compute_logprobs(model, ft.select(probe, rows_of_rank(rank, world)), temperature=1.0, max_tokens=64)
+        if rank == 0:
+            torch.save({"batch": ft.select(probe, rows_of_rank(0, world)), "logprobs": logp}, os.path.join(args.out, "probe.pt"))
+    weights = full_weights(model)
+    if rank == 0:
+        torch.save(weights, os.path.join(args.out, f"final_ws{world}.pt"))
+    print("RESULT " + json.dumps({"rank": rank, "history": history}), flush=True)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
