@@ -135,6 +135,8 @@ def policy_loss(
     clip_c: float = 3.0,
     agg_mode: str = "token-mean",
     num_tokens: float | torch.Tensor | None = None,
+    num_seqs: float | torch.Tensor | None = None,
+    scale_factor: float | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """PPO clipped surrogate with clip-higher and dual clip (veRL `compute_policy_loss_vanilla`).
 
@@ -145,7 +147,7 @@ def policy_loss(
              ppo_kl = mean(-d)   (masked means over response tokens)
 
     All tensors [B, T] (advantages already broadcast over tokens). Returns (loss, metrics);
-    the loss is aggregated with `agg_loss(agg_mode, num_tokens=...)`.
+    the loss is aggregated with `agg_loss(agg_mode, num_tokens, num_seqs, scale_factor)`.
     Example: A = 1, ratio = 1.5, clip_high = 0.2 -> L1 = -1.5, L2 = -1.2, loss = -1.2 (clipped, no gradient).
     """
     if not clip_c > 1.0:
@@ -159,7 +161,7 @@ def policy_loss(
     loss3 = -advantages * clip_c  # [B, T]
     dual_clipped = torch.min(loss3, clipped)  # [B, T]
     per_token = torch.where(advantages < 0, dual_clipped, clipped)  # [B, T]
-    loss = agg_loss(per_token, mask, agg_mode, num_tokens=num_tokens)
+    loss = agg_loss(per_token, mask, agg_mode, num_tokens=num_tokens, num_seqs=num_seqs, scale_factor=scale_factor)
     with torch.no_grad():
         metrics = {
             "pg_clipfrac": masked_mean(torch.gt(loss2, loss1).float(), mask).item(),

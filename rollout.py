@@ -64,6 +64,10 @@ def make_engine(
         enable_sleep_mode = not cpu  # CPU-only: sleep mode is not supported there
     if enforce_eager is None:
         enforce_eager = cpu
+    if cpu:  # CPU-only: a chunked (partial) prefill rewinds a seeded request's generator, which
+        # torch's CPU generators cannot do ("CPU Generator does not use offset"): schedule whole prompts.
+        engine_kwargs.setdefault("enable_chunked_prefill", False)
+        engine_kwargs.setdefault("max_num_batched_tokens", max(8192, max_model_len))
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # set by torchrun
         engine_kwargs.setdefault("distributed_executor_backend", "external_launcher")
     return LLM(

@@ -1,0 +1,678 @@
+"""GRPO on GSM8K, veRL's recipe, in one loop: vLLM samples, the reward scores, FSDP2 trains, the new
+weights go back into the same vLLM engine, every step.
+
+    torchrun --nproc_per_node 8 grpo.py --config gsm8k.yaml            # GPUs, one or many nodes
+    torchrun --nproc_per_node 2 grpo.py --config tiny.yaml             # the offline CPU demo (make demo)
+    python grpo.py --config tiny.yaml trainer.total_steps=5 actor.lr=1e-4   # key.sub=value overrides
+
+This is the only file that imports the others. Read `main()` top to bottom: it is the algorithm.
+Per step, on every rank (each rank owns whole prompts: all n samples of a prompt stay together):
+    prompts -> rollout.generate (n samples, vLLM log-probs) -> reward.compute_score -> losses.grpo_advantages
+    -> old and reference log-probs (fsdp_train.compute_logprobs) -> fsdp_train.train_step per mini-batch
+    -> sync.push_weights into the engine -> metrics (veRL's names) -> validation / checkpoint / logging.
+"""
+
+import argparse
+import copy
+import json
+import os
+import random
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+import yaml
+
+import fsdp_train
+import losses
+import reward
+import rollout
+import sync
+import tiny
+
+# ===================================================================================== config
+# The whole configuration: section -> key -> default. Types are the defaults' types (a None default
+# names its type in NULLABLE). veRL's key for each is in the README's mapping table.
+DEFAULTS = {
+    "model": {"path": "tiny", "param_dtype": "float32", "compute_dtype": "float32",
+              "activation_checkpointing": False, "tiny_seed": 0},
+    "data": {"train": "tiny", "val": "tiny", "train_batch_size": 16, "max_prompt_length": 256,
+             "max_response_length": 64, "shuffle": False, "filter_overlong_prompts": True, "val_max_samples": -1},
+    "rollout": {"n": 8, "temperature": 1.0, "top_p": 1.0, "top_k": -1, "dtype": "float32",
+                "gpu_memory_utilization": 0.4, "tensor_parallel_size": 1, "sleep_level": 1,
+                "enable_prefix_caching": True, "seed_samples": True},
+    "actor": {"lr": 1e-5, "lr_warmup_steps": 0, "lr_schedule": "constant", "min_lr_ratio": 0.0,
+              "weight_decay": 0.01, "betas": [0.9, 0.999], "ppo_mini_batch_size": 16, "ppo_epochs": 1,
+              "ppo_max_token_len_per_gpu": 16384, "clip_ratio_low": 0.2, "clip_ratio_high": 0.28,
+              "clip_ratio_c": 3.0, "loss_agg_mode": "token-mean", "entropy_coeff": 0.0, "use_kl_loss": True,
+              "kl_loss_coef": 0.001, "kl_loss_type": "low_var_kl", "grad_clip": 1.0},
+    "algorithm": {"norm_adv_by_std_in_grpo": True},
+    "reward": {"method": "strict", "format_score": 0.0, "score": 1.0, "clip_chars": 300},
+    "trainer": {"total_steps": None, "total_epochs": 1, "seed": 0, "output_dir": "runs/tiny", "resume": "off",
+                "save_every": 0, "keep_checkpoints": 2, "val_every": 10, "val_before_train": True,
+                "dump_batches": None, "replay_batches": None, "logger": ["console"], "project": "flatgrpo",
+                "experiment": "run", "sync_check_every": 1, "logprob_diff_warn": 0.05, "export_hf": True,
+                "plot": True},
+}
+NULLABLE = {"trainer.total_steps": int, "trainer.dump_batches": str, "trainer.replay_batches": str}
+CHOICES = {"actor.loss_agg_mode": ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"),
+           "actor.lr_schedule": ("constant", "cosine"), "reward.method": ("strict", "flexible"),
+           "actor.kl_loss_type": ("kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3", "k1+", "k2+", "k3+", "low_var_kl+"),
+           "trainer.resume": None}  # resume: "off", "auto" or a checkpoint path
+
+
+class ConfigError(ValueError):
+    pass
+
+
+def _check(key: str, value, default):
+    """Type-check one value against its default; returns the value (ints accepted for floats)."""
+    expected = NULLABLE.get(key) if default is None else type(default)
+    if value is None and key in NULLABLE:
+        return None
+    if expected is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if expected is float and isinstance(value, str):  # YAML 1.1 reads "1e-5" as a string
+        try:
+            value = float(value)
+        except ValueError:
+            pass
+    if not isinstance(value, expected) or (expected is int and isinstance(value, bool)):
+        raise ConfigError(f"config: {key} = {value!r} has type {type(value).__name__}; expected {expected.__name__}")
+    if CHOICES.get(key) and value not in CHOICES[key]:
+        raise ConfigError(f"config: {key} = {value!r}; accepted: {', '.join(CHOICES[key])}")
+    return value
+
+
+def load_config(path: str | None, overrides: list[str]) -> dict:
+    """DEFAULTS <- the YAML file <- `section.key=value` overrides (values parsed as YAML). Any unknown
+    key or wrong type stops here, before anything heavy is loaded."""
+    cfg = copy.deepcopy(DEFAULTS)
+    updates = []
+    if path:
+        with open(path) as f:
+            loaded = yaml.safe_load(f) or {}
+        if not isinstance(loaded, dict):
+            raise ConfigError(f"config: {path} must be a mapping of sections")
+        for section, values in loaded.items():
+            if section not in cfg:
+                raise ConfigError(f"config: {path}: unknown section {section!r}; accepted: {', '.join(cfg)}")
+            if not isinstance(values, dict):
+                raise ConfigError(f"config: {path}: section {section!r} must be a mapping")
+            updates += [(f"{section}.{k}", v, path) for k, v in values.items()]
+    for item in overrides:
+        if "=" not in item:
+            raise ConfigError(f"config: override {item!r} is not key.sub=value")
+        key, raw = item.split("=", 1)
+        updates.append((key.strip(), yaml.safe_load(raw), "command line"))
+    for key, value, source in updates:
+        section, _, name = key.partition(".")
+        if section not in cfg or name not in cfg[section]:
+            accepted = ", ".join(f"{section}.{k}" for k in cfg[section]) if section in cfg else ", ".join(cfg)
+            raise ConfigError(f"config ({source}): unknown key {key!r}; accepted: {accepted}")
+        cfg[section][name] = _check(key, value, DEFAULTS[section][name])
+    return check_config(cfg)
+
+
+def check_config(cfg: dict) -> dict:
+    """Cross-key rules (world-size ones are checked in main)."""
+    d, a = cfg["data"], cfg["actor"]
+    if d["train_batch_size"] % a["ppo_mini_batch_size"]:
+        raise ConfigError(f"config: data.train_batch_size ({d['train_batch_size']}) must be a multiple of "
+                          f"actor.ppo_mini_batch_size ({a['ppo_mini_batch_size']})")
+    if cfg["rollout"]["n"] < 1 or d["train_batch_size"] < 1:
+        raise ConfigError("config: rollout.n and data.train_batch_size must be >= 1")
+    if a["clip_ratio_c"] <= 1.0:
+        raise ConfigError(f"config: actor.clip_ratio_c must be > 1.0, got {a['clip_ratio_c']}")
+    if cfg["trainer"]["resume"] not in ("off", "auto") and not os.path.isdir(cfg["trainer"]["resume"]):
+        raise ConfigError(f"config: trainer.resume = {cfg['trainer']['resume']!r}; accepted: off, auto, "
+                          "or the path of a checkpoint directory")
+    if cfg["trainer"]["dump_batches"] and cfg["trainer"]["replay_batches"]:
+        raise ConfigError("config: trainer.dump_batches and trainer.replay_batches are exclusive")
+    return cfg
+
+
+# ======================================================================================= data
+def load_rows(source: str, split: str, tiny_paths: dict | None) -> list[dict]:
+    """Rows {"prompt": chat messages, "ground_truth": str} from:
+      "openai/gsm8k"            the hub dataset (question / answer columns), split train or test;
+      "tiny"                    tiny.py's synthetic GSM8K-format set;
+      a .parquet or .jsonl path in veRL's layout (prompt, reward_model.ground_truth) or GSM8K's
+                                (question, answer); a comma-separated list of paths is concatenated.
+    A row without the needed fields stops the run with the file, row and field."""
+    if source == "tiny":
+        return _rows_from_records(_read_file(tiny_paths[split]), tiny_paths[split])
+    if source == "openai/gsm8k":
+        import datasets
+        return _rows_from_records(datasets.load_dataset("openai/gsm8k", "main", split=split).to_list(),
+                                  f"openai/gsm8k[{split}]")
+    rows = []
+    for path in source.split(","):
+        rows += _rows_from_records(_read_file(path.strip()), path.strip())
+    return rows
+
+
+def _read_file(path: str) -> list[dict]:
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"data: {path} does not exist (accepted: openai/gsm8k, tiny, *.parquet, *.jsonl)")
+    if path.endswith(".parquet"):
+        import pyarrow.parquet as pq
+        return pq.read_table(path).to_pylist()
+    if path.endswith(".jsonl"):
+        with open(path) as f:
+            records = []
+            for i, line in enumerate(f):
+                if line.strip():
+                    try:
+                        records.append(json.loads(line))
+                    except json.JSONDecodeError as e:
+                        raise ValueError(f"data: {path}: row {i}: not valid JSON ({e})") from None
+            return records
+    raise ValueError(f"data: {path}: unsupported file type; accepted: .parquet, .jsonl")
+
+
+def _rows_from_records(records: list[dict], where: str) -> list[dict]:
+    rows = []
+    for i, r in enumerate(records):
+        if not isinstance(r, dict):
+            raise ValueError(f"data: {where}: row {i}: expected an object, got {type(r).__name__}")
+        if "prompt" in r or "reward_model" in r:  # veRL's preprocessed layout
+            prompt, rm = r.get("prompt"), r.get("reward_model")
+            if not isinstance(prompt, list) or not prompt or not all(isinstance(m, dict) and "content" in m for m in prompt):
+                raise ValueError(f"data: {where}: row {i}: field 'prompt' must be a non-empty list of chat messages")
+            if not isinstance(rm, dict) or rm.get("ground_truth") in (None, ""):
+                raise ValueError(f"data: {where}: row {i}: missing field 'reward_model.ground_truth'")
+            rows.append({"prompt": [dict(m) for m in prompt], "ground_truth": str(rm["ground_truth"])})
+        else:  # GSM8K's layout
+            for field in ("question", "answer"):
+                if not isinstance(r.get(field), str) or not r[field]:
+                    raise ValueError(f"data: {where}: row {i}: missing field {field!r} "
+                                     "(accepted layouts: question/answer, or prompt/reward_model.ground_truth)")
+            try:
+                truth = reward.extract_ground_truth(r["answer"])
+            except ValueError as e:
+                raise ValueError(f"data: {where}: row {i}: field 'answer': {e}") from None
+            rows.append({"prompt": reward.make_prompt(r["question"]), "ground_truth": truth})
+    return rows
+
+
+def step_prompts(rows: list[dict], step: int, batch: int, shuffle: bool, seed: int) -> list[dict]:
+    """The prompts of global step `step` (1-based): epoch-wise order, the last partial batch dropped
+    (veRL's drop_last). A pure function of the step, so a resumed run sees the same data."""
+    per_epoch = len(rows) // batch
+    epoch, index = divmod(step - 1, per_epoch)
+    order = list(range(len(rows)))
+    if shuffle:
+        random.Random(seed * 100_003 + epoch).shuffle(order)
+    return [rows[i] for i in order[index * batch:(index + 1) * batch]]
+
+
+def local_positions(batch: int, mini: int, world: int, rank: int) -> list[int]:
+    """Positions (in the step's prompt list) that this rank owns: every mini-batch is split evenly
+    over the ranks, so a mini-batch holds the same prompts at any world size."""
+    share = mini // world
+    return [j * mini + rank * share + i for j in range(batch // mini) for i in range(share)]
+
+
+# ====================================================================================== the loop
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--config", help="YAML config (gsm8k.yaml, tiny.yaml)")
+    ap.add_argument("overrides", nargs="*", help="section.key=value")
+    args = ap.parse_args(argv)
+    try:
+        cfg = load_config(args.config, args.overrides)
+    except (ConfigError, OSError, yaml.YAMLError) as e:
+        sys.exit(f"error: {e}")
+    train(cfg)
+
+
+def train(cfg: dict):
+    rank, world, device = fsdp_train.init_distributed()
+    tr, d, ro, ac = cfg["trainer"], cfg["data"], cfg["rollout"], cfg["actor"]
+    mini = ac["ppo_mini_batch_size"]
+    if mini % world:
+        raise ConfigError(f"config: actor.ppo_mini_batch_size ({mini}) must be a multiple of the world size ({world})")
+    out = tr["output_dir"]
+    seed_everything(tr["seed"] + rank)
+    replay = tr["replay_batches"]
+
+    # ---- model, tokenizer, data (tiny.py builds its model and data offline on first use)
+    tiny_paths = None
+    if "tiny" in (cfg["model"]["path"], d["train"], d["val"]):
+        if rank == 0:
+            tiny.build(os.path.join(".cache", "tiny"), seed=cfg["model"]["tiny_seed"])
+        dist.barrier()
+        tiny_paths = tiny.build(os.path.join(".cache", "tiny"), seed=cfg["model"]["tiny_seed"])
+    model_path = tiny_paths["model"] if cfg["model"]["path"] == "tiny" else cfg["model"]["path"]
+    from transformers import AutoTokenizer
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    train_rows, n_dropped = filter_overlong(load_rows(d["train"], "train", tiny_paths), tokenizer, d)
+    val_rows, _ = filter_overlong(load_rows(d["val"], "test", tiny_paths), tokenizer, d)
+    if d["val_max_samples"] > 0:
+        val_rows = val_rows[: d["val_max_samples"]]
+    if len(train_rows) < d["train_batch_size"]:
+        raise ConfigError(f"data: {len(train_rows)} training prompts, fewer than data.train_batch_size")
+    total_steps = tr["total_steps"] or tr["total_epochs"] * (len(train_rows) // d["train_batch_size"])
+    log0(rank, f"data: {len(train_rows)} train prompts ({n_dropped} longer than {d['max_prompt_length']} tokens "
+               f"filtered out), {len(val_rows)} validation prompts; {total_steps} steps on {world} rank(s)")
+
+    dtypes = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+    policy = fsdp_train.load_model(model_path, device=device, param_dtype=dtypes[cfg["model"]["param_dtype"]],
+                                   compute_dtype=dtypes[cfg["model"]["compute_dtype"]],
+                                   activation_checkpointing=cfg["model"]["activation_checkpointing"])
+    use_ref = ac["use_kl_loss"] and ac["kl_loss_coef"] != 0
+    ref = fsdp_train.load_model(model_path, device=device, param_dtype=dtypes[cfg["model"]["param_dtype"]],
+                                compute_dtype=dtypes[cfg["model"]["compute_dtype"]], trainable=False) if use_ref else None
+    optimizer, scheduler = fsdp_train.make_optimizer(
+        policy, lr=ac["lr"], betas=tuple(ac["betas"]), weight_decay=ac["weight_decay"],
+        warmup_steps=ac["lr_warmup_steps"], total_steps=total_steps, schedule=ac["lr_schedule"],
+        min_lr_ratio=ac["min_lr_ratio"])
+
+    # ---- resume
+    start = 1
+    ckpt_root = os.path.join(out, "checkpoints")
+    resume_from = (fsdp_train.list_checkpoints(ckpt_root) or [None])[-1] if tr["resume"] == "auto" else \
+        (tr["resume"] if tr["resume"] != "off" else None)
+    if resume_from:
+        extra = fsdp_train.load_checkpoint(resume_from, policy, optimizer, scheduler)
+        start = extra["step"] + 1
+        if extra["saved_world_size"] == world:
+            restore_rng(extra["rng"])
+        log0(rank, f"resumed from {resume_from} (step {extra['step']})")
+    logger = MetricsLogger(cfg, rank, resume_step=start - 1)
+
+    # ---- the rollout engine: one per rank, created AFTER torch.distributed (not needed for replay)
+    llm = None
+    if not replay:
+        llm = rollout.make_engine(model_path, dtype=ro["dtype"], max_model_len=d["max_prompt_length"] + d["max_response_length"],
+                                  gpu_memory_utilization=ro["gpu_memory_utilization"],
+                                  tensor_parallel_size=ro["tensor_parallel_size"], seed=tr["seed"] + rank,
+                                  enable_prefix_caching=ro["enable_prefix_caching"])
+        if resume_from:
+            sync.push_weights(llm, sync.full_params(policy))
+        if tr["val_before_train"] and tr["val_every"] > 0 and start == 1:
+            logger.log(0, {"val-core/openai/gsm8k/reward/mean@1": validate(llm, val_rows, cfg, rank, world)})
+
+    progress = make_progress(rank, start, total_steps)
+    for step in range(start, total_steps + 1):
+        timings, metrics = {}, {}
+        with Timer(timings, "step"):
+            # 1. this rank's prompts, and their n samples from vLLM
+            prompts = step_prompts(train_rows, step, d["train_batch_size"], d["shuffle"], tr["seed"])
+            mine = local_positions(d["train_batch_size"], mini, world, rank)
+            if replay:
+                batch, rewards = load_replay(replay, step, mine, ro["n"])
+                samples = None
+            else:
+                with Timer(timings, "gen"):
+                    samples = rollout.generate(llm, [prompts[i]["prompt"] for i in mine], n=ro["n"],
+                                               temperature=ro["temperature"], top_p=ro["top_p"], top_k=ro["top_k"],
+                                               max_tokens=d["max_response_length"],
+                                               seed=sample_seed(tr["seed"], step, rank) if ro["seed_samples"] else None)
+                    rollout.sleep(llm, ro["sleep_level"])
+                # 2. rewards: veRL's GSM8K score of each decoded response
+                with Timer(timings, "reward"):
+                    rw = cfg["reward"]
+                    rewards = torch.tensor([reward.compute_score(s.text, prompts[mine[k // ro["n"]]]["ground_truth"],
+                                                                 method=rw["method"], format_score=rw["format_score"],
+                                                                 score=rw["score"], clip_chars=rw["clip_chars"])
+                                            for k, s in enumerate(samples)], dtype=torch.float32)
+                batch = fsdp_train.make_batch([s.prompt_ids for s in samples], [s.response_ids for s in samples], pad_id)
+
+            # 3. old log-probs (and entropy) from the policy that sampled, reference log-probs for the KL
+            with Timer(timings, "old_log_prob"):
+                old_logp, entropy = fsdp_train.compute_logprobs(policy, batch, temperature=ro["temperature"],
+                                                                max_tokens=ac["ppo_max_token_len_per_gpu"],
+                                                                entropy_fn=losses.entropy_from_logits)
+            metrics.update(old_logprob_metrics(batch, old_logp, entropy, samples, replay, tr["logprob_diff_warn"], step, rank))
+            if not replay:
+                batch["old_logprobs"] = old_logp
+                if ref is not None:
+                    with Timer(timings, "ref"):
+                        batch["ref_logprobs"], _ = fsdp_train.compute_logprobs(
+                            ref, batch, temperature=ro["temperature"], max_tokens=ac["ppo_max_token_len_per_gpu"])
+
+                # 4. GRPO advantages: normalised within each prompt's group of n, broadcast over tokens
+                with Timer(timings, "adv"):
+                    group_ids = [k // ro["n"] for k in range(len(samples))]
+                    adv = losses.grpo_advantages(rewards, group_ids, norm_by_std=cfg["algorithm"]["norm_adv_by_std_in_grpo"])
+                    batch["advantages"] = adv[:, None] * batch["response_mask"]  # [B, R]
+            if tr["dump_batches"]:
+                dump_batch(tr["dump_batches"], step, batch, rewards, mine, ro["n"], rank, world)
+
+            # 5. the update: one optimizer step per mini-batch, per PPO epoch
+            with Timer(timings, "update_actor"):
+                rows_per_mini = (mini // world) * ro["n"]
+                actor = []
+                for _ in range(ac["ppo_epochs"]):
+                    for j in range(0, batch["input_ids"].shape[0], rows_per_mini):
+                        part = fsdp_train.select(batch, list(range(j, j + rows_per_mini)))
+                        actor.append(fsdp_train.train_step(
+                            policy, optimizer, part, grpo_loss_fn(cfg), temperature=ro["temperature"],
+                            max_tokens=ac["ppo_max_token_len_per_gpu"], grad_clip=ac["grad_clip"],
+                            entropy_fn=losses.entropy_from_logits if ac["entropy_coeff"] else None))
+                scheduler.step()
+            metrics.update({k: sum(m[k] for m in actor) / len(actor) for k in actor[0]})
+            metrics["actor/skipped_steps"] = sum(m["actor/skipped_steps"] for m in actor)
+            metrics["actor/kl_coef"] = ac["kl_loss_coef"] if use_ref else 0.0
+
+            # 6. push the new weights into the running engine (and prove it)
+            if llm is not None:
+                with Timer(timings, "update_weights"):
+                    rollout.wake(llm, ["weights"])
+                    sync.push_weights(llm, sync.full_params(policy))
+                    rollout.wake(llm, ["kv_cache"])
+                if tr["sync_check_every"] and step % tr["sync_check_every"] == 0:
+                    metrics["rollout/sync_check"] = fsdp_train.all_reduce(sync.check_sync(llm, policy), op=dist.ReduceOp.MAX)
+
+            # 7. validation and checkpoints
+            last = step == total_steps
+            if llm is not None and tr["val_every"] > 0 and (step % tr["val_every"] == 0 or last):
+                with Timer(timings, "testing"):
+                    metrics["val-core/openai/gsm8k/reward/mean@1"] = validate(llm, val_rows, cfg, rank, world)
+            if tr["save_every"] > 0 and (step % tr["save_every"] == 0 or last):
+                with Timer(timings, "save_checkpoint"):
+                    fsdp_train.save_checkpoint(ckpt_root, step, policy, optimizer, scheduler,
+                                               extra={"step": step, "rng": rng_state()}, keep=tr["keep_checkpoints"])
+        metrics.update(batch_metrics(batch, rewards, d, timings, world, policy.config, ac["ppo_epochs"]))
+        metrics["training/global_step"], metrics["training/epoch"] = step, (step - 1) * d["train_batch_size"] // len(train_rows)
+        logger.log(step, metrics)
+        progress.update(metrics)
+
+    # ---- the end: an HF export, the curves, the engine and the process group closed in order
+    progress.close()
+    if tr["export_hf"]:
+        fsdp_train.export_hf(policy, os.path.join(out, "hf"), tokenizer)
+    logger.close()
+    del llm
+    if dist.is_initialized():  # vLLM's shutdown may already have destroyed it
+        dist.destroy_process_group()
+
+
+# =============================================================================== loop helpers
+def grpo_loss_fn(cfg: dict):
+    """veRL's actor loss for one micro-batch: pg_loss - entropy_coeff * entropy + kl_coef * kl_loss,
+    each aggregated over the GLOBAL mini-batch counts; returns the loss and summable metric shares."""
+    ac = cfg["actor"]
+
+    def loss_fn(logp, entropy, mb, counts):
+        mask, mode = mb["response_mask"], ac["loss_agg_mode"]
+        agg = dict(num_tokens=counts["num_tokens"], num_seqs=counts["num_seqs"],
+                   scale_factor=cfg["data"]["max_response_length"])
+        pg, m = losses.policy_loss(logp, mb["old_logprobs"], mb["advantages"], mask, clip_low=ac["clip_ratio_low"],
+                                   clip_high=ac["clip_ratio_high"], clip_c=ac["clip_ratio_c"], agg_mode=mode, **agg)
+        share = mask.sum().item() / counts["num_tokens"]  # this micro-batch's share of the mini-batch tokens
+        loss = pg
+        out = {"actor/pg_loss": pg.item(), "actor/pg_clipfrac": m["pg_clipfrac"] * share,
+               "actor/pg_clipfrac_lower": m["pg_clipfrac_lower"] * share, "actor/ppo_kl": m["ppo_kl"] * share}
+        if entropy is not None:
+            loss = loss - ac["entropy_coeff"] * losses.agg_loss(entropy, mask, mode, **agg)
+        if "ref_logprobs" in mb:
+            kl = losses.agg_loss(losses.kl_penalty(logp, mb["ref_logprobs"], ac["kl_loss_type"]), mask, mode, **agg)
+            loss = loss + ac["kl_loss_coef"] * kl
+            out["actor/kl_loss"] = kl.item()
+        return loss, out
+
+    return loss_fn
+
+
+def validate(llm, rows: list[dict], cfg: dict, rank: int, world: int) -> float:
+    """Greedy (temperature 0, n=1) mean score on the validation rows, split over the ranks."""
+    mine = rows[rank::world]
+    samples = rollout.generate(llm, [r["prompt"] for r in mine], n=1, temperature=0.0,
+                               max_tokens=cfg["data"]["max_response_length"]) if mine else []
+    rw = cfg["reward"]
+    total = sum(reward.compute_score(s.text, r["ground_truth"], method=rw["method"], format_score=rw["format_score"],
+                                     score=rw["score"], clip_chars=rw["clip_chars"]) for s, r in zip(samples, mine))
+    return fsdp_train.all_reduce(total) / max(1, len(rows))
+
+
+def filter_overlong(rows: list[dict], tokenizer, d: dict) -> tuple[list[dict], int]:
+    """Drop prompts longer than data.max_prompt_length tokens (never truncate); returns (kept, dropped)."""
+    kept = [r for r in rows if len(rollout.render_prompt(tokenizer, r["prompt"])) <= d["max_prompt_length"]]
+    if not d["filter_overlong_prompts"] and len(kept) < len(rows):
+        raise ValueError(f"data: {len(rows) - len(kept)} prompts exceed data.max_prompt_length="
+                         f"{d['max_prompt_length']} tokens; raise it or set data.filter_overlong_prompts=true")
+    return kept, len(rows) - len(kept)
+
+
+def sample_seed(seed: int, step: int, rank: int) -> int:
+    return random.Random(f"{seed}-{step}-{rank}").randrange(2**30)
+
+
+def seed_everything(seed: int):
+    random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def rng_state() -> dict:
+    return {"python": random.getstate(), "torch": torch.get_rng_state(),
+            "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None}
+
+
+def restore_rng(state: dict):
+    random.setstate(state["python"])
+    torch.set_rng_state(state["torch"])
+    if state["cuda"] is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+# ------------------------------------------------------------------------------- dump / replay
+def dump_batch(root: str, step: int, batch: dict, rewards: torch.Tensor, mine: list[int], n: int, rank: int, world: int):
+    """Save the step's GLOBAL training batch (all ranks, in global prompt order) to root/step_<N>.pt:
+    token ids, masks, rewards, advantages, old and reference log-probs (seed Experiment 1)."""
+    rows = [{k: v[i] for k, v in batch.items()} | {"reward": rewards[i], "position": mine[i // n]}
+            for i in range(batch["input_ids"].shape[0])]
+    gathered = [None] * world
+    dist.all_gather_object(gathered, rows)
+    if rank == 0:
+        rows = sorted((r for part in gathered for r in part), key=lambda r: r["position"])  # stable: samples stay in order
+        prompts = [r["input_ids"][:-r["response_mask"].shape[0]][r["attention_mask"][:-r["response_mask"].shape[0]].bool()].tolist()
+                   for r in rows]
+        responses = [r["input_ids"][-r["response_mask"].shape[0]:][r["response_mask"].bool()].tolist() for r in rows]
+        full = fsdp_train.make_batch(prompts, responses, pad_id=0)
+        width = full["response_mask"].shape[1]
+        for key in ("old_logprobs", "ref_logprobs", "advantages"):
+            if key in rows[0]:
+                full[key] = torch.stack([torch.nn.functional.pad(r[key], (0, width - r[key].shape[0]))[:width] for r in rows])
+        full["rewards"] = torch.stack([r["reward"] for r in rows])
+        os.makedirs(root, exist_ok=True)
+        torch.save(full, os.path.join(root, f"step_{step}.pt.tmp"))
+        os.replace(os.path.join(root, f"step_{step}.pt.tmp"), os.path.join(root, f"step_{step}.pt"))
+    dist.barrier()
+
+
+def load_replay(root: str, step: int, mine: list[int], n: int) -> tuple[dict, torch.Tensor]:
+    """This rank's rows of a dumped step (the same prompt positions it would have sampled)."""
+    path = os.path.join(root, f"step_{step}.pt")
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"trainer.replay_batches: {path} missing (the dump has fewer steps than this run)")
+    full = torch.load(path)
+    rows = [p * n + j for p in mine for j in range(n)]
+    rewards = full.pop("rewards")[rows]
+    return fsdp_train.select(full, rows), rewards
+
+
+# ------------------------------------------------------------------------------------ metrics
+def old_logprob_metrics(batch, old_logp, entropy, samples, replay, warn, step, rank) -> dict:
+    """actor/entropy (veRL logs it from this pass) and the run-time sync proof rollout/logprob_diff_*:
+    vLLM's sampling log-probs vs the trainer's on the same tokens; in replay, dumped vs recomputed."""
+    mask = batch["response_mask"]
+    tokens = fsdp_train.all_reduce(mask.sum())
+    out = {"actor/entropy": fsdp_train.all_reduce((entropy * mask).sum()) / tokens}
+    if replay:
+        reference = batch["old_logprobs"]
+    else:
+        reference = torch.zeros_like(old_logp)
+        for i, s in enumerate(samples):
+            reference[i, : len(s.logprobs)] = torch.tensor(s.logprobs)
+    diff = (old_logp - reference).abs() * mask
+    out["rollout/logprob_diff_max"] = fsdp_train.all_reduce(diff.max(), op=dist.ReduceOp.MAX)
+    out["rollout/logprob_diff_mean"] = fsdp_train.all_reduce(diff.sum()) / tokens
+    if out["rollout/logprob_diff_max"] > warn and rank == 0:
+        print(f"\nWARNING step {step}: vLLM and trainer log-probs differ by up to {out['rollout/logprob_diff_max']:.3g} "
+              f"nats (> trainer.logprob_diff_warn={warn}): the engine may not serve the trained weights "
+              "(missing push / prefix-cache reset / dtype mismatch).", flush=True)
+    return out
+
+
+def _stats(prefix: str, values: list[float]) -> dict:
+    return {f"{prefix}/mean": sum(values) / len(values), f"{prefix}/max": max(values), f"{prefix}/min": min(values)}
+
+
+def batch_metrics(batch, rewards, d, timings, world, config, ppo_epochs) -> dict:
+    """veRL's critic/*, length, timing and perf metrics over the GLOBAL batch."""
+    mask = batch["response_mask"]
+    p_width = batch["input_ids"].shape[1] - mask.shape[1]
+    adv_tokens = batch["advantages"][mask.bool()].tolist()
+    local = {"scores": rewards.tolist(), "resp": mask.sum(-1).tolist(),
+             "prompt": batch["attention_mask"][:, :p_width].sum(-1).tolist(), "adv": adv_tokens}
+    parts = [None] * world
+    dist.all_gather_object(parts, local)
+    g = {k: [x for p in parts for x in p[k]] for k in local}
+    out = {**_stats("critic/score", g["scores"]), **_stats("critic/rewards", g["scores"])}
+    out.update(_stats("critic/advantages", g["adv"] or [0.0]))
+    out.update(_stats("critic/returns", g["adv"] or [0.0]))  # GRPO: returns == advantages
+    out.update(_stats("response_length", g["resp"]))
+    out["response_length/clip_ratio"] = sum(r >= d["max_response_length"] for r in g["resp"]) / len(g["resp"])
+    out.update(_stats("prompt_length", g["prompt"]))
+    out["prompt_length/clip_ratio"] = sum(p >= d["max_prompt_length"] for p in g["prompt"]) / len(g["prompt"])
+    total = sum(g["resp"]) + sum(g["prompt"])
+    out.update({f"timing_s/{k}": v for k, v in timings.items()})
+    if "gen" in timings:
+        out["timing_per_token_ms/gen"] = timings["gen"] * 1000 / max(1, sum(g["resp"]))
+    for key in ("ref", "adv", "update_actor"):
+        if key in timings:
+            out[f"timing_per_token_ms/{key}"] = timings[key] * 1000 / total
+    out["perf/total_num_tokens"] = total
+    out["perf/time_per_step"] = timings["step"]
+    out["perf/throughput"] = total / (timings["step"] * world)
+    seqlens = [int(p + r) for p, r in zip(g["prompt"], g["resp"])] * ppo_epochs
+    out["perf/mfu/actor"] = fsdp_train.mfu(config, seqlens, timings["update_actor"], world, fsdp_train.peak_flops())
+    if torch.cuda.is_available():
+        out["perf/max_memory_allocated_gb"] = torch.cuda.max_memory_allocated() / 1024**3
+    return out
+
+
+class Timer:
+    """with Timer(timings, "gen"): ...  adds the elapsed seconds to timings["gen"]."""
+
+    def __init__(self, timings: dict, key: str):
+        self.timings, self.key = timings, key
+
+    def __enter__(self):
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        self.start = time.perf_counter()
+
+    def __exit__(self, *exc):
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        self.timings[self.key] = self.timings.get(self.key, 0.0) + time.perf_counter() - self.start
+
+
+class MetricsLogger:
+    """Rank 0 writes one JSON object per step to <output_dir>/metrics.jsonl (a resumed run first drops
+    the lines after its checkpoint), to wandb when trainer.logger has "wandb", and a PNG at the end."""
+
+    def __init__(self, cfg: dict, rank: int, resume_step: int):
+        self.cfg, self.rank = cfg, rank
+        out = cfg["trainer"]["output_dir"]
+        self.path = os.path.join(out, "metrics.jsonl")
+        self.wandb = None
+        if rank != 0:
+            return
+        os.makedirs(out, exist_ok=True)
+        kept = []
+        if resume_step and os.path.exists(self.path):
+            with open(self.path) as f:
+                kept = [line for line in f if json.loads(line)["step"] <= resume_step]
+        with open(self.path, "w") as f:
+            f.writelines(kept)
+        with open(os.path.join(out, "config.yaml"), "w") as f:
+            yaml.safe_dump(cfg, f, sort_keys=False)
+        if "wandb" in cfg["trainer"]["logger"]:
+            import wandb  # optional dependency: pip install wandb
+            self.wandb = wandb.init(project=cfg["trainer"]["project"], name=cfg["trainer"]["experiment"], config=cfg,
+                                    resume="allow")
+
+    def log(self, step: int, metrics: dict):
+        if self.rank != 0:
+            return
+        with open(self.path, "a") as f:
+            f.write(json.dumps({"step": step, **metrics}) + "\n")
+        if self.wandb is not None:
+            self.wandb.log(metrics, step=step)
+        if "val-core/openai/gsm8k/reward/mean@1" in metrics and "console" in self.cfg["trainer"]["logger"]:
+            print(f"step {step}: val-core/openai/gsm8k/reward/mean@1 = "
+                  f"{metrics['val-core/openai/gsm8k/reward/mean@1']:.3f}", flush=True)
+
+    def close(self):
+        if self.rank != 0:
+            return
+        if self.cfg["trainer"]["plot"]:
+            png = plot_curves(self.path, os.path.join(self.cfg["trainer"]["output_dir"], "curves.png"))
+            print(f"metrics: {self.path}\ncurves:  {png}", flush=True)
+        if self.wandb is not None:
+            self.wandb.finish()
+
+
+CURVES = ["critic/score/mean", "val-core/openai/gsm8k/reward/mean@1", "response_length/mean",
+          "actor/entropy", "actor/kl_loss", "actor/grad_norm"]
+
+
+def plot_curves(metrics_path: str, png_path: str) -> str:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    with open(metrics_path) as f:
+        rows = [json.loads(line) for line in f]
+    fig, axes = plt.subplots(2, 3, figsize=(13, 6.5))
+    for ax, key in zip(axes.flat, CURVES):
+        points = [(r["step"], r[key]) for r in rows if key in r]
+        if points:
+            ax.plot(*zip(*points), marker="o" if len(points) < 30 else None, markersize=3)
+        ax.set_title(key, fontsize=9)
+        ax.set_xlabel("step", fontsize=8)
+        ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(png_path, dpi=100)
+    plt.close(fig)
+    return png_path
+
+
+def make_progress(rank: int, start: int, total: int):
+    """A tqdm bar on rank 0 with a one-line summary of each step under it."""
+    from tqdm import tqdm
+
+    class Progress:
+        def __init__(self):
+            self.bar = tqdm(total=total, initial=start - 1, desc="grpo", dynamic_ncols=True) if rank == 0 else None
+
+        def update(self, m: dict):
+            if self.bar is None:
+                return
+            self.bar.update(1)
+            self.bar.set_postfix_str(f"score {m['critic/score/mean']:.3f} len {m['response_length/mean']:.0f} "
+                                     f"{m['perf/time_per_step']:.2f}s/step")
+            self.bar.write(f"step {m['training/global_step']:>4}  score {m['critic/score/mean']:.3f}  "
+                           f"pg_loss {m['actor/pg_loss']:+.4f}  entropy {m['actor/entropy']:.3f}  "
+                           f"grad_norm {m['actor/grad_norm']:.3f}  logprob_diff_max {m['rollout/logprob_diff_max']:.2e}")
+
+        def close(self):
+            if self.bar is not None:
+                self.bar.close()
+
+    return Progress()
+
+
+def log0(rank: int, message: str):
+    if rank == 0:
+        print(message, flush=True)
+
+
+if __name__ == "__main__":
+    main()
