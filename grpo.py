@@ -62,6 +62,9 @@ CHOICES = {"actor.loss_agg_mode": ("token-mean", "seq-mean-token-sum", "seq-mean
            "trainer.resume": None}  # resume: "off", "auto" or a checkpoint path
 
 
+VAL_KEY = "val-core/openai/gsm8k/reward/mean@1"  # veRL's name for greedy validation accuracy
+
+
 class ConfigError(ValueError):
     pass
 
@@ -294,7 +297,7 @@ def train(cfg: dict):
         if resume_from:
             sync.push_weights(llm, sync.full_params(policy))
         if tr["val_before_train"] and tr["val_every"] > 0 and start == 1:
-            logger.log(0, {"val-core/openai/gsm8k/reward/mean@1": validate(llm, val_rows, cfg, rank, world)})
+            logger.log(0, {VAL_KEY: validate(llm, val_rows, cfg, rank, world)})
 
     progress = make_progress(rank, start, total_steps)
     for step in range(start, total_steps + 1):
@@ -372,7 +375,7 @@ def train(cfg: dict):
             last = step == total_steps
             if llm is not None and tr["val_every"] > 0 and (step % tr["val_every"] == 0 or last):
                 with Timer(timings, "testing"):
-                    metrics["val-core/openai/gsm8k/reward/mean@1"] = validate(llm, val_rows, cfg, rank, world)
+                    metrics[VAL_KEY] = validate(llm, val_rows, cfg, rank, world)
             if tr["save_every"] > 0 and (step % tr["save_every"] == 0 or last):
                 with Timer(timings, "save_checkpoint"):
                     fsdp_train.save_checkpoint(ckpt_root, step, policy, optimizer, scheduler,
@@ -606,13 +609,17 @@ class MetricsLogger:
             f.write(json.dumps({"step": step, **metrics}) + "\n")
         if self.wandb is not None:
             self.wandb.log(metrics, step=step)
-        if "val-core/openai/gsm8k/reward/mean@1" in metrics and "console" in self.cfg["trainer"]["logger"]:
-            print(f"step {step}: val-core/openai/gsm8k/reward/mean@1 = "
-                  f"{metrics['val-core/openai/gsm8k/reward/mean@1']:.3f}", flush=True)
+        if VAL_KEY in metrics and "console" in self.cfg["trainer"]["logger"]:
+            print(f"step {step}: {VAL_KEY} = {metrics[VAL_KEY]:.3f}", flush=True)
 
     def close(self):
         if self.rank != 0:
             return
+        with open(self.path) as f:
+            vals = [(r["step"], r[VAL_KEY]) for r in map(json.loads, f) if VAL_KEY in r]
+        if len(vals) > 1:
+            print(f"{VAL_KEY}: {vals[0][1]:.3f} at step {vals[0][0]} -> {vals[-1][1]:.3f} at step {vals[-1][0]} "
+                  f"(best {max(v for _, v in vals):.3f})", flush=True)
         if self.cfg["trainer"]["plot"]:
             png = plot_curves(self.path, os.path.join(self.cfg["trainer"]["output_dir"], "curves.png"))
             print(f"metrics: {self.path}\ncurves:  {png}", flush=True)
@@ -620,7 +627,7 @@ class MetricsLogger:
             self.wandb.finish()
 
 
-CURVES = ["critic/score/mean", "val-core/openai/gsm8k/reward/mean@1", "response_length/mean",
+CURVES = ["critic/score/mean", VAL_KEY, "response_length/mean",
           "actor/entropy", "actor/kl_loss", "actor/grad_norm"]
 
 

@@ -32,7 +32,7 @@ import torch
 from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 from transformers import GenerationConfig, PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 
-VERSION = 1  # bump when anything below changes what gets built
+VERSION = 2  # bump when anything below changes what gets built
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 CHAT_TEMPLATE = (
     "{%- for message in messages %}"
@@ -52,6 +52,12 @@ FORMAT_SHARE = 0.3        # share of warm-start targets that end with "#### N"
 VOCAB_SIZE = 512
 N_TRAIN, N_TEST = 4000, 200
 SFT_STEPS, SFT_BATCH, SFT_LR = 600, 32, 2e-3
+KINDS = ["add", "sub", "mul", "add_sub"]
+# Operands of add / sub / add_sub in LO..HI, of mul in 2..MUL_HI: single digits, so that the warm start
+# gets the arithmetic right (~94% greedy, ignoring the format) within its ~2-minute budget; GRPO's
+# visible gain is then the format ("#### N"). With operands up to 20 or 30 the tiny model's sums are
+# poor (greedy 60% / 40% ignoring format) and GRPO's noisy gradients make them worse before better.
+LO, HI, MUL_HI = 2, 9, 9
 
 NAMES = ["Tom", "Ann", "Sam", "Mia", "Leo", "Eva", "Max", "Zoe", "Ben", "Ivy"]
 ITEMS = ["apple", "book", "coin", "pen", "card", "shell", "egg", "toy"]
@@ -61,8 +67,8 @@ ITEMS = ["apple", "book", "coin", "pen", "card", "shell", "egg", "toy"]
 def make_problem(rng: random.Random) -> dict:
     """One GSM8K-format problem: {"question", "answer"} with the answer as "steps\\n#### N"."""
     name, item = rng.choice(NAMES), rng.choice(ITEMS)
-    kind = rng.choice(["add", "sub", "mul", "add_sub"])
-    a, b = rng.randint(2, 30), rng.randint(2, 30)
+    kind = rng.choice(KINDS)
+    a, b = rng.randint(LO, HI), rng.randint(LO, HI)
     if kind == "add":
         q = f"{name} has {a} {item}s and gets {b} more. How many {item}s does {name} have now?"
         steps, n = [f"{a} + {b} = <<{a}+{b}={a + b}>>{a + b}"], a + b
@@ -71,7 +77,7 @@ def make_problem(rng: random.Random) -> dict:
         q = f"{name} has {a} {item}s and gives away {b}. How many {item}s does {name} have left?"
         steps, n = [f"{a} - {b} = <<{a}-{b}={a - b}>>{a - b}"], a - b
     elif kind == "mul":
-        a, b = rng.randint(2, 9), rng.randint(2, 9)
+        a, b = rng.randint(2, MUL_HI), rng.randint(2, MUL_HI)
         q = f"{name} buys {a} boxes with {b} {item}s in each box. How many {item}s does {name} buy?"
         steps, n = [f"{a} * {b} = <<{a}*{b}={a * b}>>{a * b}"], a * b
     else:
@@ -143,8 +149,9 @@ def _save(model, tokenizer, path: str) -> None:
 
 
 # ------------------------------------------------------------------------------- warm start
-def warm_start(model, tokenizer, rows: list[dict], seed: int, steps: int = SFT_STEPS) -> None:
+def warm_start(model, tokenizer, rows: list[dict], seed: int, steps: int | None = None) -> None:
     """Supervised fine-tuning on chat-formatted (prompt, response) pairs; loss on the response only."""
+    steps = SFT_STEPS if steps is None else steps
     rng = random.Random(seed)
     gen = torch.Generator().manual_seed(seed)
     examples = []
@@ -178,7 +185,7 @@ def warm_start(model, tokenizer, rows: list[dict], seed: int, steps: int = SFT_S
 def build(out_dir: str = ".cache/tiny", seed: int = 0) -> dict[str, str]:
     """Build (or reuse) everything; returns paths: model, base, train, test, dir."""
     key = hashlib.sha256(json.dumps([VERSION, seed, TINY, FORMAT_SHARE, VOCAB_SIZE, N_TRAIN, N_TEST,
-                                     SFT_STEPS, SFT_BATCH, SFT_LR]).encode()).hexdigest()[:10]
+                                     SFT_STEPS, SFT_BATCH, SFT_LR, KINDS, LO, HI, MUL_HI]).encode()).hexdigest()[:10]
     root = os.path.join(out_dir, f"seed{seed}-{key}")
     paths = {"dir": root, "model": os.path.join(root, "model"), "base": os.path.join(root, "base"),
              "train": os.path.join(root, "train.jsonl"), "test": os.path.join(root, "test.jsonl")}
@@ -195,7 +202,12 @@ def build(out_dir: str = ".cache/tiny", seed: int = 0) -> dict[str, str]:
     tokenizer = build_tokenizer(corpus)
     save_random_model(os.path.join(tmp, "base"), tokenizer, seed=seed)
     model = Qwen2ForCausalLM.from_pretrained(os.path.join(tmp, "base"), dtype=torch.float32)
-    warm_start(model, tokenizer, data["train"], seed)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(os.cpu_count() or 1)  # the build runs alone (other ranks wait for it)
+    try:
+        warm_start(model, tokenizer, data["train"], seed)
+    finally:
+        torch.set_num_threads(threads)
     _save(model, tokenizer, os.path.join(tmp, "model"))
     open(os.path.join(tmp, "COMPLETE"), "w").close()
     try:

@@ -13,7 +13,6 @@ os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-CACHE = os.path.join(ROOT, ".cache", "tests")
 
 
 @pytest.fixture(scope="session")
@@ -26,16 +25,12 @@ def tiny_tokenizer():
 
 
 @pytest.fixture(scope="session")
-def random_models(tiny_tokenizer):
+def random_models(tiny_tokenizer, tmp_path_factory):
     """{"tied": path, "untied": path}: random tiny Qwen2 models (fp32) with the tiny tokenizer."""
     import tiny
-    paths = {}
-    for name, tied in (("tied", True), ("untied", False)):
-        path = os.path.join(CACHE, f"random-{name}")
-        if not os.path.exists(os.path.join(path, "config.json")):
-            tiny.save_random_model(path, tiny_tokenizer, seed=1, tie_word_embeddings=tied)
-        paths[name] = path
-    return paths
+    root = tmp_path_factory.mktemp("random-models")
+    return {name: tiny.save_random_model(str(root / name), tiny_tokenizer, seed=1, tie_word_embeddings=tied)
+            for name, tied in (("tied", True), ("untied", False))}
 
 
 @pytest.fixture(scope="session")

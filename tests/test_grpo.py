@@ -1,0 +1,241 @@
+"""grpo.py: config loading and its errors, data loaders, and short end-to-end tiny runs
+(world sizes 1 and 2, resume after a kill, dump at 1 rank / replay at 2)."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+import grpo
+from conftest import ROOT
+
+# ------------------------------------------------------------------------------------ config
+
+
+def test_defaults_yaml_and_overrides(tmp_path):
+    cfg = grpo.load_config(os.path.join(ROOT, "gsm8k.yaml"), ["actor.lr=3e-6", "trainer.total_steps=7",
+                                                               "trainer.logger=[console, wandb]"])
+    assert cfg["actor"]["lr"] == 3e-6 and isinstance(cfg["actor"]["lr"], float)  # "3e-6": YAML 1.1 string
+    assert cfg["trainer"]["total_steps"] == 7 and cfg["trainer"]["logger"] == ["console", "wandb"]
+    assert cfg["data"]["train_batch_size"] == 96 and cfg["actor"]["clip_ratio_high"] == 0.28
+    assert cfg["actor"]["entropy_coeff"] == 0.003 and cfg["actor"]["kl_loss_coef"] == 0.001
+    assert grpo.load_config(None, [])["actor"]["lr"] == grpo.DEFAULTS["actor"]["lr"]
+    assert grpo.load_config(None, ["actor.kl_loss_coef=0"])["actor"]["kl_loss_coef"] == 0.0  # int -> float
+
+
+@pytest.mark.parametrize("override, message", [
+    ("actor.lrr=1", "unknown key 'actor.lrr'; accepted: actor.lr, actor.lr_warmup_steps"),
+    ("optim.lr=1", "unknown key 'optim.lr'; accepted: model, data, rollout"),
+    ("actor.lr=fast", "actor.lr = 'fast' has type str; expected float"),
+    ("data.train_batch_size=1.5", "data.train_batch_size = 1.5 has type float; expected int"),
+    ("data.shuffle=1", "data.shuffle = 1 has type int; expected bool"),
+    ("trainer.total_steps=ten", "trainer.total_steps = 'ten' has type str; expected int"),
+    ("actor.loss_agg_mode=sum", "accepted: token-mean, seq-mean-token-sum"),
+    ("actor.kl_loss_type=full", "accepted: kl, k1, abs"),
+    ("actor.clip_ratio_c=1", "clip_ratio_c must be > 1.0"),
+    ("actor.ppo_mini_batch_size=5", "multiple of actor.ppo_mini_batch_size (5)"),
+    ("trainer.resume=/no/such/dir", "accepted: off, auto, or the path"),
+    ("actor.lr", "is not key.sub=value"),
+])
+def test_config_errors_name_the_key_and_the_accepted_values(override, message):
+    with pytest.raises(grpo.ConfigError, match=message.replace("(", r"\(").replace(")", r"\)").replace("[", r"\[")):
+        grpo.load_config(None, [override])
+
+
+def test_config_file_errors(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("actor:\n  lr: 1e-5\n  cliprange: 0.2\n")
+    with pytest.raises(grpo.ConfigError, match=f"{bad}.*unknown key 'actor.cliprange'"):
+        grpo.load_config(str(bad), [])
+    bad.write_text("actors:\n  lr: 1\n")
+    with pytest.raises(grpo.ConfigError, match="unknown section 'actors'"):
+        grpo.load_config(str(bad), [])
+    bad.write_text("trainer:\n  dump_batches: a\n  replay_batches: b\n")
+    with pytest.raises(grpo.ConfigError, match="exclusive"):
+        grpo.load_config(str(bad), [])
+
+
+def test_cli_stops_with_one_line_before_loading_anything(tmp_path):
+    out = tmp_path / "never"
+    proc = subprocess.run([sys.executable, "grpo.py", "--config", "tiny.yaml", "actor.lr=x",
+                           f"trainer.output_dir={out}"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode != 0
+    assert proc.stderr.strip().splitlines()[-1] == "error: config: actor.lr = 'x' has type str; expected float"
+    assert "Traceback" not in proc.stderr and not out.exists()
+
+
+# ------------------------------------------------------------------------------------- data
+GSM = [{"question": "Tom has 3 apples and gets 4 more. How many?", "answer": "3 + 4 = <<3+4=7>>7\n#### 7"},
+       {"question": "Ann has 1,200 coins.", "answer": "#### 1,200"}]
+VERL = [{"data_source": "openai/gsm8k", "prompt": [{"role": "user", "content": "Q? Let's think"}], "ability": "math",
+         "reward_model": {"style": "rule", "ground_truth": "72"}, "extra_info": {"split": "train", "index": 0}}]
+
+
+def write_jsonl(path, rows):
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return str(path)
+
+
+def test_loaders_for_every_layout(tmp_path):
+    expected_gsm = [{"prompt": [{"role": "user", "content": GSM[0]["question"] + " " + grpo.reward.INSTRUCTION}],
+                     "ground_truth": "7"},
+                    {"prompt": [{"role": "user", "content": GSM[1]["question"] + " " + grpo.reward.INSTRUCTION}],
+                     "ground_truth": "1200"}]
+    expected_verl = [{"prompt": VERL[0]["prompt"], "ground_truth": "72"}]
+    assert grpo.load_rows(write_jsonl(tmp_path / "g.jsonl", GSM), "train", None) == expected_gsm
+    assert grpo.load_rows(write_jsonl(tmp_path / "v.jsonl", VERL), "train", None) == expected_verl
+    pq.write_table(pa.Table.from_pylist(VERL), tmp_path / "v.parquet")
+    pq.write_table(pa.Table.from_pylist(GSM), tmp_path / "g.parquet")
+    assert grpo.load_rows(str(tmp_path / "v.parquet"), "train", None) == expected_verl
+    assert grpo.load_rows(str(tmp_path / "g.parquet"), "train", None) == expected_gsm
+    both = grpo.load_rows(f"{tmp_path / 'g.parquet'},{tmp_path / 'v.parquet'}", "train", None)
+    assert both == expected_gsm + expected_verl
+
+
+@pytest.mark.parametrize("rows, message", [
+    ([GSM[0], {"question": "no answer"}], r"bad.jsonl: row 1: missing field 'answer'"),
+    ([{"answer": "#### 3"}], r"bad.jsonl: row 0: missing field 'question'"),
+    ([{"question": "q", "answer": "three"}], r"bad.jsonl: row 0: field 'answer': .*####"),
+    ([VERL[0], {"prompt": [{"role": "user", "content": "x"}], "reward_model": {"style": "rule"}}],
+     r"bad.jsonl: row 1: missing field 'reward_model.ground_truth'"),
+    ([{"prompt": "a string", "reward_model": {"ground_truth": "1"}}], r"bad.jsonl: row 0: field 'prompt'"),
+    ([["not", "an", "object"]], r"bad.jsonl: row 0: expected an object"),
+])
+def test_bad_rows_name_file_row_and_field(tmp_path, rows, message):
+    with pytest.raises(ValueError, match=message):
+        grpo.load_rows(write_jsonl(tmp_path / "bad.jsonl", rows), "train", None)
+
+
+def test_bad_files(tmp_path):
+    with pytest.raises(FileNotFoundError, match="missing.jsonl does not exist"):
+        grpo.load_rows(str(tmp_path / "missing.jsonl"), "train", None)
+    (tmp_path / "x.csv").write_text("a,b\n")
+    with pytest.raises(ValueError, match="unsupported file type; accepted: .parquet, .jsonl"):
+        grpo.load_rows(str(tmp_path / "x.csv"), "train", None)
+    (tmp_path / "broken.jsonl").write_text(json.dumps(GSM[0]) + "\n{oops\n")
+    with pytest.raises(ValueError, match="broken.jsonl: row 1: not valid JSON"):
+        grpo.load_rows(str(tmp_path / "broken.jsonl"), "train", None)
+
+
+def test_overlong_prompts_are_filtered_and_counted_never_truncated(tiny_tokenizer):
+    rows = [{"prompt": [{"role": "user", "content": "short"}], "ground_truth": "1"},
+            {"prompt": [{"role": "user", "content": "long " * 200}], "ground_truth": "2"}]
+    d = {"max_prompt_length": 64, "filter_overlong_prompts": True}
+    kept, dropped = grpo.filter_overlong(rows, tiny_tokenizer, d)
+    assert kept == rows[:1] and dropped == 1 and kept[0] is rows[0]
+    with pytest.raises(ValueError, match="1 prompts exceed data.max_prompt_length=64"):
+        grpo.filter_overlong(rows, tiny_tokenizer, {**d, "filter_overlong_prompts": False})
+
+
+def test_data_order_and_rank_shares():
+    rows = [{"i": i} for i in range(10)]
+    assert [r["i"] for r in grpo.step_prompts(rows, 1, 4, False, 0)] == [0, 1, 2, 3]
+    assert [r["i"] for r in grpo.step_prompts(rows, 3, 4, False, 0)] == [0, 1, 2, 3]  # drop_last: new epoch
+    shuffled = [[r["i"] for r in grpo.step_prompts(rows, s, 4, True, 0)] for s in (1, 2, 3, 4)]
+    assert shuffled[0] != [0, 1, 2, 3] and shuffled[:2] == [[r["i"] for r in grpo.step_prompts(rows, s, 4, True, 0)]
+                                                          for s in (1, 2)]
+    assert len(set(shuffled[0] + shuffled[1])) == 8 and shuffled[0] != shuffled[2]  # reshuffled per epoch
+    for world in (1, 2, 4):
+        shares = [grpo.local_positions(16, 8, world, r) for r in range(world)]
+        assert sorted(p for s in shares for p in s) == list(range(16))
+        for s in shares:  # each mini-batch split evenly over the ranks
+            assert sum(p < 8 for p in s) == sum(p >= 8 for p in s) == 8 // world
+
+
+# ------------------------------------------------------------------------------ end to end
+SMALL = ["data.train_batch_size=8", "actor.ppo_mini_batch_size=4", "data.max_response_length=32",
+         "data.val_max_samples=32", "trainer.val_every=2", "trainer.total_steps=3", "actor.lr=1e-4"]
+TIMING = ("timing_s/", "timing_per_token_ms/", "perf/time_per_step", "perf/throughput", "perf/mfu")
+
+
+def run_grpo(out, nproc: int, *overrides: str, background: bool = False):
+    env = {**os.environ, "OMP_NUM_THREADS": str(2 // nproc)}
+    launcher = [sys.executable, "grpo.py"] if nproc == 1 else [
+        sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
+        "--master_port", str(29600 + os.getpid() % 300), "grpo.py"]
+    cmd = launcher + ["--config", "tiny.yaml", *SMALL, f"trainer.output_dir={out}", *overrides]
+    if background:
+        return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                start_new_session=True)
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    return proc
+
+
+def read_metrics(out) -> list[dict]:
+    with open(os.path.join(out, "metrics.jsonl")) as f:
+        return [json.loads(line) for line in f]
+
+
+def comparable(m: dict) -> dict:
+    return {k: v for k, v in m.items() if not k.startswith(TIMING)}
+
+
+VERL_KEYS = ["actor/pg_loss", "actor/pg_clipfrac", "actor/pg_clipfrac_lower", "actor/ppo_kl", "actor/entropy",
+             "actor/kl_loss", "actor/kl_coef", "actor/grad_norm", "actor/lr", "critic/score/mean", "critic/score/max",
+             "critic/score/min", "critic/rewards/mean", "critic/advantages/mean", "critic/advantages/max",
+             "critic/returns/min", "response_length/mean", "response_length/clip_ratio", "prompt_length/mean",
+             "prompt_length/clip_ratio", "timing_s/gen", "timing_s/reward", "timing_s/old_log_prob", "timing_s/ref",
+             "timing_s/adv", "timing_s/update_actor", "timing_s/update_weights", "timing_s/step",
+             "timing_per_token_ms/gen", "timing_per_token_ms/update_actor", "perf/throughput", "perf/time_per_step",
+             "perf/total_num_tokens", "perf/mfu/actor", "rollout/logprob_diff_max", "rollout/logprob_diff_mean"]
+
+
+@pytest.mark.parametrize("nproc", [1, 2])
+def test_end_to_end_tiny_run(tmp_path, nproc, tiny_build):
+    out = str(tmp_path / "run")
+    proc = run_grpo(out, nproc, "trainer.save_every=2")
+    rows = read_metrics(out)
+    assert [r["step"] for r in rows] == [0, 1, 2, 3]
+    assert set(rows[0]) == {"step", "val-core/openai/gsm8k/reward/mean@1"}
+    for r in rows[1:]:
+        assert set(VERL_KEYS) <= set(r), set(VERL_KEYS) - set(r)
+        assert r["rollout/logprob_diff_max"] < 1e-3  # vLLM serves the trained weights
+        assert r["rollout/sync_check"] < 1e-3
+        assert 0 <= r["critic/score/mean"] <= 1 and r["perf/total_num_tokens"] > 8 * 8 * 40
+        assert r["response_length/max"] <= 32 and r["actor/lr"] == 1e-4
+    assert "val-core/openai/gsm8k/reward/mean@1" in rows[2] and "val-core/openai/gsm8k/reward/mean@1" in rows[3]
+    assert abs(rows[1]["critic/advantages/mean"]) < 0.2  # group-normalised
+    assert os.path.getsize(os.path.join(out, "curves.png")) > 10_000
+    assert os.path.exists(os.path.join(out, "hf", "model.safetensors"))
+    assert [os.path.basename(p) for p in grpo.fsdp_train.list_checkpoints(os.path.join(out, "checkpoints"))] == \
+        ["step_2", "step_3"]
+    assert "metrics.jsonl" in proc.stdout
+
+
+def test_killed_and_resumed_run_logs_the_same_metrics(tmp_path, tiny_build):
+    straight = str(tmp_path / "straight")
+    run_grpo(straight, 1, "trainer.total_steps=4", "trainer.save_every=2")
+    killed = str(tmp_path / "killed")
+    proc = run_grpo(killed, 1, "trainer.total_steps=4", "trainer.save_every=2", background=True)
+    deadline = time.time() + 600
+    while time.time() < deadline:  # kill -9 once step 3 is logged (after the step-2 checkpoint)
+        if os.path.exists(os.path.join(killed, "metrics.jsonl")) and any(r["step"] == 3 for r in read_metrics(killed)):
+            break
+        time.sleep(0.2)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    assert max(r["step"] for r in read_metrics(killed)) == 3
+    run_grpo(killed, 1, "trainer.total_steps=4", "trainer.save_every=2", "trainer.resume=auto")
+    a, b = read_metrics(straight), read_metrics(killed)
+    assert [r["step"] for r in b] == [0, 1, 2, 3, 4]
+    assert [comparable(r) for r in a] == [comparable(r) for r in b]
+
+
+def test_dump_at_one_rank_replay_at_two(tmp_path, tiny_build):
+    dump = str(tmp_path / "batches")
+    run_grpo(str(tmp_path / "dump"), 1, f"trainer.dump_batches={dump}", "trainer.val_every=0", "trainer.export_hf=false")
+    assert sorted(os.listdir(dump)) == ["step_1.pt", "step_2.pt", "step_3.pt"]
+    run_grpo(str(tmp_path / "replay"), 2, f"trainer.replay_batches={dump}", "trainer.export_hf=false")
+    a, b = read_metrics(str(tmp_path / "dump")), read_metrics(str(tmp_path / "replay"))
+    assert [r["step"] for r in b] == [1, 2, 3]
+    for x, y in zip(a, b):
+        for key in ("actor/pg_loss", "actor/grad_norm", "actor/entropy", "actor/kl_loss", "critic/score/mean"):
+            assert y[key] == pytest.approx(x[key], rel=1e-4, abs=1e-7), (x["step"], key)
+        assert y["rollout/logprob_diff_max"] < 1e-4  # recomputed old log-probs == the dumped ones
