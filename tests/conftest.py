@@ -4,6 +4,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 
 import pytest
 
@@ -41,9 +42,10 @@ def tiny_build():
 
 
 def run_torchrun(script: str, nproc: int, *args: str, timeout: int = 600, killed: bool = False) -> list[dict]:
-    """Run tests/<script> under torchrun; each rank prints one JSON line starting with 'RESULT '.
+    """Run tests/<script> under torchrun; returns what each rank report()ed (tests/reporting.py).
     killed=True: the script is expected to die (SIGKILL) part-way; returns [] after checking it did."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT}
+    results_dir = tempfile.mkdtemp(prefix="torchrun-results-")
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT, "TEST_RESULTS": results_dir}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
            "--master_port", str(29500 + os.getpid() % 1000), os.path.join(ROOT, "tests", script), *args]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
@@ -52,6 +54,8 @@ def run_torchrun(script: str, nproc: int, *args: str, timeout: int = 600, killed
         return []
     if proc.returncode != 0:
         raise AssertionError(f"torchrun {script} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
-    results = [json.loads(line[len("RESULT "):]) for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
-    assert len(results) == nproc, proc.stdout[-3000:]
-    return sorted(results, key=lambda r: r["rank"])
+    results = []
+    for rank in range(nproc):
+        with open(os.path.join(results_dir, f"rank{rank}.json")) as f:
+            results.append(json.load(f))
+    return results

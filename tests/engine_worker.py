@@ -3,7 +3,6 @@
     torchrun --nproc_per_node 2 tests/engine_worker.py MODEL_PATH
 """
 
-import json
 import sys
 
 import torch
@@ -12,6 +11,7 @@ from torch.distributed.fsdp import fully_shard
 from transformers import AutoModelForCausalLM
 
 import rollout
+from reporting import report
 import sync
 
 torch.set_num_threads(1)
@@ -45,9 +45,8 @@ for s in samples:
         logits = model(input_ids=ids).logits[0, len(s.prompt_ids) - 1:-1].float()
     lp = torch.log_softmax(logits, -1).gather(-1, torch.tensor(s.response_ids)[:, None])[:, 0]
     worst = max(worst, (lp - torch.tensor(s.logprobs)).abs().max().item())
-print("RESULT " + json.dumps({"rank": rank, "full_params_equal": full_params_equal, "diff_before_push": diff_before,
-                              "diff_after_push": diff_after, "sample_logprob_diff": worst,
-                              "samples": [s.response_ids for s in samples]}), flush=True)
+report(rank, {"full_params_equal": full_params_equal, "diff_before_push": diff_before,
+              "diff_after_push": diff_after, "sample_logprob_diff": worst, "samples": [s.response_ids for s in samples]})
 del llm
 if dist.is_initialized():  # vLLM's shutdown may already have destroyed it
     dist.destroy_process_group()

@@ -5,11 +5,10 @@
 
 Every step trains on a synthetic GRPO mini-batch that is identical whatever the world size (seeded by
 the step): 8 sequences whose response lengths differ wildly, split across ranks so that rank 0 holds
-most of the tokens. Rank 0 prints one RESULT line per rank with the metrics of every step.
+most of the tokens. Each rank reports the metrics of every step (tests/reporting.py).
 """
 
 import argparse
-import json
 import os
 import signal
 
@@ -18,6 +17,7 @@ import torch.distributed as dist
 
 import fsdp_train as ft
 import losses
+from reporting import report
 
 CLIP = dict(clip_low=0.2, clip_high=0.28, clip_c=3.0)
 ENTROPY_COEF, KL_COEF = 0.003, 0.001
@@ -132,7 +132,7 @@ def main():
     weights = full_weights(model)
     if rank == 0:
         torch.save(weights, os.path.join(args.out, f"final_ws{world}.pt"))
-    print("RESULT " + json.dumps({"rank": rank, "history": history}), flush=True)
+    report(rank, {"history": history})
     dist.barrier()
     dist.destroy_process_group()
 
