@@ -1,0 +1,127 @@
+"""flatgrpo vs TRL's GRPOTrainer on the same CPU workload, in one process, alternating A B A B.
+
+    .venv/bin/pip install trl==1.16.0          # optional benchmark dependency (pyproject extra `bench`)
+    .venv/bin/python bench/compare_trl.py     # both workloads; --rounds R --steps K --only small|large
+
+Same warm-started tiny model and GSM8K-style data (tiny.py), same group size n=8, prompts per step,
+max response length, learning rate, loss (TRL loss_type="dapo" is the global token-mean; beta = our
+KL coefficient, k3 = low_var_kl, reference model in both), clip 0.2/0.28, temperature 1.0. flatgrpo
+runs at world size 1 (one process, vLLM in-process, FSDP2 over one rank) with its run-time sync
+probe (check_sync) off; TRL generates with HF generate (no vLLM). After one warm-up round each,
+R rounds of K optimizer steps alternate between the two; every measured step counts.
+Prints seconds per optimizer step (median, min, max), generated tokens per second and the ratio.
+"""
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+os.environ.setdefault("OMP_NUM_THREADS", str(os.cpu_count() or 1))  # before vLLM freezes the thread count
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+
+import torch  # noqa: E402
+
+import grpo  # noqa: E402
+import reward  # noqa: E402
+import tiny  # noqa: E402
+
+WORKLOADS = {"small": (1, 32), "large": (16, 128)}  # prompts per step, max response tokens
+LR, KL = 1e-4, 0.001
+
+
+def flatgrpo_round(prompts: int, max_tokens: int, steps: int, seed: int) -> list[tuple[float, float]]:
+    """(seconds, generated tokens) per optimizer step of grpo.train on the tiny set-up."""
+    with tempfile.TemporaryDirectory() as out:
+        cfg = grpo.load_config(os.path.join(grpo.__file__.rsplit("/", 1)[0], "tiny.yaml"), [
+            f"data.train_batch_size={prompts}", f"actor.ppo_mini_batch_size={prompts}",
+            f"data.max_response_length={max_tokens}", f"trainer.total_steps={steps}", f"actor.lr={LR}",
+            f"actor.kl_loss_coef={KL}", "actor.entropy_coeff=0", "trainer.val_every=0", "trainer.save_every=0",
+            "trainer.export_hf=false", "trainer.plot=false", "trainer.sync_check_every=0", "trainer.logger=[]",
+            f"trainer.seed={seed}", f"trainer.output_dir={out}"])
+        grpo.train(cfg)
+        with open(os.path.join(out, "metrics.jsonl")) as f:
+            rows = [json.loads(line) for line in f]
+    return [(r["perf/time_per_step"], r["response_length/mean"] * prompts * 8) for r in rows]
+
+
+def trl_round(model_path: str, rows: list[dict], prompts: int, max_tokens: int, steps: int, seed: int):
+    from datasets import Dataset
+    from transformers import AutoTokenizer, TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    def gsm8k_reward(prompts, completions, ground_truth, **kwargs):
+        return [reward.compute_score(c[0]["content"], t) for c, t in zip(completions, ground_truth)]
+
+    class StepClock(TrainerCallback):
+        def __init__(self):
+            self.times, self.lengths = [], []
+
+        def on_step_begin(self, args, state, control, **kw):
+            self.t0 = time.perf_counter()
+
+        def on_step_end(self, args, state, control, **kw):
+            self.times.append(time.perf_counter() - self.t0)
+
+        def on_log(self, args, state, control, logs=None, **kw):
+            if logs and "completions/mean_length" in logs:
+                self.lengths.append(logs["completions/mean_length"])
+
+    with tempfile.TemporaryDirectory() as out:
+        args = GRPOConfig(
+            output_dir=out, per_device_train_batch_size=prompts * 8, num_generations=8,
+            max_completion_length=max_tokens, learning_rate=LR, lr_scheduler_type="constant", warmup_steps=0,
+            weight_decay=0.01, max_grad_norm=1.0, loss_type="dapo", beta=KL, epsilon=0.2, epsilon_high=0.28,
+            temperature=1.0, top_p=1.0, num_iterations=1, max_steps=steps, logging_steps=1, report_to=[],
+            save_strategy="no", use_cpu=True, bf16=False, disable_tqdm=True, shuffle_dataset=False, seed=seed,
+            log_completions=False)
+        clock = StepClock()
+        dataset = Dataset.from_list([{"prompt": r["prompt"], "ground_truth": r["ground_truth"]} for r in rows])
+        trainer = GRPOTrainer(model=model_path, reward_funcs=[gsm8k_reward], args=args, train_dataset=dataset,
+                              processing_class=AutoTokenizer.from_pretrained(model_path), callbacks=[clock])
+        trainer.train()
+    return [(t, n * prompts * 8) for t, n in zip(clock.times, clock.lengths)]
+
+
+def report(name: str, results: dict[str, list[tuple[float, float]]]) -> None:
+    print(f"\n{name}")
+    med = {}
+    for who, steps in results.items():
+        secs = [s for s, _ in steps]
+        med[who] = statistics.median(secs)
+        tok_s = sum(n for _, n in steps) / sum(secs)
+        print(f"  {who:<9} {len(secs):3d} steps  s/step median {med[who]:.3f}  min {min(secs):.3f}  "
+              f"max {max(secs):.3f}   generated tokens/s {tok_s:8.0f}")
+    print(f"  flatgrpo / TRL seconds per step: {med['flatgrpo'] / med['TRL']:.2f}x")
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--steps", type=int, default=4)
+    ap.add_argument("--only", choices=list(WORKLOADS))
+    args = ap.parse_args()
+    torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+    paths = tiny.build(os.path.join(".cache", "tiny"), seed=0)
+    with open(paths["train"]) as f:
+        rows = grpo._rows_from_records([json.loads(line) for line in f], paths["train"])
+    print(f"machine: {os.cpu_count()} CPU cores, torch {torch.__version__}, {torch.get_num_threads()} threads; "
+          f"model {paths['model']}")
+    for name in [args.only] if args.only else list(WORKLOADS):
+        prompts, max_tokens = WORKLOADS[name]
+        results = {"flatgrpo": [], "TRL": []}
+        for round_ in range(args.rounds + 1):  # round 0: warm-up, not counted
+            for who in ("flatgrpo", "TRL"):
+                got = flatgrpo_round(prompts, max_tokens, args.steps, round_) if who == "flatgrpo" else \
+                    trl_round(paths["model"], rows, prompts, max_tokens, args.steps, round_)
+                if round_:
+                    results[who] += got
+        report(f"{name}: {prompts} prompt(s) x 8 samples x <= {max_tokens} tokens per step", results)
+
+
+if __name__ == "__main__":
+    main()
