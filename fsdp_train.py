@@ -94,6 +94,7 @@ def load_model(path: str, *, device: torch.device, param_dtype: torch.dtype = to
             fully_shard(layer, mp_policy=mp)
         fully_shard(model, mp_policy=mp)
     model.to_empty(device=device)
+    model.tie_weights()  # to_empty re-creates a plain module's parameters: tie them again
     with torch.no_grad():
         for name, b in model.named_buffers():
             b.copy_(buffers[name])

@@ -369,7 +369,9 @@ def train(cfg: dict):
                     sync.push_weights(llm, sync.full_params(policy))
                     rollout.wake(llm, ["kv_cache"])
                 if tr["sync_check_every"] and step % tr["sync_check_every"] == 0:
-                    metrics["rollout/sync_check"] = fsdp_train.all_reduce(sync.check_sync(llm, policy), op=dist.ReduceOp.MAX)
+                    with Timer(timings, "sync_check"):
+                        metrics["rollout/sync_check"] = fsdp_train.all_reduce(sync.check_sync(llm, policy),
+                                                                              op=dist.ReduceOp.MAX)
 
             # 7. validation and checkpoints
             last = step == total_steps
