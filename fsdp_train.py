@@ -196,8 +196,9 @@ def _synced_micro_batches(batch, max_tokens: int) -> list[list[int]]:
     return micro_batches(batch, max_tokens, target)
 
 
-def _forward(model, mb: dict[str, torch.Tensor], temperature: float, entropy_fn=None):
-    """Response log-probs [b, R] (log-softmax in fp32 of logits / temperature) and optionally entropy [b, R]."""
+def _forward(model, mb: dict[str, torch.Tensor], temperature: float, entropy_fn=None, entropy_grad: bool = True):
+    """Response log-probs [b, R] (log-softmax in fp32 of logits / temperature) and optionally entropy
+    [b, R] (without autograd graph when entropy_grad=False: a metric, not a loss term)."""
     r_width = mb["response_mask"].shape[1]
     position_ids = (mb["attention_mask"].cumsum(-1) - 1).clamp(min=0)  # [b, P + R], as vLLM counts
     logits = model(input_ids=mb["input_ids"], attention_mask=mb["attention_mask"], position_ids=position_ids,
@@ -205,7 +206,10 @@ def _forward(model, mb: dict[str, torch.Tensor], temperature: float, entropy_fn=
     logits = logits[:, -r_width - 1:-1].float() / temperature  # [b, R, V]: position t predicts token t + 1
     targets = mb["input_ids"][:, -r_width:]  # [b, R]
     logp = torch.log_softmax(logits, dim=-1).gather(-1, targets[..., None])[..., 0]  # [b, R]
-    return logp, (entropy_fn(logits) if entropy_fn is not None else None)
+    if entropy_fn is None:
+        return logp, None
+    with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
+        return logp, entropy_fn(logits)
 
 
 def _device_batch(batch, rows, device):
@@ -234,12 +238,13 @@ def compute_logprobs(model, batch: dict[str, torch.Tensor], *, temperature: floa
 
 
 def train_step(model, optimizer, batch: dict[str, torch.Tensor], loss_fn, *, temperature: float,
-               max_tokens: int, grad_clip: float = 1.0, entropy_fn=None) -> dict[str, float]:
+               max_tokens: int, grad_clip: float = 1.0, entropy_fn=None, entropy_grad: bool = True) -> dict[str, float]:
     """One optimizer step on this rank's share of ONE mini-batch (veRL's update_policy inner loop).
 
     loss_fn(logp [b, R], entropy [b, R] | None, mb, counts) -> (loss, metrics), where counts =
     {"num_tokens", "num_seqs"} are the GLOBAL mini-batch totals: loss_fn normalises by them, so the
-    micro-batch losses and metric shares SUM to the mini-batch values (metrics are all-reduced here).
+    micro-batch losses and metric shares SUM to the mini-batch values (metrics are all-reduced here;
+    keys ending in "_max" are maxima instead). entropy_fn with entropy_grad=False: entropy for metrics.
     Skips the step (zeroing the gradients) when the pre-clip gradient norm is not finite.
     """
     device = next(model.parameters()).device
@@ -252,11 +257,11 @@ def train_step(model, optimizer, batch: dict[str, torch.Tensor], loss_fn, *, tem
         mb, _ = _device_batch(batch, rows, device)
         if not rows:
             mb["response_mask"] = torch.zeros_like(mb["response_mask"])
-        logp, entropy = _forward(model, mb, temperature, entropy_fn)
+        logp, entropy = _forward(model, mb, temperature, entropy_fn, entropy_grad)
         loss, metrics = loss_fn(logp, entropy, mb, counts)
         (loss * world).backward()  # FSDP averages gradients over ranks: * world makes it the global sum
         for k, v in metrics.items():
-            sums[k] = sums.get(k, 0.0) + float(v)
+            sums[k] = max(sums.get(k, -math.inf), float(v)) if k.endswith("_max") else sums.get(k, 0.0) + float(v)
     grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=grad_clip)
     grad_norm = (grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm).item()
     skipped = not math.isfinite(grad_norm)
@@ -264,10 +269,15 @@ def train_step(model, optimizer, batch: dict[str, torch.Tensor], loss_fn, *, tem
         optimizer.zero_grad(set_to_none=True)
     else:
         optimizer.step()
-    keys = sorted(sums)
-    totals = torch.tensor([sums[k] for k in keys], dtype=torch.float64)
-    dist.all_reduce(totals)
-    return {**dict(zip(keys, totals.tolist())), "actor/grad_norm": grad_norm,
+    reduced = {}
+    for op, keys in ((dist.ReduceOp.SUM, [k for k in sorted(sums) if not k.endswith("_max")]),
+                     (dist.ReduceOp.MAX, [k for k in sorted(sums) if k.endswith("_max")])):
+        if not keys:
+            continue
+        totals = torch.tensor([sums[k] for k in keys], dtype=torch.float64)
+        dist.all_reduce(totals, op=op)
+        reduced.update(zip(keys, totals.tolist()))
+    return {**reduced, "actor/grad_norm": grad_norm,
             "actor/lr": optimizer.param_groups[0]["lr"], "actor/skipped_steps": float(skipped)}
 
 

@@ -45,14 +45,14 @@ DEFAULTS = {
     "actor": {"lr": 1e-5, "lr_warmup_steps": 0, "lr_schedule": "constant", "min_lr_ratio": 0.0,
               "weight_decay": 0.01, "betas": [0.9, 0.999], "ppo_mini_batch_size": 16, "ppo_epochs": 1,
               "ppo_max_token_len_per_gpu": 16384, "clip_ratio_low": 0.2, "clip_ratio_high": 0.28,
-              "clip_ratio_c": 3.0, "loss_agg_mode": "token-mean", "entropy_coeff": 0.0, "use_kl_loss": True,
+              "clip_ratio_c": 3.0, "loss_agg_mode": "token-mean", "recompute_old_log_prob": False, "entropy_coeff": 0.0, "use_kl_loss": True,
               "kl_loss_coef": 0.001, "kl_loss_type": "low_var_kl", "grad_clip": 1.0},
     "algorithm": {"norm_adv_by_std_in_grpo": True},
     "reward": {"method": "strict", "format_score": 0.0, "score": 1.0, "clip_chars": 300},
     "trainer": {"total_steps": None, "total_epochs": 1, "seed": 0, "output_dir": "runs/tiny", "resume": "off",
                 "save_every": 0, "keep_checkpoints": 2, "val_every": 10, "val_before_train": True,
                 "dump_batches": None, "replay_batches": None, "logger": ["console"], "project": "flatgrpo",
-                "experiment": "run", "sync_check_every": 1, "logprob_diff_warn": 0.05, "export_hf": True,
+                "experiment": "run", "sync_check_every": 10, "logprob_diff_warn": 0.05, "export_hf": True,
                 "plot": True},
 }
 NULLABLE = {"trainer.total_steps": int, "trainer.dump_batches": str, "trainer.replay_batches": str}
@@ -299,6 +299,8 @@ def train(cfg: dict):
         if tr["val_before_train"] and tr["val_every"] > 0 and start == 1:
             logger.log(0, {VAL_KEY: validate(llm, val_rows, cfg, rank, world)})
 
+    on_policy = (ac["ppo_epochs"] == 1 and mini == d["train_batch_size"] and not ac["recompute_old_log_prob"]
+                 and not replay and not tr["dump_batches"])  # dumps carry explicit old log-probs
     progress = make_progress(rank, start, total_steps)
     for step in range(start, total_steps + 1):
         timings, metrics = {}, {}
@@ -325,14 +327,22 @@ def train(cfg: dict):
                                             for k, s in enumerate(samples)], dtype=torch.float32)
                 batch = fsdp_train.make_batch([s.prompt_ids for s in samples], [s.response_ids for s in samples], pad_id)
 
-            # 3. old log-probs (and entropy) from the policy that sampled, reference log-probs for the KL
-            with Timer(timings, "old_log_prob"):
-                old_logp, entropy = fsdp_train.compute_logprobs(policy, batch, temperature=ro["temperature"],
-                                                                max_tokens=ac["ppo_max_token_len_per_gpu"],
-                                                                entropy_fn=losses.entropy_from_logits)
-            metrics.update(old_logprob_metrics(batch, old_logp, entropy, samples, replay, tr["logprob_diff_warn"], step, rank))
+            # 3. old log-probs from the policy that sampled and reference log-probs for the KL. On-policy
+            #    (one mini-batch, one epoch) the update's own forward gives the old log-probs (ratio = 1,
+            #    as veRL's on-policy path and TRL do), and with them entropy and the sync proof metrics.
             if not replay:
-                batch["old_logprobs"] = old_logp
+                batch["rollout_logprobs"] = torch.zeros_like(batch["response_mask"])  # [B, R]
+                for k, s in enumerate(samples):
+                    batch["rollout_logprobs"][k, : len(s.logprobs)] = torch.tensor(s.logprobs)  # [B, R]
+            if not on_policy:
+                with Timer(timings, "old_log_prob"):
+                    old_logp, entropy = fsdp_train.compute_logprobs(policy, batch, temperature=ro["temperature"],
+                                                                    max_tokens=ac["ppo_max_token_len_per_gpu"],
+                                                                    entropy_fn=losses.entropy_from_logits)
+                metrics.update(old_logprob_metrics(batch, old_logp, entropy, replay))
+                if not replay:
+                    batch["old_logprobs"] = old_logp
+            if not replay:
                 if ref is not None:
                     with Timer(timings, "ref"):
                         batch["ref_logprobs"], _ = fsdp_train.compute_logprobs(
@@ -356,9 +366,11 @@ def train(cfg: dict):
                         actor.append(fsdp_train.train_step(
                             policy, optimizer, part, grpo_loss_fn(cfg), temperature=ro["temperature"],
                             max_tokens=ac["ppo_max_token_len_per_gpu"], grad_clip=ac["grad_clip"],
-                            entropy_fn=losses.entropy_from_logits if ac["entropy_coeff"] else None))
+                            entropy_fn=losses.entropy_from_logits if ac["entropy_coeff"] or on_policy else None,
+                            entropy_grad=bool(ac["entropy_coeff"])))
                 scheduler.step()
             metrics.update({k: sum(m[k] for m in actor) / len(actor) for k in actor[0]})
+            warn_if_out_of_sync(metrics["rollout/logprob_diff_max"], tr["logprob_diff_warn"], step, rank, replay)
             metrics["actor/skipped_steps"] = sum(m["actor/skipped_steps"] for m in actor)
             metrics["actor/kl_coef"] = ac["kl_loss_coef"] if use_ref else 0.0
 
@@ -411,13 +423,20 @@ def grpo_loss_fn(cfg: dict):
         mask, mode = mb["response_mask"], ac["loss_agg_mode"]
         agg = dict(num_tokens=counts["num_tokens"], num_seqs=counts["num_seqs"],
                    scale_factor=cfg["data"]["max_response_length"])
-        pg, m = losses.policy_loss(logp, mb["old_logprobs"], mb["advantages"], mask, clip_low=ac["clip_ratio_low"],
+        on_policy = "old_logprobs" not in mb  # the policy that sampled IS this one: ratio = 1
+        old = logp.detach() if on_policy else mb["old_logprobs"]
+        pg, m = losses.policy_loss(logp, old, mb["advantages"], mask, clip_low=ac["clip_ratio_low"],
                                    clip_high=ac["clip_ratio_high"], clip_c=ac["clip_ratio_c"], agg_mode=mode, **agg)
         share = mask.sum().item() / counts["num_tokens"]  # this micro-batch's share of the mini-batch tokens
         loss = pg
         out = {"actor/pg_loss": pg.item(), "actor/pg_clipfrac": m["pg_clipfrac"] * share,
                "actor/pg_clipfrac_lower": m["pg_clipfrac_lower"] * share, "actor/ppo_kl": m["ppo_kl"] * share}
-        if entropy is not None:
+        if on_policy:  # what the separate old-log-prob pass would have logged
+            diff = (logp.detach() - mb["rollout_logprobs"]).abs() * mask  # [b, R]
+            out["actor/entropy"] = (entropy.detach() * mask).sum().item() / counts["num_tokens"]
+            out["rollout/logprob_diff_mean"] = diff.sum().item() / counts["num_tokens"]
+            out["rollout/logprob_diff_max"] = diff.max().item()
+        if ac["entropy_coeff"]:
             loss = loss - ac["entropy_coeff"] * losses.agg_loss(entropy, mask, mode, **agg)
         if "ref_logprobs" in mb:
             kl = losses.agg_loss(losses.kl_penalty(logp, mb["ref_logprobs"], ac["kl_loss_type"]), mask, mode, **agg)
@@ -506,26 +525,24 @@ def load_replay(root: str, step: int, mine: list[int], n: int) -> tuple[dict, to
 
 
 # ------------------------------------------------------------------------------------ metrics
-def old_logprob_metrics(batch, old_logp, entropy, samples, replay, warn, step, rank) -> dict:
+def old_logprob_metrics(batch, old_logp, entropy, replay) -> dict:
     """actor/entropy (veRL logs it from this pass) and the run-time sync proof rollout/logprob_diff_*:
     vLLM's sampling log-probs vs the trainer's on the same tokens; in replay, dumped vs recomputed."""
     mask = batch["response_mask"]
     tokens = fsdp_train.all_reduce(mask.sum())
-    out = {"actor/entropy": fsdp_train.all_reduce((entropy * mask).sum()) / tokens}
-    if replay:
-        reference = batch["old_logprobs"]
-    else:
-        reference = torch.zeros_like(old_logp)
-        for i, s in enumerate(samples):
-            reference[i, : len(s.logprobs)] = torch.tensor(s.logprobs)
-    diff = (old_logp - reference).abs() * mask
-    out["rollout/logprob_diff_max"] = fsdp_train.all_reduce(diff.max(), op=dist.ReduceOp.MAX)
-    out["rollout/logprob_diff_mean"] = fsdp_train.all_reduce(diff.sum()) / tokens
-    if out["rollout/logprob_diff_max"] > warn and rank == 0:
-        print(f"\nWARNING step {step}: vLLM and trainer log-probs differ by up to {out['rollout/logprob_diff_max']:.3g} "
-              f"nats (> trainer.logprob_diff_warn={warn}): the engine may not serve the trained weights "
-              "(missing push / prefix-cache reset / dtype mismatch).", flush=True)
-    return out
+    diff = (old_logp - batch["old_logprobs" if replay else "rollout_logprobs"]).abs() * mask  # [B, R]
+    return {"actor/entropy": fsdp_train.all_reduce((entropy * mask).sum()) / tokens,
+            "rollout/logprob_diff_max": fsdp_train.all_reduce(diff.max(), op=dist.ReduceOp.MAX),
+            "rollout/logprob_diff_mean": fsdp_train.all_reduce(diff.sum()) / tokens}
+
+
+def warn_if_out_of_sync(diff_max: float, threshold: float, step: int, rank: int, replay: bool) -> None:
+    if diff_max > threshold and rank == 0:
+        what = "dumped and recomputed old log-probs" if replay else "vLLM and trainer log-probs"
+        print(f"\nWARNING step {step}: {what} differ by up to {diff_max:.3g} nats (> trainer.logprob_diff_warn="
+              f"{threshold}): the engine may not serve the trained weights (missing push / prefix-cache "
+              "reset / dtype mismatch)." if not replay else f"\nWARNING step {step}: {what} differ by up to "
+              f"{diff_max:.3g} nats: this run does not start from the dumped run's state.", flush=True)
 
 
 def _stats(prefix: str, values: list[float]) -> dict:
