@@ -202,8 +202,8 @@ def _forward(model, mb: dict[str, torch.Tensor], temperature: float, entropy_fn=
     r_width = mb["response_mask"].shape[1]
     position_ids = (mb["attention_mask"].cumsum(-1) - 1).clamp(min=0)  # [b, P + R], as vLLM counts
     logits = model(input_ids=mb["input_ids"], attention_mask=mb["attention_mask"], position_ids=position_ids,
-                   use_cache=False).logits  # [b, P + R, V]
-    logits = logits[:, -r_width - 1:-1].float() / temperature  # [b, R, V]: position t predicts token t + 1
+                   use_cache=False, logits_to_keep=r_width + 1).logits  # [b, R + 1, V]: no lm_head on the prompt
+    logits = logits[:, :-1].float() / temperature  # [b, R, V]: position t predicts token t + 1
     targets = mb["input_ids"][:, -r_width:]  # [b, R]
     logp = torch.log_softmax(logits, dim=-1).gather(-1, targets[..., None])[..., 0]  # [b, R]
     if entropy_fn is None:

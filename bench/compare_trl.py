@@ -2,6 +2,7 @@
 
     .venv/bin/pip install trl==1.16.0          # optional benchmark dependency (pyproject extra `bench`)
     .venv/bin/python bench/compare_trl.py     # both workloads; --rounds R --steps K --only small|large
+    .venv/bin/python bench/compare_trl.py --model base   # responses run to the length limit
 
 Same warm-started tiny model and GSM8K-style data (tiny.py), same group size n=8, prompts per step,
 max response length, learning rate, loss (TRL loss_type="dapo" is the global token-mean; beta = our
@@ -34,11 +35,11 @@ WORKLOADS = {"small": (1, 32), "large": (16, 128)}  # prompts per step, max resp
 LR, KL = 1e-4, 0.001
 
 
-def flatgrpo_round(prompts: int, max_tokens: int, steps: int, seed: int) -> list[tuple[float, float]]:
+def flatgrpo_round(model_path: str, prompts: int, max_tokens: int, steps: int, seed: int) -> list[tuple[float, float]]:
     """(seconds, generated tokens) per optimizer step of grpo.train on the tiny set-up."""
     with tempfile.TemporaryDirectory() as out:
         cfg = grpo.load_config(os.path.join(grpo.__file__.rsplit("/", 1)[0], "tiny.yaml"), [
-            f"data.train_batch_size={prompts}", f"actor.ppo_mini_batch_size={prompts}",
+            f"model.path={model_path}", f"data.train_batch_size={prompts}", f"actor.ppo_mini_batch_size={prompts}",
             f"data.max_response_length={max_tokens}", f"trainer.total_steps={steps}", f"actor.lr={LR}",
             f"actor.kl_loss_coef={KL}", "actor.entropy_coeff=0", "trainer.val_every=0", "trainer.save_every=0",
             "trainer.export_hf=false", "trainer.plot=false", "trainer.sync_check_every=0", "trainer.logger=[]",
@@ -104,20 +105,24 @@ def main():
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--only", choices=list(WORKLOADS))
+    ap.add_argument("--model", choices=["warm", "base"], default="warm",
+                    help="warm: the warm-started tiny model (stops after ~17 tokens); base: its random "
+                         "initialisation, whose responses run to the length limit (generation-heavy)")
     args = ap.parse_args()
     torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
     paths = tiny.build(os.path.join(".cache", "tiny"), seed=0)
     with open(paths["train"]) as f:
         rows = grpo._rows_from_records([json.loads(line) for line in f], paths["train"])
+    model = paths["model" if args.model == "warm" else "base"]
     print(f"machine: {os.cpu_count()} CPU cores, torch {torch.__version__}, {torch.get_num_threads()} threads; "
-          f"model {paths['model']}")
+          f"model {model}")
     for name in [args.only] if args.only else list(WORKLOADS):
         prompts, max_tokens = WORKLOADS[name]
         results = {"flatgrpo": [], "TRL": []}
         for round_ in range(args.rounds + 1):  # round 0: warm-up, not counted
             for who in ("flatgrpo", "TRL"):
-                got = flatgrpo_round(prompts, max_tokens, args.steps, round_) if who == "flatgrpo" else \
-                    trl_round(paths["model"], rows, prompts, max_tokens, args.steps, round_)
+                got = flatgrpo_round(model, prompts, max_tokens, args.steps, round_) if who == "flatgrpo" else \
+                    trl_round(model, rows, prompts, max_tokens, args.steps, round_)
                 if round_:
                     results[who] += got
         report(f"{name}: {prompts} prompt(s) x 8 samples x <= {max_tokens} tokens per step", results)
