@@ -24,6 +24,7 @@ import glob
 import math
 import os
 import shutil
+import time
 
 import torch
 import torch.distributed as dist
@@ -249,6 +250,7 @@ def train_step(model, optimizer, batch: dict[str, torch.Tensor], loss_fn, *, tem
     """
     device = next(model.parameters()).device
     world = dist.get_world_size()
+    start = time.perf_counter()
     counts = {"num_tokens": all_reduce(batch["response_mask"].sum()),
               "num_seqs": all_reduce((batch["response_mask"].sum(-1) > 0).sum())}
     sums: dict[str, float] = {}
@@ -277,8 +279,15 @@ def train_step(model, optimizer, batch: dict[str, torch.Tensor], loss_fn, *, tem
         totals = torch.tensor([sums[k] for k in keys], dtype=torch.float64)
         dist.all_reduce(totals, op=op)
         reduced.update(zip(keys, totals.tolist()))
-    return {**reduced, "actor/grad_norm": grad_norm,
-            "actor/lr": optimizer.param_groups[0]["lr"], "actor/skipped_steps": float(skipped)}
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    flops = all_reduce(estimate_flops(model.config, batch["attention_mask"].sum(-1).tolist()))
+    out = {**reduced, "actor/grad_norm": grad_norm, "actor/lr": optimizer.param_groups[0]["lr"],
+           "actor/skipped_steps": float(skipped),
+           "perf/mfu/actor": mfu(flops, time.perf_counter() - start, world, peak_flops())}
+    if torch.cuda.is_available():
+        out["perf/max_memory_allocated_gb"] = torch.cuda.max_memory_allocated() / 1024**3
+    return out
 
 
 # ------------------------------------------------------------------------------- performance
@@ -293,17 +302,19 @@ def peak_flops() -> float:
     return next((v for k, v in PEAK_BF16_FLOPS.items() if k in name), 0.0)
 
 
-def mfu(config, seqlens: list[int], seconds: float, world_size: int, peak: float) -> float:
-    """veRL's FlopsCounter for dense decoders: 6*N*sum(s) + 6*sum(s^2)*d*H*L FLOPs for forward and
-    backward, N = L*(3*h*I + h*(H*d + 2*K*d + H*d)) + 2*V*h; mfu = FLOPs / seconds / peak / world."""
-    if peak <= 0 or seconds <= 0:
-        return 0.0
+def estimate_flops(config, seqlens: list[int]) -> float:
+    """veRL's FlopsCounter for dense decoders, forward + backward of sequences of these lengths:
+    6*N*sum(s) + 6*sum(s^2)*d*H*L, N = L*(3*h*I + h*(H*d + 2*K*d + H*d)) + 2*V*h (no biases)."""
     h, inter, layers = config.hidden_size, config.intermediate_size, config.num_hidden_layers
     heads, kv_heads, vocab = config.num_attention_heads, config.num_key_value_heads, config.vocab_size
     d = getattr(config, "head_dim", None) or h // heads
     n = layers * (3 * h * inter + h * (heads * d + 2 * kv_heads * d + heads * d)) + 2 * vocab * h
-    flops = 6 * n * sum(seqlens) + 6 * sum(s * s for s in seqlens) * d * heads * layers
-    return flops / seconds / peak / world_size
+    return 6 * n * sum(seqlens) + 6 * sum(s * s for s in seqlens) * d * heads * layers
+
+
+def mfu(flops: float, seconds: float, world_size: int, peak: float) -> float:
+    """Model FLOPs utilisation, veRL's perf/mfu/actor: FLOPs of all ranks / seconds / peak / world."""
+    return flops / seconds / peak / world_size if peak > 0 and seconds > 0 else 0.0
 
 
 # ------------------------------------------------------------------------------- checkpoints

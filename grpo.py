@@ -249,7 +249,12 @@ def train(cfg: dict):
         dist.barrier()
         tiny_paths = tiny.build(os.path.join(".cache", "tiny"), seed=cfg["model"]["tiny_seed"])
     model_path = tiny_paths["model"] if cfg["model"]["path"] == "tiny" else cfg["model"]["path"]
-    from transformers import AutoTokenizer
+    from transformers import AutoConfig, AutoTokenizer
+    positions = getattr(AutoConfig.from_pretrained(model_path), "max_position_embeddings", None)
+    if positions and d["max_prompt_length"] + d["max_response_length"] > positions:
+        raise ConfigError(f"config: data.max_prompt_length + data.max_response_length = "
+                          f"{d['max_prompt_length'] + d['max_response_length']} exceeds the model's "
+                          f"max_position_embeddings ({positions}) in {model_path}")
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     train_rows, n_dropped = filter_overlong(load_rows(d["train"], "train", tiny_paths), tokenizer, d)
@@ -334,7 +339,9 @@ def train(cfg: dict):
                 batch["rollout_logprobs"] = torch.zeros_like(batch["response_mask"])  # [B, R]
                 for k, s in enumerate(samples):
                     batch["rollout_logprobs"][k, : len(s.logprobs)] = torch.tensor(s.logprobs)  # [B, R]
-            if not on_policy:
+            if on_policy:
+                timings["old_log_prob"] = 0.0  # supplied by the update's own forward
+            else:
                 with Timer(timings, "old_log_prob"):
                     old_logp, entropy = fsdp_train.compute_logprobs(policy, batch, temperature=ro["temperature"],
                                                                     max_tokens=ac["ppo_max_token_len_per_gpu"],
@@ -372,6 +379,8 @@ def train(cfg: dict):
             metrics.update({k: sum(m[k] for m in actor) / len(actor) for k in actor[0]})
             warn_if_out_of_sync(metrics["rollout/logprob_diff_max"], tr["logprob_diff_warn"], step, rank, replay)
             metrics["actor/skipped_steps"] = sum(m["actor/skipped_steps"] for m in actor)
+            if "perf/max_memory_allocated_gb" in metrics:
+                metrics["perf/max_memory_allocated_gb"] = max(m["perf/max_memory_allocated_gb"] for m in actor)
             metrics["actor/kl_coef"] = ac["kl_loss_coef"] if use_ref else 0.0
 
             # 6. push the new weights into the running engine (and prove it)
@@ -395,7 +404,7 @@ def train(cfg: dict):
                     fsdp_train.save_checkpoint(ckpt_root, step, policy, optimizer, scheduler,
                                                extra={"step": step, "rng": rng_state()}, keep=tr["keep_checkpoints"])
             with Timer(timings, "logging"):  # the metrics' all-gathers; the file write after is ~0.1 ms
-                metrics.update(batch_metrics(batch, rewards, d, timings, world, policy.config, ac["ppo_epochs"]))
+                metrics.update(batch_metrics(batch, rewards, d, timings, world))
         metrics.update({f"timing_s/{k}": v for k, v in timings.items()})
         metrics["perf/time_per_step"] = timings["step"]
         metrics["perf/throughput"] = metrics["perf/total_num_tokens"] / (timings["step"] * world)
@@ -549,7 +558,7 @@ def _stats(prefix: str, values: list[float]) -> dict:
     return {f"{prefix}/mean": sum(values) / len(values), f"{prefix}/max": max(values), f"{prefix}/min": min(values)}
 
 
-def batch_metrics(batch, rewards, d, timings, world, config, ppo_epochs) -> dict:
+def batch_metrics(batch, rewards, d, timings, world) -> dict:
     """veRL's critic/*, length, per-token timing and perf metrics over the GLOBAL batch (the step's
     own time and throughput are added once the step is over)."""
     mask = batch["response_mask"]
@@ -574,10 +583,6 @@ def batch_metrics(batch, rewards, d, timings, world, config, ppo_epochs) -> dict
         if key in timings:
             out[f"timing_per_token_ms/{key}"] = timings[key] * 1000 / total
     out["perf/total_num_tokens"] = total
-    seqlens = [int(p + r) for p, r in zip(g["prompt"], g["resp"])] * ppo_epochs
-    out["perf/mfu/actor"] = fsdp_train.mfu(config, seqlens, timings["update_actor"], world, fsdp_train.peak_flops())
-    if torch.cuda.is_available():
-        out["perf/max_memory_allocated_gb"] = torch.cuda.max_memory_allocated() / 1024**3
     return out
 
 

@@ -45,7 +45,7 @@ QWEN2_SPLIT = r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?
 INSTRUCTION = 'Let\'s think step by step and output the final answer after "####".'  # = reward.py's
 
 TINY = dict(hidden_size=128, intermediate_size=512, num_hidden_layers=4, num_attention_heads=4,
-            num_key_value_heads=2, max_position_embeddings=512)
+            num_key_value_heads=2, max_position_embeddings=1024)
 QWEN25_05B = dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
                   num_key_value_heads=2, max_position_embeddings=32768, vocab_size=151936)
 FORMAT_SHARE = 0.3        # share of warm-start targets that end with "#### N"

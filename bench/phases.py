@@ -83,14 +83,16 @@ def breakdown(steps: int) -> None:
     timed = 0.0
     for p in PHASES:
         values = [r.get(f"timing_s/{p}", 0.0) for r in rows]
-        if any(values):
+        if p == "old_log_prob" and not any(values):
+            print(f"{p:<26}{'0':>9}  (on-policy: the update's own forward supplies them)")
+        elif any(values):
             mean = statistics.mean(values)
             timed += mean
             print(f"{p:<26}{mean:>9.4f}{mean / step:>8.1%}")
     print(f"{'everything else':<26}{step - timed:>9.4f}{(step - timed) / step:>8.1%}")
     core = sum(statistics.mean(r.get(f"timing_s/{p}", 0.0) for r in rows) for p in ("gen", "update_actor", "update_weights"))
     print(f"outside generation + update + push: {1 - core / step:.1%} of the step "
-          f"(of which old/ref log-probs {statistics.mean(r['timing_s/old_log_prob'] + r.get('timing_s/ref', 0) for r in rows) / step:.1%})")
+          f"(of which old/ref log-probs {statistics.mean(r.get('timing_s/old_log_prob', 0) + r.get('timing_s/ref', 0) for r in rows) / step:.1%})")
 
 
 def scaling() -> None:

@@ -57,7 +57,6 @@ def bench(name: str, path: str, reps: int) -> None:
         print(f"  {label:<28} median {med * 1000:9.1f} ms  min {min(times) * 1000:9.1f} ms  "
               f"{gb / med:7.2f} GB/s  ({med / statistics.median(copy_s):.1f}x baseline)")
     print(f"  check_sync after push: {diff:.2e} nats")
-    del llm
 
 
 def main():

@@ -61,8 +61,9 @@ def bare_step(model, optimizer, batch, groups):
     for rows in groups:
         mb = ft.select(batch, rows)
         r = mb["response_mask"].shape[1]
-        logits = model(input_ids=mb["input_ids"], attention_mask=mb["attention_mask"], use_cache=False).logits
-        logp = torch.log_softmax(logits[:, -r - 1:-1].float(), -1).gather(-1, mb["input_ids"][:, -r:, None])[..., 0]
+        logits = model(input_ids=mb["input_ids"], attention_mask=mb["attention_mask"], use_cache=False,
+                       logits_to_keep=r + 1).logits  # the lm_head on the response positions only, as ours
+        logp = torch.log_softmax(logits[:, :-1].float(), -1).gather(-1, mb["input_ids"][:, -r:, None])[..., 0]
         loss = -(logp * mb["advantages"] * mb["response_mask"]).sum() / n_tokens
         loss.backward()
     torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)

@@ -78,12 +78,15 @@ def main():
     ap.add_argument("--nan-at", type=int, default=0)
     ap.add_argument("--crash-save-at", type=int, default=0)
     ap.add_argument("--export", action="store_true")
+    ap.add_argument("--activation-checkpointing", action="store_true")
+    ap.add_argument("--bf16", action="store_true", help="bf16 compute, fp32 master weights")
     args = ap.parse_args()
 
     rank, world, device = ft.init_distributed()
     os.makedirs(args.out, exist_ok=True)
     torch.manual_seed(0)
-    model = ft.load_model(args.model, device=device)
+    model = ft.load_model(args.model, device=device, activation_checkpointing=args.activation_checkpointing,
+                          compute_dtype=torch.bfloat16 if args.bf16 else None)
     optimizer, scheduler = ft.make_optimizer(model, lr=args.lr, warmup_steps=2, total_steps=6, schedule="cosine")
     ckpt_root = os.path.join(args.out, "ckpt")
     start = 1
