@@ -59,6 +59,8 @@ NULLABLE = {"trainer.total_steps": int, "trainer.dump_batches": str, "trainer.re
 CHOICES = {"actor.loss_agg_mode": ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"),
            "actor.lr_schedule": ("constant", "cosine"), "reward.method": ("strict", "flexible"),
            "actor.kl_loss_type": ("kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3", "k1+", "k2+", "k3+", "low_var_kl+"),
+           "model.param_dtype": ("float32", "bfloat16"), "model.compute_dtype": ("float32", "bfloat16", "float16"),
+           "rollout.dtype": ("auto", "float32", "bfloat16", "float16"),
            "trainer.resume": None}  # resume: "off", "auto" or a checkpoint path
 
 

@@ -39,6 +39,7 @@ def test_defaults_yaml_and_overrides(tmp_path):
     ("actor.loss_agg_mode=sum", "accepted: token-mean, seq-mean-token-sum"),
     ("actor.kl_loss_type=full", "accepted: kl, k1, abs"),
     ("actor.clip_ratio_c=1", "clip_ratio_c must be > 1.0"),
+    ("model.compute_dtype=fp16", "accepted: float32, bfloat16, float16"),
     ("actor.ppo_mini_batch_size=5", "multiple of actor.ppo_mini_batch_size (5)"),
     ("trainer.resume=/no/such/dir", "accepted: off, auto, or the path"),
     ("actor.lr", "is not key.sub=value"),
