@@ -230,7 +230,10 @@ def main(argv=None):
         cfg = load_config(args.config, args.overrides)
     except (ConfigError, OSError, yaml.YAMLError) as e:
         sys.exit(f"error: {e}")
-    train(cfg)
+    try:
+        train(cfg)
+    except ConfigError as e:  # rules that need the world size or the model's config: one line, no traceback
+        sys.exit(f"error: {e}")
 
 
 def train(cfg: dict):
@@ -259,8 +262,11 @@ def train(cfg: dict):
                           f"max_position_embeddings ({positions}) in {model_path}")
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    train_rows, n_dropped = filter_overlong(load_rows(d["train"], "train", tiny_paths), tokenizer, d)
-    val_rows, _ = filter_overlong(load_rows(d["val"], "test", tiny_paths), tokenizer, d)
+    try:  # a missing file or a bad row stops the run here, before any model loads, naming file, row and field
+        train_rows, n_dropped = filter_overlong(load_rows(d["train"], "train", tiny_paths), tokenizer, d)
+        val_rows, _ = filter_overlong(load_rows(d["val"], "test", tiny_paths), tokenizer, d)
+    except (ValueError, OSError) as e:
+        raise ConfigError(str(e)) from None
     if d["val_max_samples"] > 0:
         val_rows = val_rows[: d["val_max_samples"]]
     if len(train_rows) < d["train_batch_size"]:
@@ -348,7 +354,7 @@ def train(cfg: dict):
                     old_logp, entropy = fsdp_train.compute_logprobs(policy, batch, temperature=ro["temperature"],
                                                                     max_tokens=ac["ppo_max_token_len_per_gpu"],
                                                                     entropy_fn=losses.entropy_from_logits)
-                metrics.update(old_logprob_metrics(batch, old_logp, entropy, replay))
+                metrics.update(old_logprob_metrics(batch, old_logp, entropy, replay, cfg))
                 if not replay:
                     batch["old_logprobs"] = old_logp
             if not replay:
@@ -444,7 +450,7 @@ def grpo_loss_fn(cfg: dict):
                "actor/pg_clipfrac_lower": m["pg_clipfrac_lower"] * share, "actor/ppo_kl": m["ppo_kl"] * share}
         if on_policy:  # what the separate old-log-prob pass would have logged
             diff = (logp.detach() - mb["rollout_logprobs"]).abs() * mask  # [b, R]
-            out["actor/entropy"] = (entropy.detach() * mask).sum().item() / counts["num_tokens"]
+            out["actor/entropy"] = losses.agg_loss(entropy.detach(), mask, mode, **agg).item()
             out["rollout/logprob_diff_mean"] = diff.sum().item() / counts["num_tokens"]
             out["rollout/logprob_diff_max"] = diff.max().item()
         if ac["entropy_coeff"]:
@@ -536,13 +542,17 @@ def load_replay(root: str, step: int, mine: list[int], n: int) -> tuple[dict, to
 
 
 # ------------------------------------------------------------------------------------ metrics
-def old_logprob_metrics(batch, old_logp, entropy, replay) -> dict:
-    """actor/entropy (veRL logs it from this pass) and the run-time sync proof rollout/logprob_diff_*:
-    vLLM's sampling log-probs vs the trainer's on the same tokens; in replay, dumped vs recomputed."""
+def old_logprob_metrics(batch, old_logp, entropy, replay, cfg) -> dict:
+    """actor/entropy (veRL logs agg_loss(entropy) of this pass, in actor.loss_agg_mode) and the run-time
+    sync proof rollout/logprob_diff_*: vLLM's sampling log-probs vs the trainer's on the same tokens; in
+    replay, dumped vs recomputed. With the GLOBAL counts, each rank's agg_loss is its share of the sum."""
     mask = batch["response_mask"]
     tokens = fsdp_train.all_reduce(mask.sum())
+    seqs = fsdp_train.all_reduce((mask.sum(-1) > 0).sum())
     diff = (old_logp - batch["old_logprobs" if replay else "rollout_logprobs"]).abs() * mask  # [B, R]
-    return {"actor/entropy": fsdp_train.all_reduce((entropy * mask).sum()) / tokens,
+    entropy = losses.agg_loss(entropy, mask, cfg["actor"]["loss_agg_mode"], num_tokens=tokens, num_seqs=seqs,
+                              scale_factor=cfg["data"]["max_response_length"])
+    return {"actor/entropy": fsdp_train.all_reduce(entropy),
             "rollout/logprob_diff_max": fsdp_train.all_reduce(diff.max(), op=dist.ReduceOp.MAX),
             "rollout/logprob_diff_mean": fsdp_train.all_reduce(diff.sum()) / tokens}
 

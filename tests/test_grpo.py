@@ -71,6 +71,20 @@ def test_cli_stops_with_one_line_before_loading_anything(tmp_path):
     assert "Traceback" not in proc.stderr and not out.exists()
 
 
+def test_cli_bad_data_and_world_size_stop_with_one_line(tmp_path, tiny_build):
+    bad = write_jsonl(tmp_path / "bad.jsonl", [GSM[0], {"question": "no answer"}])
+    proc = subprocess.run([sys.executable, "grpo.py", "--config", "tiny.yaml", f"data.train={bad}",
+                           f"trainer.output_dir={tmp_path / 'never'}"], cwd=ROOT, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode != 0 and "Traceback" not in proc.stderr
+    assert proc.stderr.strip().splitlines()[-1] == f"error: data: {bad}: row 1: missing field 'answer' " \
+        "(accepted layouts: question/answer, or prompt/reward_model.ground_truth)"
+    proc = run_grpo(tmp_path / "ws", 2, "data.train_batch_size=3", "actor.ppo_mini_batch_size=3", check=False)
+    assert proc.returncode != 0 and "ConfigError" not in proc.stderr  # torchrun adds its own traceback, ranks none
+    assert "error: config: actor.ppo_mini_batch_size (3) must be a multiple of the world size (2)" in proc.stderr
+    assert not (tmp_path / "never").exists() and not (tmp_path / "ws" / "metrics.jsonl").exists()
+
+
 # ------------------------------------------------------------------------------------- data
 GSM = [{"question": "Tom has 3 apples and gets 4 more. How many?", "answer": "3 + 4 = <<3+4=7>>7\n#### 7"},
        {"question": "Ann has 1,200 coins.", "answer": "#### 1,200"}]
@@ -155,7 +169,7 @@ SMALL = ["trainer.sync_check_every=1", "data.train_batch_size=8", "actor.ppo_min
 TIMING = ("timing_s/", "timing_per_token_ms/", "perf/time_per_step", "perf/throughput", "perf/mfu")
 
 
-def run_grpo(out, nproc: int, *overrides: str, background: bool = False):
+def run_grpo(out, nproc: int, *overrides: str, background: bool = False, check: bool = True):
     env = {**os.environ, "OMP_NUM_THREADS": str(2 // nproc)}
     launcher = [sys.executable, "grpo.py"] if nproc == 1 else [
         sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
@@ -165,7 +179,7 @@ def run_grpo(out, nproc: int, *overrides: str, background: bool = False):
         return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                                 start_new_session=True)
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    assert proc.returncode == 0 or not check, proc.stdout[-3000:] + proc.stderr[-5000:]
     return proc
 
 
@@ -243,11 +257,12 @@ def test_dump_at_one_rank_replay_at_two(tmp_path, tiny_build):
 
 
 def test_on_policy_shortcut_equals_the_separate_old_log_prob_pass(tmp_path, tiny_build):
-    """One mini-batch, one epoch: the update's own forward replaces veRL's old-log-prob pass (ratio = 1)."""
-    run_grpo(str(tmp_path / "short"), 1, "trainer.total_steps=2", "trainer.val_every=0", "trainer.export_hf=false",
-             "actor.ppo_mini_batch_size=8")
-    run_grpo(str(tmp_path / "full"), 1, "trainer.total_steps=2", "trainer.val_every=0", "trainer.export_hf=false",
-             "actor.ppo_mini_batch_size=8", "actor.recompute_old_log_prob=true")
+    """One mini-batch, one epoch: the update's own forward replaces veRL's old-log-prob pass (ratio = 1).
+    In a sequence-level aggregation mode, so that every metric's aggregation is checked on both paths."""
+    common = ["trainer.total_steps=2", "trainer.val_every=0", "trainer.export_hf=false", "actor.ppo_mini_batch_size=8",
+              "actor.loss_agg_mode=seq-mean-token-mean"]
+    run_grpo(str(tmp_path / "short"), 1, *common)
+    run_grpo(str(tmp_path / "full"), 1, *common, "actor.recompute_old_log_prob=true")
     short, full = read_metrics(str(tmp_path / "short")), read_metrics(str(tmp_path / "full"))
     assert all(r["timing_s/old_log_prob"] == 0.0 for r in short) and all(r["timing_s/old_log_prob"] > 0 for r in full)
     for a, b in zip(short, full):
