@@ -32,5 +32,15 @@ test: install
 demo: install
 	$(VENV)/bin/torchrun --nproc_per_node $(NPROC) grpo.py --config tiny.yaml $(ARGS)
 
+# flatgrpo vs TRL on the same CPU workload (issue: performance), plus where each step's time goes.
+# TRL is a benchmark-only dependency (pyproject extra `bench`), installed here and nowhere else.
+$(VENV)/.bench: $(STAMP)
+	$(PY) -m pip install -q 'trl==1.16.0'
+	touch $@
+
+bench: install $(VENV)/.bench
+	$(PY) bench/compare_trl.py $(ARGS)
+	$(PY) bench/phases.py breakdown
+
 clean:
 	rm -rf $(VENV) .cache runs

@@ -1,22 +1,28 @@
-"""flatgrpo vs TRL's GRPOTrainer on the same CPU workload, in one process, alternating A B A B.
+"""flatgrpo vs TRL's GRPOTrainer on the same CPU workload, alternating A B C A B C ...
 
-    .venv/bin/pip install trl==1.16.0          # optional benchmark dependency (pyproject extra `bench`)
+    make bench                                 # installs trl==1.16.0 (extra `bench`), runs this and phases.py
     .venv/bin/python bench/compare_trl.py     # both workloads; --rounds R --steps K --only small|large
-    .venv/bin/python bench/compare_trl.py --model base   # responses run to the length limit
+    .venv/bin/python bench/compare_trl.py --model warm   # the demo's warm-started model (stops after ~17 tokens)
 
-Same warm-started tiny model and GSM8K-style data (tiny.py), same group size n=8, prompts per step,
-max response length, learning rate, loss (TRL loss_type="dapo" is the global token-mean; beta = our
-KL coefficient, k3 = low_var_kl, reference model in both), clip 0.2/0.28, temperature 1.0. flatgrpo
-runs at world size 1 (one process, vLLM in-process, FSDP2 over one rank) with its run-time sync
-probe (check_sync) off; TRL generates with HF generate (no vLLM). After one warm-up round each,
-R rounds of K optimizer steps alternate between the two; every measured step counts.
-Prints seconds per optimizer step (median, min, max), generated tokens per second and the ratio.
+Same tiny Qwen2 and GSM8K-style data (tiny.py), same group size n=8, prompts per step, max response
+length, learning rate, loss (TRL loss_type="dapo" is the global token-mean; beta = our KL coefficient,
+k3 = low_var_kl, reference model in both), clip 0.2/0.28, temperature 1.0, one optimizer step per
+generation. By default the model is tiny.py's RANDOM initialisation (`base`), whose responses run to
+the length limit, so the workloads are what their names say: 1 prompt x 8 x 32 generated tokens and
+16 prompts x 8 x 128. Three contenders, each using the whole machine (2 cores):
+  flatgrpo 1x2   grpo.train in this process: one rank with 2 threads, vLLM in-process, FSDP2 code path;
+  flatgrpo 2x1   torchrun --nproc_per_node 2, one thread per rank (how `make demo` runs);
+  TRL            GRPOTrainer, HF generate (no vLLM), one process with 2 threads.
+flatgrpo's run-time sync probe (check_sync) is off; its per-step sync metric (logprob_diff) stays on.
+After one warm-up round each, R rounds of K optimizer steps alternate; every measured step counts.
+Prints seconds per optimizer step (median, min, max), generated tokens per second, and the ratios.
 """
 
 import argparse
 import json
 import os
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -32,19 +38,33 @@ import reward  # noqa: E402
 import tiny  # noqa: E402
 
 WORKLOADS = {"small": (1, 32), "large": (16, 128)}  # prompts per step, max response tokens
+CONTENDERS = {"flatgrpo 1x2": 1, "flatgrpo 2x1": 2, "TRL": None}  # name -> flatgrpo ranks
 LR, KL = 1e-4, 0.001
 
 
-def flatgrpo_round(model_path: str, prompts: int, max_tokens: int, steps: int, seed: int) -> list[tuple[float, float]]:
-    """(seconds, generated tokens) per optimizer step of grpo.train on the tiny set-up."""
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def flatgrpo_round(model_path: str, prompts: int, max_tokens: int, steps: int, seed: int,
+                   ranks: int) -> list[tuple[float, float]]:
+    """(seconds, generated tokens) per optimizer step of grpo.py on the tiny set-up: in this process
+    (ranks=1), or under torchrun with one thread per rank."""
     with tempfile.TemporaryDirectory() as out:
-        cfg = grpo.load_config(os.path.join(grpo.__file__.rsplit("/", 1)[0], "tiny.yaml"), [
+        overrides = [
             f"model.path={model_path}", f"data.train_batch_size={prompts}", f"actor.ppo_mini_batch_size={prompts}",
             f"data.max_response_length={max_tokens}", f"trainer.total_steps={steps}", f"actor.lr={LR}",
             f"actor.kl_loss_coef={KL}", "actor.entropy_coeff=0", "trainer.val_every=0", "trainer.save_every=0",
             "trainer.export_hf=false", "trainer.plot=false", "trainer.sync_check_every=0", "trainer.logger=[]",
-            f"trainer.seed={seed}", f"trainer.output_dir={out}"])
-        grpo.train(cfg)
+            f"trainer.seed={seed}", f"trainer.output_dir={out}"]
+        if ranks == 1:
+            grpo.train(grpo.load_config(os.path.join(ROOT, "tiny.yaml"), overrides))
+        else:
+            env = {**os.environ, "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // ranks))}
+            proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(ranks),
+                                   "--master_port", "29731", "grpo.py", "--config", "tiny.yaml", *overrides],
+                                  cwd=ROOT, env=env, capture_output=True, text=True)
+            if proc.returncode:
+                sys.exit(f"torchrun grpo.py failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
         with open(os.path.join(out, "metrics.jsonl")) as f:
             rows = [json.loads(line) for line in f]
     return [(r["perf/time_per_step"], r["response_length/mean"] * prompts * 8) for r in rows]
@@ -88,16 +108,19 @@ def trl_round(model_path: str, rows: list[dict], prompts: int, max_tokens: int, 
     return [(t, n * prompts * 8) for t, n in zip(clock.times, clock.lengths)]
 
 
-def report(name: str, results: dict[str, list[tuple[float, float]]]) -> None:
+def report(name: str, results: dict[str, list[tuple[float, float]]], samples: int) -> None:
     print(f"\n{name}")
     med = {}
     for who, steps in results.items():
         secs = [s for s, _ in steps]
         med[who] = statistics.median(secs)
         tok_s = sum(n for _, n in steps) / sum(secs)
-        print(f"  {who:<9} {len(secs):3d} steps  s/step median {med[who]:.3f}  min {min(secs):.3f}  "
-              f"max {max(secs):.3f}   generated tokens/s {tok_s:8.0f}")
-    print(f"  flatgrpo / TRL seconds per step: {med['flatgrpo'] / med['TRL']:.2f}x")
+        mean_len = sum(n for _, n in steps) / len(steps) / samples
+        print(f"  {who:<14} {len(secs):3d} steps  s/step median {med[who]:6.3f}  min {min(secs):6.3f}  "
+              f"max {max(secs):6.3f}   generated tokens/s {tok_s:6.0f}   mean response {mean_len:5.1f} tokens")
+    for who in results:
+        if who != "TRL":
+            print(f"  {who} / TRL seconds per step: {med[who] / med['TRL']:.2f}x")
 
 
 def main():
@@ -105,12 +128,12 @@ def main():
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--only", choices=list(WORKLOADS))
-    ap.add_argument("--model", choices=["warm", "base"], default="warm",
-                    help="warm: the warm-started tiny model (stops after ~17 tokens); base: its random "
-                         "initialisation, whose responses run to the length limit (generation-heavy)")
+    ap.add_argument("--model", choices=["base", "warm"], default="base",
+                    help="base: tiny.py's random initialisation, whose responses run to the length limit "
+                         "(the workloads as named); warm: the demo's warm-started model (stops after ~17 tokens)")
     args = ap.parse_args()
     torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
-    paths = tiny.build(os.path.join(".cache", "tiny"), seed=0)
+    paths = tiny.build(os.path.join(ROOT, ".cache", "tiny"), seed=0)
     with open(paths["train"]) as f:
         rows = grpo._rows_from_records([json.loads(line) for line in f], paths["train"])
     model = paths["model" if args.model == "warm" else "base"]
@@ -118,14 +141,18 @@ def main():
           f"model {model}")
     for name in [args.only] if args.only else list(WORKLOADS):
         prompts, max_tokens = WORKLOADS[name]
-        results = {"flatgrpo": [], "TRL": []}
+        # each rank owns whole prompts: 1 prompt per step cannot be split over 2 ranks
+        contenders = {who: r for who, r in CONTENDERS.items() if r is None or prompts % r == 0}
+        results = {who: [] for who in contenders}
         for round_ in range(args.rounds + 1):  # round 0: warm-up, not counted
-            for who in ("flatgrpo", "TRL"):
-                got = flatgrpo_round(model, prompts, max_tokens, args.steps, round_) if who == "flatgrpo" else \
-                    trl_round(model, rows, prompts, max_tokens, args.steps, round_)
+            for who, ranks in contenders.items():
+                if ranks is None:
+                    got = trl_round(model, rows, prompts, max_tokens, args.steps, round_)
+                else:
+                    got = flatgrpo_round(model, prompts, max_tokens, args.steps, round_, ranks)
                 if round_:
                     results[who] += got
-        report(f"{name}: {prompts} prompt(s) x 8 samples x <= {max_tokens} tokens per step", results)
+        report(f"{name}: {prompts} prompt(s) x 8 samples x <= {max_tokens} tokens per step", results, prompts * 8)
 
 
 if __name__ == "__main__":

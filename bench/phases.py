@@ -9,8 +9,9 @@ Target: everything outside generation + update + push <= 5% of the step.
 scaling: the warm-started model stops after ~17 tokens whatever the limit, so this table uses the
 tiny RANDOM model (tiny.py's `base`), whose responses run to the limit: step time and peak resident
 memory of each phase for prompts per step in (1, 4, 16, 64) x max response tokens in (32, 128, 512).
-Memory: the process's RSS sampled every 2 ms while a phase runs (vLLM's KV cache, 1 GiB, is allocated
-before the first step and is in every figure).
+Memory: the process's peak RSS sampled every 2 ms while a phase runs ("-": the phase did not run, e.g. the
+old log-probs on-policy). RSS only grows (the allocator keeps freed pages), so a figure is the high-water
+mark reached by the end of that phase; vLLM's KV cache (1 GiB) is allocated before the first step.
 """
 
 import argparse
@@ -109,7 +110,7 @@ def scaling() -> None:
                         "trainer.sync_check_every=0", "actor.ppo_max_token_len_per_gpu=16384"])[1:]
             med = {k: statistics.median(r.get(f"timing_s/{k}", 0.0) for r in rows)
                    for k in ("step", "gen", "update_actor", "update_weights")}
-            peaks = " / ".join(f"{mem.peak.get(p, 0) / 2**30:.2f}" for p in
+            peaks = " / ".join(f"{mem.peak[p] / 2**30:.2f}" if p in mem.peak else "-" for p in
                                ("gen", "old_log_prob", "ref", "update_actor", "update_weights"))
             print(f"{prompts:>8}{length:>8}{med['step']:>9.3f}{med['gen']:>8.3f}{med['update_actor']:>8.3f}"
                   f"{med['update_weights']:>8.3f}   {peaks}", flush=True)
