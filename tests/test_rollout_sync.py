@@ -124,10 +124,10 @@ def test_check_sync_detects_a_missing_prefix_cache_reset(engine_and_model, monke
     assert sync.check_sync(llm, model) <= 1e-4
 
 
+@pytest.mark.parametrize("engine_and_model", ["tied"], indirect=True)  # only a tied model shares its lm_head
 def test_tied_lm_head_is_repacked_on_cpu(engine_and_model, monkeypatch):
     kind, llm, model, _ = engine_and_model
-    if kind != "tied":
-        pytest.skip("only tied models have a shared lm_head")
+    assert kind == "tied" and sync._tied(llm)
     perturb(model, seed=3)
     monkeypatch.setattr(sync, "_repack_tied_lm_head", lambda m: None)  # what a naive push does
     sync.push_weights(llm, sync.full_params(model))
