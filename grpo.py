@@ -96,8 +96,11 @@ def load_config(path: str | None, overrides: list[str]) -> dict:
     cfg = copy.deepcopy(DEFAULTS)
     updates = []
     if path:
-        with open(path) as f:
-            loaded = yaml.safe_load(f) or {}
+        try:
+            with open(path) as f:
+                loaded = yaml.safe_load(f) or {}
+        except OSError as e:
+            raise ConfigError(f"config: cannot read {path}: {e.strerror}") from None
         if not isinstance(loaded, dict):
             raise ConfigError(f"config: {path} must be a mapping of sections")
         for section, values in loaded.items():
@@ -226,13 +229,9 @@ def main(argv=None):
     ap.add_argument("--config", help="YAML config (gsm8k.yaml, tiny.yaml)")
     ap.add_argument("overrides", nargs="*", help="section.key=value")
     args = ap.parse_args(argv)
-    try:
-        cfg = load_config(args.config, args.overrides)
-    except (ConfigError, OSError, yaml.YAMLError) as e:
-        sys.exit(f"error: {e}")
-    try:
-        train(cfg)
-    except ConfigError as e:  # rules that need the world size or the model's config: one line, no traceback
+    try:  # bad config, data, or world size: one line, no traceback, before any model loads
+        train(load_config(args.config, args.overrides))
+    except (ConfigError, yaml.YAMLError) as e:
         sys.exit(f"error: {e}")
 
 
