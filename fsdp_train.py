@@ -119,21 +119,31 @@ def _read_hf_weights(path: str, dtype: torch.dtype, config) -> dict[str, torch.T
 
 def make_optimizer(model, *, lr: float, betas=(0.9, 0.999), weight_decay: float = 0.01, warmup_steps: int = 0,
                    total_steps: int = 1, schedule: str = "constant", min_lr_ratio: float = 0.0):
-    """AdamW (veRL's defaults) and a per-global-step LR schedule: linear warmup, then constant or
-    cosine decay to min_lr_ratio * lr."""
+    """AdamW (veRL's defaults) and veRL 0.9.1's per-global-step LR schedule (lr_factor); call
+    scheduler.step() once per global step, after its optimizer steps."""
     if schedule not in ("constant", "cosine"):
         raise ValueError(f"make_optimizer: schedule={schedule!r}; accepted: constant, cosine")
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, betas=betas, weight_decay=weight_decay)
+    return optimizer, torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda step: lr_factor(step, warmup_steps, total_steps, schedule, min_lr_ratio))
 
-    def factor(step: int) -> float:
-        if step < warmup_steps:
-            return (step + 1) / warmup_steps
-        if schedule == "constant":
-            return 1.0
-        progress = (step - warmup_steps) / max(1, total_steps - warmup_steps)
-        return min_lr_ratio + (1 - min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
 
-    return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+def lr_factor(step: int, warmup_steps: int, total_steps: int, schedule: str, min_lr_ratio: float = 0.0) -> float:
+    """lr / peak lr after `step` schedule steps (verl/utils/torch_functional.py,
+    get_constant_schedule_with_warmup and get_cosine_schedule_with_warmup, veRL 0.9.1):
+
+        warmup (step < W):  step / W            the FIRST update runs at lr 0 (Adam's moments still move)
+        constant:           1
+        cosine:             max(m, m + (1 - m) * (1 + cos(pi * p)) / 2),  p = (step - W) / max(1, total - W)
+
+    m = min_lr_ratio. E.g. W = 2: factors 0, 0.5, 1, 1, ... for the updates of steps 1, 2, 3, ...
+    """
+    if step < warmup_steps:
+        return step / max(1, warmup_steps)
+    if schedule == "constant":
+        return 1.0
+    progress = (step - warmup_steps) / max(1, total_steps - warmup_steps)
+    return max(min_lr_ratio, min_lr_ratio + (1 - min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
 
 
 # ----------------------------------------------------------------------------------- batches
@@ -242,8 +252,9 @@ def train_step(model, optimizer, batch: dict[str, torch.Tensor], loss_fn, *, tem
                max_tokens: int, grad_clip: float = 1.0, entropy_fn=None, entropy_grad: bool = True) -> dict[str, float]:
     """One optimizer step on this rank's share of ONE mini-batch (veRL's update_policy inner loop).
 
-    loss_fn(logp [b, R], entropy [b, R] | None, mb, counts) -> (loss, metrics), where counts =
-    {"num_tokens", "num_seqs"} are the GLOBAL mini-batch totals: loss_fn normalises by them, so the
+    loss_fn(logp [b, R], entropy [b, R] | None, mb, counts) -> (loss, metrics), where counts are the
+    GLOBAL mini-batch totals (all micro-batches, all ranks): num_tokens = response tokens, num_seqs =
+    rows, empty responses included (veRL's global_batch_size). loss_fn normalises by them, so the
     micro-batch losses and metric shares SUM to the mini-batch values (metrics are all-reduced here;
     keys ending in "_max" are maxima instead). entropy_fn with entropy_grad=False: entropy for metrics.
     Skips the step (zeroing the gradients) when the pre-clip gradient norm is not finite.
@@ -251,8 +262,8 @@ def train_step(model, optimizer, batch: dict[str, torch.Tensor], loss_fn, *, tem
     device = next(model.parameters()).device
     world = dist.get_world_size()
     start = time.perf_counter()
-    counts = {"num_tokens": all_reduce(batch["response_mask"].sum()),
-              "num_seqs": all_reduce((batch["response_mask"].sum(-1) > 0).sum())}
+    counts = {"num_tokens": all_reduce(batch["response_mask"].sum()),  # veRL's batch_num_tokens
+              "num_seqs": all_reduce(batch["response_mask"].shape[0])}  # veRL's global_batch_size: ALL rows
     sums: dict[str, float] = {}
     optimizer.zero_grad(set_to_none=True)
     for rows in _synced_micro_batches(batch, max_tokens):
@@ -282,7 +293,7 @@ def train_step(model, optimizer, batch: dict[str, torch.Tensor], loss_fn, *, tem
     if torch.cuda.is_available():
         torch.cuda.synchronize()
     flops = all_reduce(estimate_flops(model.config, batch["attention_mask"].sum(-1).tolist()))
-    out = {**reduced, "actor/grad_norm": grad_norm, "actor/lr": optimizer.param_groups[0]["lr"],
+    out = {**reduced, "actor/grad_norm": grad_norm,
            "actor/skipped_steps": float(skipped),
            "perf/mfu/actor": mfu(flops, time.perf_counter() - start, world, peak_flops())}
     if torch.cuda.is_available():

@@ -19,6 +19,7 @@ import os
 import random
 import sys
 import time
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -42,7 +43,7 @@ DEFAULTS = {
     "rollout": {"n": 8, "temperature": 1.0, "top_p": 1.0, "top_k": -1, "dtype": "float32",
                 "gpu_memory_utilization": 0.4, "tensor_parallel_size": 1, "sleep_level": 1,
                 "enable_prefix_caching": True, "seed_samples": True},
-    "actor": {"lr": 1e-5, "lr_warmup_steps": 0, "lr_schedule": "constant", "min_lr_ratio": 0.0,
+    "actor": {"lr": 1e-5, "lr_warmup_steps": 0, "lr_warmup_steps_ratio": 0.0, "lr_schedule": "constant", "min_lr_ratio": 0.0,
               "weight_decay": 0.01, "betas": [0.9, 0.999], "ppo_mini_batch_size": 16, "ppo_epochs": 1,
               "ppo_max_token_len_per_gpu": 16384, "clip_ratio_low": 0.2, "clip_ratio_high": 0.28,
               "clip_ratio_c": 3.0, "loss_agg_mode": "token-mean", "recompute_old_log_prob": False, "entropy_coeff": 0.0, "use_kl_loss": True,
@@ -236,16 +237,219 @@ def main(argv=None):
 
 
 def train(cfg: dict):
-    rank, world, device = fsdp_train.init_distributed()
-    tr, d, ro, ac = cfg["trainer"], cfg["data"], cfg["rollout"], cfg["actor"]
-    mini = ac["ppo_mini_batch_size"]
-    if mini % world:
-        raise ConfigError(f"config: actor.ppo_mini_batch_size ({mini}) must be a multiple of the world size ({world})")
-    out = tr["output_dir"]
-    seed_everything(tr["seed"] + rank)
-    replay = tr["replay_batches"]
+    """The whole run: build everything once, then one GRPO step per global step."""
+    run = setup(cfg)
+    progress = make_progress(run.rank, run.start, run.total_steps)
+    for step in range(run.start, run.total_steps + 1):
+        metrics = grpo_step(run, step)
+        run.logger.log(step, metrics)
+        progress.update(metrics)
+    progress.close()
+    finish(run)
 
-    # ---- model, tokenizer, data (tiny.py builds its model and data offline on first use)
+
+def grpo_step(run: "Run", step: int) -> dict:
+    """One global step, in veRL's order (its timing_s/* names): gen + reward -> old_log_prob + ref -> adv
+    -> update_actor -> update_weights -> testing / save_checkpoint. Each phase fills in what the batch
+    lacks: a replayed batch (trainer.replay_batches) arrives with rewards, old and reference log-probs
+    and advantages, a sampled one with rewards only."""
+    t = {}
+    with Timer(t, "step"):
+        batch = load_replay(run, step) if run.cfg["trainer"]["replay_batches"] else sample_batch(run, step, t)
+        metrics = old_and_ref_logprobs(run, batch, t)
+        if "advantages" not in batch:
+            with Timer(t, "adv"):
+                batch["advantages"] = group_advantages(batch["rewards"], batch["response_mask"], run.cfg)  # [B, R]
+        if run.cfg["trainer"]["dump_batches"]:
+            dump_batch(run, step, batch)
+        metrics.update(update_actor(run, batch, t))
+        warn_if_out_of_sync(run, step, metrics["rollout/logprob_diff_max"])
+        metrics.update(update_weights(run, step, t))
+        metrics.update(validate_and_save(run, step, t))
+        with Timer(t, "logging"):  # the metrics' all-gathers; the file write after is ~0.1 ms
+            metrics.update(batch_metrics(batch, run.cfg["data"], t, run.world))
+    metrics.update({f"timing_s/{k}": v for k, v in t.items()})
+    metrics["perf/time_per_step"] = t["step"]
+    metrics["perf/throughput"] = metrics["perf/total_num_tokens"] / (t["step"] * run.world)
+    metrics["training/global_step"] = step
+    metrics["training/epoch"] = (step - 1) * run.cfg["data"]["train_batch_size"] // len(run.train_rows)
+    return metrics
+
+
+# ------------------------------------------------------------------------------ the phases
+def sample_batch(run: "Run", step: int, t: dict) -> dict:
+    """gen + reward: n samples of each of this rank's prompts from vLLM, scored by veRL's GSM8K rule.
+    Returns the batch (fsdp_train's layout) with rewards [B] and vLLM's sampling log-probs [B, R]."""
+    cfg, ro = run.cfg, run.cfg["rollout"]
+    prompts = step_prompts(run.train_rows, step, cfg["data"]["train_batch_size"], cfg["data"]["shuffle"],
+                           cfg["trainer"]["seed"])
+    mine = [prompts[i] for i in run.positions]
+    with Timer(t, "gen"):
+        seed = sample_seed(cfg["trainer"]["seed"], step, run.rank) if ro["seed_samples"] else None
+        samples = rollout.generate(run.llm, [p["prompt"] for p in mine], n=ro["n"], temperature=ro["temperature"],
+                                   top_p=ro["top_p"], top_k=ro["top_k"], max_tokens=cfg["data"]["max_response_length"],
+                                   seed=seed)
+        rollout.sleep(run.llm, ro["sleep_level"])
+    with Timer(t, "reward"):
+        rewards = score_samples([s.text for s in samples], [p["ground_truth"] for p in mine], ro["n"], cfg["reward"])
+    batch = fsdp_train.make_batch([s.prompt_ids for s in samples], [s.response_ids for s in samples], run.pad_id)
+    batch["rewards"] = rewards  # [B]
+    batch["rollout_logprobs"] = torch.zeros_like(batch["response_mask"])  # [B, R]
+    for k, s in enumerate(samples):
+        batch["rollout_logprobs"][k, : len(s.logprobs)] = torch.tensor(s.logprobs)
+    return batch
+
+
+def score_samples(texts: list[str], truths: list[str], n: int, rw: dict) -> torch.Tensor:
+    """Rewards [len(texts)]: sample k answers prompt k // n (the n samples of a prompt are consecutive)."""
+    return torch.tensor([reward.compute_score(text, truths[k // n], method=rw["method"], format_score=rw["format_score"],
+                                              score=rw["score"], clip_chars=rw["clip_chars"])
+                         for k, text in enumerate(texts)], dtype=torch.float32)
+
+
+def old_and_ref_logprobs(run: "Run", batch: dict, t: dict) -> dict:
+    """old_log_prob: the sampling policy's log-probs (the PPO ratio's denominator), with actor/entropy and
+    the sync proof; ref: the reference model's, for the KL loss. Returns the old pass's metrics."""
+    ac, temperature = run.cfg["actor"], run.cfg["rollout"]["temperature"]
+    metrics = {}
+    if run.on_policy:
+        t["old_log_prob"] = 0.0  # supplied by the update's own forward (see setup)
+    else:
+        with Timer(t, "old_log_prob"):
+            old, entropy = fsdp_train.compute_logprobs(run.policy, batch, temperature=temperature,
+                                                       max_tokens=ac["ppo_max_token_len_per_gpu"],
+                                                       entropy_fn=losses.entropy_from_logits)
+        metrics = old_logprob_metrics(batch, old, entropy, run.cfg)
+        batch.setdefault("old_logprobs", old)  # a replayed batch keeps its dumped ones
+    if run.ref is not None and "ref_logprobs" not in batch:
+        with Timer(t, "ref"):
+            batch["ref_logprobs"], _ = fsdp_train.compute_logprobs(run.ref, batch, temperature=temperature,
+                                                                   max_tokens=ac["ppo_max_token_len_per_gpu"])
+    return metrics
+
+
+def group_advantages(rewards: torch.Tensor, response_mask: torch.Tensor, cfg: dict) -> torch.Tensor:
+    """adv: GRPO advantages [B, R]: each reward normalised within its prompt's group of n consecutive
+    samples (losses.grpo_advantages), broadcast over the response tokens."""
+    n = cfg["rollout"]["n"]
+    adv = losses.grpo_advantages(rewards, [k // n for k in range(len(rewards))],
+                                 norm_by_std=cfg["algorithm"]["norm_adv_by_std_in_grpo"])  # [B]
+    return adv[:, None] * response_mask  # [B, R]
+
+
+def update_actor(run: "Run", batch: dict, t: dict) -> dict:
+    """update_actor: one optimizer step per mini-batch and PPO epoch (veRL's update_policy), then one LR
+    schedule step; returns the mean of the mini-batches' metrics."""
+    ac, ro = run.cfg["actor"], run.cfg["rollout"]
+    rows = ac["ppo_mini_batch_size"] // run.world * ro["n"]  # this rank's rows of one mini-batch
+    with Timer(t, "update_actor"):
+        results = []
+        for _ in range(ac["ppo_epochs"]):
+            for j in range(0, batch["input_ids"].shape[0], rows):
+                results.append(fsdp_train.train_step(
+                    run.policy, run.optimizer, fsdp_train.select(batch, list(range(j, j + rows))), grpo_loss_fn(run.cfg),
+                    temperature=ro["temperature"], max_tokens=ac["ppo_max_token_len_per_gpu"], grad_clip=ac["grad_clip"],
+                    entropy_fn=losses.entropy_from_logits if ac["entropy_coeff"] or run.on_policy else None,
+                    entropy_grad=bool(ac["entropy_coeff"])))
+        run.scheduler.step()
+    metrics = {k: sum(m[k] for m in results) / len(results) for k in results[0]}
+    metrics["actor/lr"] = run.scheduler.get_last_lr()[0]  # as veRL 0.9.1: read AFTER the schedule step
+    metrics["actor/skipped_steps"] = sum(m["actor/skipped_steps"] for m in results)
+    if "perf/max_memory_allocated_gb" in metrics:
+        metrics["perf/max_memory_allocated_gb"] = max(m["perf/max_memory_allocated_gb"] for m in results)
+    metrics["actor/kl_coef"] = ac["kl_loss_coef"] if run.ref is not None else 0.0
+    return metrics
+
+
+def update_weights(run: "Run", step: int, t: dict) -> dict:
+    """update_weights: push the new weights into the running engine; every trainer.sync_check_every
+    steps, prove it (rollout/sync_check: vLLM vs trainer log-probs on a probe)."""
+    if run.llm is None:  # replay: no engine
+        return {}
+    with Timer(t, "update_weights"):
+        rollout.wake(run.llm, ["weights"])
+        sync.push_weights(run.llm, sync.full_params(run.policy))
+        rollout.wake(run.llm, ["kv_cache"])
+    every = run.cfg["trainer"]["sync_check_every"]
+    if not every or step % every:
+        return {}
+    with Timer(t, "sync_check"):
+        return {"rollout/sync_check": fsdp_train.all_reduce(sync.check_sync(run.llm, run.policy), op=dist.ReduceOp.MAX)}
+
+
+def validate_and_save(run: "Run", step: int, t: dict) -> dict:
+    """testing every trainer.val_every steps, save_checkpoint every trainer.save_every steps (both also
+    after the last step)."""
+    tr, last = run.cfg["trainer"], step == run.total_steps
+    metrics = {}
+    if run.llm is not None and tr["val_every"] > 0 and (step % tr["val_every"] == 0 or last):
+        with Timer(t, "testing"):
+            metrics[VAL_KEY] = validate(run.llm, run.val_rows, run.cfg, run.rank, run.world)
+    if tr["save_every"] > 0 and (step % tr["save_every"] == 0 or last):
+        with Timer(t, "save_checkpoint"):
+            fsdp_train.save_checkpoint(os.path.join(tr["output_dir"], "checkpoints"), step, run.policy, run.optimizer,
+                                       run.scheduler, extra={"step": step, "rng": rng_state()},
+                                       keep=tr["keep_checkpoints"])
+    return metrics
+
+
+# ------------------------------------------------------------------------------ set-up and end
+@dataclass
+class Run:
+    """What every step needs, built once by setup(): a plain bag of state, no framework."""
+    cfg: dict
+    rank: int
+    world: int
+    positions: list[int]      # this rank's positions in every step's prompt list (local_positions)
+    pad_id: int
+    tokenizer: object
+    train_rows: list[dict]
+    val_rows: list[dict]
+    total_steps: int
+    policy: torch.nn.Module
+    ref: torch.nn.Module | None  # the reference model (None without a KL loss)
+    optimizer: torch.optim.Optimizer
+    scheduler: object
+    start: int                # the first step to run (> 1 after a resume)
+    logger: "MetricsLogger"
+    llm: object = None        # the vLLM engine (None when replaying dumped batches)
+    on_policy: bool = False   # the update's own forward gives the old log-probs
+
+
+def setup(cfg: dict) -> Run:
+    """Distributed, data, models, optimizer, resume, engine, in that order; validation at step 0."""
+    rank, world, device = fsdp_train.init_distributed()
+    tr, d, ac = cfg["trainer"], cfg["data"], cfg["actor"]
+    if ac["ppo_mini_batch_size"] % world:
+        raise ConfigError(f"config: actor.ppo_mini_batch_size ({ac['ppo_mini_batch_size']}) must be a multiple of "
+                          f"the world size ({world})")
+    seed_everything(tr["seed"] + rank)
+    model_path, tokenizer, train_rows, val_rows, total_steps = load_data(cfg, rank, world)
+    policy, ref = load_models(cfg, model_path, device)
+    optimizer, scheduler = build_optimizer(cfg, policy, total_steps)
+    start = resume(cfg, policy, optimizer, scheduler, rank, world)
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    run = Run(cfg, rank, world, local_positions(d["train_batch_size"], ac["ppo_mini_batch_size"], world, rank), pad_id,
+              tokenizer, train_rows, val_rows, total_steps, policy, ref, optimizer, scheduler, start,
+              MetricsLogger(cfg, rank, resume_step=start - 1))
+    # On-policy shortcut (veRL's and TRL's): with one mini-batch and one epoch the policy that sampled IS
+    # the one being updated, so the update's own forward gives the old log-probs (ratio = 1) and the
+    # separate old-log-prob pass is skipped. Dumps carry explicit old log-probs, replays bring them.
+    run.on_policy = (ac["ppo_epochs"] == 1 and ac["ppo_mini_batch_size"] == d["train_batch_size"]
+                     and not ac["recompute_old_log_prob"] and not tr["dump_batches"] and not tr["replay_batches"])
+    if not tr["replay_batches"]:  # the engine, one per rank, AFTER torch.distributed (replay needs none)
+        run.llm = start_engine(cfg, model_path, rank)
+        if start > 1:
+            sync.push_weights(run.llm, sync.full_params(policy))
+        if tr["val_before_train"] and tr["val_every"] > 0 and start == 1:
+            run.logger.log(0, {VAL_KEY: validate(run.llm, val_rows, cfg, rank, world)})
+    return run
+
+
+def load_data(cfg: dict, rank: int, world: int) -> tuple:
+    """(model_path, tokenizer, train_rows, val_rows, total_steps); tiny.py builds its model and data offline on first
+    use. A missing file, a bad row or an overlong prompt with filtering off stops the run here."""
+    d = cfg["data"]
     tiny_paths = None
     if "tiny" in (cfg["model"]["path"], d["train"], d["val"]):
         if rank == 0:
@@ -260,8 +464,7 @@ def train(cfg: dict):
                           f"{d['max_prompt_length'] + d['max_response_length']} exceeds the model's "
                           f"max_position_embeddings ({positions}) in {model_path}")
     tokenizer = AutoTokenizer.from_pretrained(model_path)
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    try:  # a missing file or a bad row stops the run here, before any model loads, naming file, row and field
+    try:
         train_rows, n_dropped = filter_overlong(load_rows(d["train"], "train", tiny_paths), tokenizer, d)
         val_rows, _ = filter_overlong(load_rows(d["val"], "test", tiny_paths), tokenizer, d)
     except (ValueError, OSError) as e:
@@ -270,161 +473,63 @@ def train(cfg: dict):
         val_rows = val_rows[: d["val_max_samples"]]
     if len(train_rows) < d["train_batch_size"]:
         raise ConfigError(f"data: {len(train_rows)} training prompts, fewer than data.train_batch_size")
+    tr = cfg["trainer"]
     total_steps = tr["total_steps"] or tr["total_epochs"] * (len(train_rows) // d["train_batch_size"])
     log0(rank, f"data: {len(train_rows)} train prompts ({n_dropped} longer than {d['max_prompt_length']} tokens "
                f"filtered out), {len(val_rows)} validation prompts; {total_steps} steps on {world} rank(s)")
+    return model_path, tokenizer, train_rows, val_rows, total_steps
 
+
+def load_models(cfg: dict, model_path: str, device) -> tuple:
+    """(policy, reference or None): FSDP2-sharded; the reference only when the KL loss is on."""
+    m, ac = cfg["model"], cfg["actor"]
     dtypes = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-    policy = fsdp_train.load_model(model_path, device=device, param_dtype=dtypes[cfg["model"]["param_dtype"]],
-                                   compute_dtype=dtypes[cfg["model"]["compute_dtype"]],
-                                   activation_checkpointing=cfg["model"]["activation_checkpointing"])
+    common = dict(device=device, param_dtype=dtypes[m["param_dtype"]], compute_dtype=dtypes[m["compute_dtype"]])
+    policy = fsdp_train.load_model(model_path, activation_checkpointing=m["activation_checkpointing"], **common)
     use_ref = ac["use_kl_loss"] and ac["kl_loss_coef"] != 0
-    ref = fsdp_train.load_model(model_path, device=device, param_dtype=dtypes[cfg["model"]["param_dtype"]],
-                                compute_dtype=dtypes[cfg["model"]["compute_dtype"]], trainable=False) if use_ref else None
-    optimizer, scheduler = fsdp_train.make_optimizer(
-        policy, lr=ac["lr"], betas=tuple(ac["betas"]), weight_decay=ac["weight_decay"],
-        warmup_steps=ac["lr_warmup_steps"], total_steps=total_steps, schedule=ac["lr_schedule"],
-        min_lr_ratio=ac["min_lr_ratio"])
+    ref = fsdp_train.load_model(model_path, trainable=False, **common) if use_ref else None
+    return policy, ref
 
-    # ---- resume
-    start = 1
-    ckpt_root = os.path.join(out, "checkpoints")
-    resume_from = (fsdp_train.list_checkpoints(ckpt_root) or [None])[-1] if tr["resume"] == "auto" else \
+
+def build_optimizer(cfg: dict, policy, total_steps: int) -> tuple:
+    """AdamW and the LR schedule. Warmup as veRL 0.9.1 counts it (workers/engine/fsdp/transformer_impl.py):
+    actor.lr_warmup_steps if > 0, else int(actor.lr_warmup_steps_ratio * total steps)."""
+    ac = cfg["actor"]
+    warmup = ac["lr_warmup_steps"] if ac["lr_warmup_steps"] > 0 else int(ac["lr_warmup_steps_ratio"] * total_steps)
+    return fsdp_train.make_optimizer(policy, lr=ac["lr"], betas=tuple(ac["betas"]), weight_decay=ac["weight_decay"],
+                                     warmup_steps=warmup, total_steps=total_steps, schedule=ac["lr_schedule"],
+                                     min_lr_ratio=ac["min_lr_ratio"])
+
+
+def resume(cfg: dict, policy, optimizer, scheduler, rank: int, world: int) -> int:
+    """Load the checkpoint trainer.resume names (auto: the newest complete one); returns the first step."""
+    tr = cfg["trainer"]
+    root = os.path.join(tr["output_dir"], "checkpoints")
+    path = (fsdp_train.list_checkpoints(root) or [None])[-1] if tr["resume"] == "auto" else \
         (tr["resume"] if tr["resume"] != "off" else None)
-    if resume_from:
-        extra = fsdp_train.load_checkpoint(resume_from, policy, optimizer, scheduler)
-        start = extra["step"] + 1
-        if extra["saved_world_size"] == world:
-            restore_rng(extra["rng"])
-        log0(rank, f"resumed from {resume_from} (step {extra['step']})")
-    logger = MetricsLogger(cfg, rank, resume_step=start - 1)
+    if not path:
+        return 1
+    extra = fsdp_train.load_checkpoint(path, policy, optimizer, scheduler)
+    if extra["saved_world_size"] == world:
+        restore_rng(extra["rng"])
+    log0(rank, f"resumed from {path} (step {extra['step']})")
+    return extra["step"] + 1
 
-    # ---- the rollout engine: one per rank, created AFTER torch.distributed (not needed for replay)
-    llm = None
-    if not replay:
-        llm = rollout.make_engine(model_path, dtype=ro["dtype"], max_model_len=d["max_prompt_length"] + d["max_response_length"],
-                                  gpu_memory_utilization=ro["gpu_memory_utilization"],
-                                  tensor_parallel_size=ro["tensor_parallel_size"], seed=tr["seed"] + rank,
-                                  enable_prefix_caching=ro["enable_prefix_caching"])
-        if resume_from:
-            sync.push_weights(llm, sync.full_params(policy))
-        if tr["val_before_train"] and tr["val_every"] > 0 and start == 1:
-            logger.log(0, {VAL_KEY: validate(llm, val_rows, cfg, rank, world)})
 
-    on_policy = (ac["ppo_epochs"] == 1 and mini == d["train_batch_size"] and not ac["recompute_old_log_prob"]
-                 and not replay and not tr["dump_batches"])  # dumps carry explicit old log-probs
-    progress = make_progress(rank, start, total_steps)
-    for step in range(start, total_steps + 1):
-        timings, metrics = {}, {}
-        with Timer(timings, "step"):
-            # 1. this rank's prompts, and their n samples from vLLM
-            prompts = step_prompts(train_rows, step, d["train_batch_size"], d["shuffle"], tr["seed"])
-            mine = local_positions(d["train_batch_size"], mini, world, rank)
-            if replay:
-                batch, rewards = load_replay(replay, step, mine, ro["n"])
-                samples = None
-            else:
-                with Timer(timings, "gen"):
-                    samples = rollout.generate(llm, [prompts[i]["prompt"] for i in mine], n=ro["n"],
-                                               temperature=ro["temperature"], top_p=ro["top_p"], top_k=ro["top_k"],
-                                               max_tokens=d["max_response_length"],
-                                               seed=sample_seed(tr["seed"], step, rank) if ro["seed_samples"] else None)
-                    rollout.sleep(llm, ro["sleep_level"])
-                # 2. rewards: veRL's GSM8K score of each decoded response
-                with Timer(timings, "reward"):
-                    rw = cfg["reward"]
-                    rewards = torch.tensor([reward.compute_score(s.text, prompts[mine[k // ro["n"]]]["ground_truth"],
-                                                                 method=rw["method"], format_score=rw["format_score"],
-                                                                 score=rw["score"], clip_chars=rw["clip_chars"])
-                                            for k, s in enumerate(samples)], dtype=torch.float32)
-                batch = fsdp_train.make_batch([s.prompt_ids for s in samples], [s.response_ids for s in samples], pad_id)
+def start_engine(cfg: dict, model_path: str, rank: int):
+    d, ro = cfg["data"], cfg["rollout"]
+    return rollout.make_engine(model_path, dtype=ro["dtype"], max_model_len=d["max_prompt_length"] + d["max_response_length"],
+                               gpu_memory_utilization=ro["gpu_memory_utilization"],
+                               tensor_parallel_size=ro["tensor_parallel_size"], seed=cfg["trainer"]["seed"] + rank,
+                               enable_prefix_caching=ro["enable_prefix_caching"])
 
-            # 3. old log-probs from the policy that sampled and reference log-probs for the KL. On-policy
-            #    (one mini-batch, one epoch) the update's own forward gives the old log-probs (ratio = 1,
-            #    as veRL's on-policy path and TRL do), and with them entropy and the sync proof metrics.
-            if not replay:
-                batch["rollout_logprobs"] = torch.zeros_like(batch["response_mask"])  # [B, R]
-                for k, s in enumerate(samples):
-                    batch["rollout_logprobs"][k, : len(s.logprobs)] = torch.tensor(s.logprobs)  # [B, R]
-            if on_policy:
-                timings["old_log_prob"] = 0.0  # supplied by the update's own forward
-            else:
-                with Timer(timings, "old_log_prob"):
-                    old_logp, entropy = fsdp_train.compute_logprobs(policy, batch, temperature=ro["temperature"],
-                                                                    max_tokens=ac["ppo_max_token_len_per_gpu"],
-                                                                    entropy_fn=losses.entropy_from_logits)
-                metrics.update(old_logprob_metrics(batch, old_logp, entropy, replay, cfg))
-                if not replay:
-                    batch["old_logprobs"] = old_logp
-            if not replay:
-                if ref is not None:
-                    with Timer(timings, "ref"):
-                        batch["ref_logprobs"], _ = fsdp_train.compute_logprobs(
-                            ref, batch, temperature=ro["temperature"], max_tokens=ac["ppo_max_token_len_per_gpu"])
 
-                # 4. GRPO advantages: normalised within each prompt's group of n, broadcast over tokens
-                with Timer(timings, "adv"):
-                    group_ids = [k // ro["n"] for k in range(len(samples))]
-                    adv = losses.grpo_advantages(rewards, group_ids, norm_by_std=cfg["algorithm"]["norm_adv_by_std_in_grpo"])
-                    batch["advantages"] = adv[:, None] * batch["response_mask"]  # [B, R]
-            if tr["dump_batches"]:
-                dump_batch(tr["dump_batches"], step, batch, rewards, mine, ro["n"], rank, world)
-
-            # 5. the update: one optimizer step per mini-batch, per PPO epoch
-            with Timer(timings, "update_actor"):
-                rows_per_mini = (mini // world) * ro["n"]
-                actor = []
-                for _ in range(ac["ppo_epochs"]):
-                    for j in range(0, batch["input_ids"].shape[0], rows_per_mini):
-                        part = fsdp_train.select(batch, list(range(j, j + rows_per_mini)))
-                        actor.append(fsdp_train.train_step(
-                            policy, optimizer, part, grpo_loss_fn(cfg), temperature=ro["temperature"],
-                            max_tokens=ac["ppo_max_token_len_per_gpu"], grad_clip=ac["grad_clip"],
-                            entropy_fn=losses.entropy_from_logits if ac["entropy_coeff"] or on_policy else None,
-                            entropy_grad=bool(ac["entropy_coeff"])))
-                scheduler.step()
-            metrics.update({k: sum(m[k] for m in actor) / len(actor) for k in actor[0]})
-            warn_if_out_of_sync(metrics["rollout/logprob_diff_max"], tr["logprob_diff_warn"], step, rank, replay)
-            metrics["actor/skipped_steps"] = sum(m["actor/skipped_steps"] for m in actor)
-            if "perf/max_memory_allocated_gb" in metrics:
-                metrics["perf/max_memory_allocated_gb"] = max(m["perf/max_memory_allocated_gb"] for m in actor)
-            metrics["actor/kl_coef"] = ac["kl_loss_coef"] if use_ref else 0.0
-
-            # 6. push the new weights into the running engine (and prove it)
-            if llm is not None:
-                with Timer(timings, "update_weights"):
-                    rollout.wake(llm, ["weights"])
-                    sync.push_weights(llm, sync.full_params(policy))
-                    rollout.wake(llm, ["kv_cache"])
-                if tr["sync_check_every"] and step % tr["sync_check_every"] == 0:
-                    with Timer(timings, "sync_check"):
-                        metrics["rollout/sync_check"] = fsdp_train.all_reduce(sync.check_sync(llm, policy),
-                                                                              op=dist.ReduceOp.MAX)
-
-            # 7. validation and checkpoints
-            last = step == total_steps
-            if llm is not None and tr["val_every"] > 0 and (step % tr["val_every"] == 0 or last):
-                with Timer(timings, "testing"):
-                    metrics[VAL_KEY] = validate(llm, val_rows, cfg, rank, world)
-            if tr["save_every"] > 0 and (step % tr["save_every"] == 0 or last):
-                with Timer(timings, "save_checkpoint"):
-                    fsdp_train.save_checkpoint(ckpt_root, step, policy, optimizer, scheduler,
-                                               extra={"step": step, "rng": rng_state()}, keep=tr["keep_checkpoints"])
-            with Timer(timings, "logging"):  # the metrics' all-gathers; the file write after is ~0.1 ms
-                metrics.update(batch_metrics(batch, rewards, d, timings, world))
-        metrics.update({f"timing_s/{k}": v for k, v in timings.items()})
-        metrics["perf/time_per_step"] = timings["step"]
-        metrics["perf/throughput"] = metrics["perf/total_num_tokens"] / (timings["step"] * world)
-        metrics["training/global_step"], metrics["training/epoch"] = step, (step - 1) * d["train_batch_size"] // len(train_rows)
-        logger.log(step, metrics)
-        progress.update(metrics)
-
-    # ---- the end: an HF export, the curves, the engine and the process group closed in order
-    progress.close()
-    if tr["export_hf"]:
-        fsdp_train.export_hf(policy, os.path.join(out, "hf"), tokenizer)
-    logger.close()
-    del llm
+def finish(run: Run):
+    """The HF export, the curves, then the engine and the process group closed in that order."""
+    if run.cfg["trainer"]["export_hf"]:
+        fsdp_train.export_hf(run.policy, os.path.join(run.cfg["trainer"]["output_dir"], "hf"), run.tokenizer)
+    run.logger.close()
+    run.llm = None
     if dist.is_initialized():  # vLLM's shutdown may already have destroyed it
         dist.destroy_process_group()
 
@@ -505,50 +610,53 @@ def restore_rng(state: dict):
 
 
 # ------------------------------------------------------------------------------- dump / replay
-def dump_batch(root: str, step: int, batch: dict, rewards: torch.Tensor, mine: list[int], n: int, rank: int, world: int):
-    """Save the step's GLOBAL training batch (all ranks, in global prompt order) to root/step_<N>.pt:
-    token ids, masks, rewards, advantages, old and reference log-probs (seed Experiment 1)."""
-    rows = [{k: v[i] for k, v in batch.items()} | {"reward": rewards[i], "position": mine[i // n]}
+def dump_batch(run: Run, step: int, batch: dict):
+    """Save the step's GLOBAL training batch (all ranks, in global prompt order) to
+    <trainer.dump_batches>/step_<N>.pt: token ids, masks, rewards, advantages, old and reference
+    log-probs (the seed's Experiment 1: replay them elsewhere with trainer.replay_batches)."""
+    n, root = run.cfg["rollout"]["n"], run.cfg["trainer"]["dump_batches"]
+    rows = [{k: v[i] for k, v in batch.items()} | {"position": run.positions[i // n]}
             for i in range(batch["input_ids"].shape[0])]
-    gathered = [None] * world
+    gathered = [None] * run.world
     dist.all_gather_object(gathered, rows)
-    if rank == 0:
+    if run.rank == 0:
         rows = sorted((r for part in gathered for r in part), key=lambda r: r["position"])  # stable: samples stay in order
-        prompts = [r["input_ids"][:-r["response_mask"].shape[0]][r["attention_mask"][:-r["response_mask"].shape[0]].bool()].tolist()
-                   for r in rows]
-        responses = [r["input_ids"][-r["response_mask"].shape[0]:][r["response_mask"].bool()].tolist() for r in rows]
+        prompts = [r["input_ids"][:-len(r["response_mask"])][r["attention_mask"][:-len(r["response_mask"])].bool()].tolist()
+                   for r in rows]  # each rank's rows have their own padded width
+        responses = [r["input_ids"][-len(r["response_mask"]):][r["response_mask"].bool()].tolist() for r in rows]
         full = fsdp_train.make_batch(prompts, responses, pad_id=0)
         width = full["response_mask"].shape[1]
         for key in ("old_logprobs", "ref_logprobs", "advantages"):
             if key in rows[0]:
                 full[key] = torch.stack([torch.nn.functional.pad(r[key], (0, width - r[key].shape[0]))[:width] for r in rows])
-        full["rewards"] = torch.stack([r["reward"] for r in rows])
+        full["rewards"] = torch.stack([r["rewards"] for r in rows])
         os.makedirs(root, exist_ok=True)
         torch.save(full, os.path.join(root, f"step_{step}.pt.tmp"))
         os.replace(os.path.join(root, f"step_{step}.pt.tmp"), os.path.join(root, f"step_{step}.pt"))
     dist.barrier()
 
 
-def load_replay(root: str, step: int, mine: list[int], n: int) -> tuple[dict, torch.Tensor]:
-    """This rank's rows of a dumped step (the same prompt positions it would have sampled)."""
-    path = os.path.join(root, f"step_{step}.pt")
+def load_replay(run: Run, step: int) -> dict:
+    """This rank's rows of a dumped step (the prompt positions it would have sampled): a complete batch
+    with rewards, advantages, old and reference log-probs."""
+    path = os.path.join(run.cfg["trainer"]["replay_batches"], f"step_{step}.pt")
     if not os.path.exists(path):
         raise FileNotFoundError(f"trainer.replay_batches: {path} missing (the dump has fewer steps than this run)")
-    full = torch.load(path)
-    rows = [p * n + j for p in mine for j in range(n)]
-    rewards = full.pop("rewards")[rows]
-    return fsdp_train.select(full, rows), rewards
+    n = run.cfg["rollout"]["n"]
+    return fsdp_train.select(torch.load(path), [p * n + j for p in run.positions for j in range(n)])
 
 
 # ------------------------------------------------------------------------------------ metrics
-def old_logprob_metrics(batch, old_logp, entropy, replay, cfg) -> dict:
+def old_logprob_metrics(batch, old_logp, entropy, cfg) -> dict:
     """actor/entropy (veRL logs agg_loss(entropy) of this pass, in actor.loss_agg_mode) and the run-time
-    sync proof rollout/logprob_diff_*: vLLM's sampling log-probs vs the trainer's on the same tokens; in
-    replay, dumped vs recomputed. With the GLOBAL counts, each rank's agg_loss is its share of the sum."""
+    sync proof rollout/logprob_diff_*: this pass against the log-probs it must reproduce, vLLM's sampling
+    ones (or, for a replayed batch, the dumped old ones). With GLOBAL counts each rank's agg_loss is its
+    share of the sum."""
     mask = batch["response_mask"]
     tokens = fsdp_train.all_reduce(mask.sum())
     seqs = fsdp_train.all_reduce((mask.sum(-1) > 0).sum())
-    diff = (old_logp - batch["old_logprobs" if replay else "rollout_logprobs"]).abs() * mask  # [B, R]
+    expected = batch["old_logprobs"] if "old_logprobs" in batch else batch["rollout_logprobs"]  # [B, R]
+    diff = (old_logp - expected).abs() * mask  # [B, R]
     entropy = losses.agg_loss(entropy, mask, cfg["actor"]["loss_agg_mode"], num_tokens=tokens, num_seqs=seqs,
                               scale_factor=cfg["data"]["max_response_length"])
     return {"actor/entropy": fsdp_train.all_reduce(entropy),
@@ -556,26 +664,30 @@ def old_logprob_metrics(batch, old_logp, entropy, replay, cfg) -> dict:
             "rollout/logprob_diff_mean": fsdp_train.all_reduce(diff.sum()) / tokens}
 
 
-def warn_if_out_of_sync(diff_max: float, threshold: float, step: int, rank: int, replay: bool) -> None:
-    if diff_max > threshold and rank == 0:
-        what = "dumped and recomputed old log-probs" if replay else "vLLM and trainer log-probs"
-        print(f"\nWARNING step {step}: {what} differ by up to {diff_max:.3g} nats (> trainer.logprob_diff_warn="
-              f"{threshold}): the engine may not serve the trained weights (missing push / prefix-cache "
-              "reset / dtype mismatch)." if not replay else f"\nWARNING step {step}: {what} differ by up to "
-              f"{diff_max:.3g} nats: this run does not start from the dumped run's state.", flush=True)
+def warn_if_out_of_sync(run: Run, step: int, diff_max: float) -> None:
+    threshold = run.cfg["trainer"]["logprob_diff_warn"]
+    if diff_max <= threshold or run.rank != 0:
+        return
+    if run.cfg["trainer"]["replay_batches"]:
+        print(f"\nWARNING step {step}: dumped and recomputed old log-probs differ by up to {diff_max:.3g} nats: "
+              "this run does not start from the dumped run's state.", flush=True)
+    else:
+        print(f"\nWARNING step {step}: vLLM and trainer log-probs differ by up to {diff_max:.3g} nats (> "
+              f"trainer.logprob_diff_warn={threshold}): the engine may not serve the trained weights (missing push / "
+              "prefix-cache reset / dtype mismatch).", flush=True)
 
 
 def _stats(prefix: str, values: list[float]) -> dict:
     return {f"{prefix}/mean": sum(values) / len(values), f"{prefix}/max": max(values), f"{prefix}/min": min(values)}
 
 
-def batch_metrics(batch, rewards, d, timings, world) -> dict:
+def batch_metrics(batch, d, timings, world) -> dict:
     """veRL's critic/*, length, per-token timing and perf metrics over the GLOBAL batch (the step's
     own time and throughput are added once the step is over)."""
     mask = batch["response_mask"]
     p_width = batch["input_ids"].shape[1] - mask.shape[1]
     adv_tokens = batch["advantages"][mask.bool()].tolist()
-    local = {"scores": rewards.tolist(), "resp": mask.sum(-1).tolist(),
+    local = {"scores": batch["rewards"].tolist(), "resp": mask.sum(-1).tolist(),
              "prompt": batch["attention_mask"][:, :p_width].sum(-1).tolist(), "adv": adv_tokens}
     parts = [None] * world
     dist.all_gather_object(parts, local)

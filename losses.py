@@ -65,10 +65,13 @@ def agg_loss(
     seq-mean-token-mean:      sum_i (sum_t x_it m_it / (sum_t m_it + 1e-8)) / N_seqs
     seq-mean-token-sum-norm:  seq-mean-token-sum / scale_factor (default T, the max response length)
 
-    N_tokens defaults to sum(m) and N_seqs to the number of rows with at least one token.
-    Pass `num_tokens` / `num_seqs` = the GLOBAL counts of the whole mini-batch (all micro-batches,
-    all ranks) and sum the micro-batch losses: the gradient is then the exact global mean.
-    (veRL also multiplies by dp_size to undo FSDP's gradient averaging; the trainer does that.)
+    N_tokens defaults to sum(m) and N_seqs to the number of rows with at least one token (veRL's
+    defaults). Pass `num_tokens` / `num_seqs` = the GLOBAL counts of the whole mini-batch (all
+    micro-batches, all ranks) and sum the micro-batch losses: the gradient is then the exact global
+    mean. veRL's quirk, followed by the trainer: its actor passes N_seqs = global_batch_size = ALL rows
+    of the mini-batch (ppo_mini_batch_size * n), so a row with an empty response adds 0 to the sum but
+    still counts in the mean. (veRL also multiplies by dp_size to undo FSDP's gradient averaging; the
+    trainer does that.)
     """
     if mode not in AGG_MODES:
         raise ValueError(f"agg_loss: mode={mode!r}; accepted: {', '.join(AGG_MODES)}")

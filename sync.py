@@ -10,7 +10,7 @@ The three classic silent bugs this file guards against (veRL spec section 9):
   * a tied lm_head left stale: vLLM skips `lm_head.weight` when embeddings are tied, and on CPU keeps
     a separately packed copy of it -> rebuilt after the push (CPU only);
   * a dtype mismatch: tensors are cast into the engine's parameters by vLLM's loader.
-check_sync measures the first two directly (tests/test_sync.py shows it catching each of them).
+check_sync measures the first two directly (tests/test_rollout_sync.py shows it catching each of them).
 """
 
 from collections.abc import Iterable, Iterator

@@ -1,0 +1,128 @@
+"""torchrun worker for tests/test_loop.py: grpo.py's step phases on a known batch, no engine.
+
+    torchrun --nproc_per_node N tests/loop_worker.py MODEL_PATH OUT_DIR
+
+One global step of 4 prompts x n = 4 samples with a known reward pattern (tests/test_loop.py holds
+it), split over the ranks as grpo.py splits it (grpo.local_positions). Each rank assembles its
+advantages with grpo.group_advantages, runs grpo.update_actor (fsdp_train.train_step with
+grpo.grpo_loss_fn) once off-policy (dumped-style old log-probs: clipping and the dual clip fire) and
+once on-policy (from the same initial weights), and computes grpo.batch_metrics. The optimizer is
+SGD with lr 1 and no clipping, so weights_after - weights_before = -gradient. Rank 0 saves the
+weights; every rank reports its metrics (tests/reporting.py).
+"""
+
+import os
+import sys
+import types
+
+import torch
+
+import fsdp_train as ft
+import grpo
+from reporting import report
+
+CONFIG = ["rollout.n=4", "data.train_batch_size=4", "actor.ppo_mini_batch_size=4", "data.max_prompt_length=8",
+          "data.max_response_length=12", "rollout.temperature=0.7", "actor.entropy_coeff=0.003",
+          "actor.clip_ratio_low=0.2", "actor.clip_ratio_high=0.28", "actor.clip_ratio_c=3.0", "actor.kl_loss_coef=0.001",
+          "actor.kl_loss_type=low_var_kl", "actor.grad_clip=1.0e9", "actor.ppo_max_token_len_per_gpu=40"]
+REWARDS = [1, 0, 0, 0, 1, 1, 0, 0, 0, 0, 0, 0, 1, 1, 1, 0]  # 4 prompts x 4 samples: 1, 2, 0 and 3 right
+ROLLOUT_LOGPROB = -6.0  # what "vLLM" reported for every sampled token
+EMPTY_ROW = 3  # the row whose response is emptied for the seq-mean test
+
+
+def empty_response(batch: dict, row: int) -> dict:
+    """The batch with one row's response masked out entirely (a response of zero tokens)."""
+    out = {k: v.clone() for k, v in batch.items()}
+    out["response_mask"][row] = 0.0
+    for key in ("old_logprobs", "ref_logprobs", "rollout_logprobs"):
+        out[key][row] = 0.0
+    return out
+
+
+def global_batch(vocab: int) -> dict:
+    """The step's 16 rows in global order (sample k answers prompt k // 4): prompts of 3..8 tokens and
+    responses of 1..12 (some at the limits, for the clip ratios), old and reference log-probs far from
+    the model's (ratios from 0.1 to 45: both clips and the dual clip fire)."""
+    g = torch.Generator().manual_seed(7)
+    prompt_lens = [3, 8, 5, 8]
+    response_lens = [1, 12, 7, 4, 12, 2, 9, 5, 6, 12, 3, 11, 8, 1, 12, 10]
+    prompts = [torch.randint(3, vocab, (length,), generator=g).tolist() for length in prompt_lens]
+    prompts = [prompts[k // 4] for k in range(16)]
+    responses = [torch.randint(3, vocab, (r,), generator=g).tolist() for r in response_lens]
+    batch = ft.make_batch(prompts, responses, pad_id=0)
+    shape = batch["response_mask"].shape
+    batch["rewards"] = torch.tensor(REWARDS, dtype=torch.float32)
+    batch["old_logprobs"] = (-torch.rand(shape, generator=g) * 6 - 4) * batch["response_mask"]
+    batch["ref_logprobs"] = (-torch.rand(shape, generator=g) * 6 - 4) * batch["response_mask"]
+    batch["rollout_logprobs"] = ROLLOUT_LOGPROB * batch["response_mask"]
+    return batch
+
+
+def full_weights(model) -> dict:
+    return {k: v.clone() for k, v in ft.get_model_state_dict(
+        model, options=ft.StateDictOptions(full_state_dict=True)).items()}  # on every rank
+
+
+def one_update(path: str, cfg: dict, batch: dict, on_policy: bool, device) -> tuple[dict, dict, dict]:
+    policy = ft.load_model(path, device=device)
+    optimizer = torch.optim.SGD(policy.parameters(), lr=1.0)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
+    run = types.SimpleNamespace(cfg=cfg, world=torch.distributed.get_world_size(), policy=policy,
+                                optimizer=optimizer, scheduler=scheduler, on_policy=on_policy, ref=object())
+    before = full_weights(policy)
+    metrics = grpo.update_actor(run, batch, {})
+    return before, full_weights(policy), metrics
+
+
+def schedule(path: str, overrides: list[str], batch: dict, device) -> dict:
+    """4 global steps with grpo.build_optimizer's AdamW + LR schedule: the logged actor/lr of each step,
+    and whether step 1 (lr 0 with warmup) left the weights unchanged and step 2 did not."""
+    cfg = grpo.load_config(None, CONFIG + overrides)
+    policy = ft.load_model(path, device=device)
+    optimizer, scheduler = grpo.build_optimizer(cfg, policy, total_steps=4)
+    run = types.SimpleNamespace(cfg=cfg, world=torch.distributed.get_world_size(), policy=policy,
+                                optimizer=optimizer, scheduler=scheduler, on_policy=False, ref=object())
+    lrs, unchanged = [], []
+    for _ in range(4):
+        before = full_weights(policy)
+        lrs.append(grpo.update_actor(run, batch, {})["actor/lr"])
+        after = full_weights(policy)
+        unchanged.append(all(torch.equal(before[k], after[k]) for k in before))
+    return {"lr": lrs, "unchanged": unchanged}
+
+
+def main():
+    path, out = sys.argv[1], sys.argv[2]
+    rank, world, device = ft.init_distributed()
+    cfg = grpo.load_config(None, CONFIG)
+    full = global_batch(vocab=ft.AutoConfig.from_pretrained(path).vocab_size)
+    n = cfg["rollout"]["n"]
+    positions = grpo.local_positions(cfg["data"]["train_batch_size"], cfg["actor"]["ppo_mini_batch_size"], world, rank)
+    batch = ft.select(full, [p * n + j for p in positions for j in range(n)])
+    batch["advantages"] = grpo.group_advantages(batch["rewards"], batch["response_mask"], cfg)
+    result = {"advantages": batch["advantages"].tolist(), "rows": [p * n + j for p in positions for j in range(n)]}
+    on_policy_batch = {k: v for k, v in batch.items() if k != "old_logprobs"}
+    for name, b, on_policy in (("off_policy", batch, False), ("on_policy", on_policy_batch, True)):
+        before, after, metrics = one_update(path, cfg, b, on_policy, device)
+        result[name] = metrics
+        if rank == 0:
+            torch.save({"before": before, "after": after}, os.path.join(out, f"{name}_ws{world}.pt"))
+    result["batch_metrics"] = grpo.batch_metrics(batch, cfg["data"], {"gen": 2.0, "update_actor": 3.0}, world)
+    # seq-mean-token-mean with an EMPTY response in the mini-batch: veRL divides by all 16 rows
+    cfg_seq = grpo.load_config(None, CONFIG + ["actor.loss_agg_mode=seq-mean-token-mean"])
+    empty = empty_response(full, EMPTY_ROW)
+    part = ft.select(empty, [p * n + j for p in positions for j in range(n)])
+    part["advantages"] = grpo.group_advantages(part["rewards"], part["response_mask"], cfg_seq)
+    before, after, result["seq_mean_empty"] = one_update(path, cfg_seq, part, False, device)
+    if rank == 0:
+        torch.save({"before": before, "after": after}, os.path.join(out, f"seq_mean_empty_ws{world}.pt"))
+    result["constant"] = schedule(path, ["actor.lr=0.01", "actor.lr_warmup_steps=2"], batch, device)
+    result["cosine"] = schedule(path, ["actor.lr=0.01", "actor.lr_warmup_steps_ratio=0.5", "actor.lr_schedule=cosine",
+                                       "actor.min_lr_ratio=0.1"], batch, device)
+    report(rank, result)
+    torch.distributed.barrier()
+    torch.distributed.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
