@@ -29,7 +29,9 @@ endif
 test: install
 	$(PY) -m pytest -q $(PYTEST_ARGS)
 
+# OMP_NUM_THREADS: the cores shared out over the ranks (torchrun would print a banner and pick 1).
 demo: install
+	OMP_NUM_THREADS=$$(( $$(nproc) / $(NPROC) > 0 ? $$(nproc) / $(NPROC) : 1 )) \
 	$(VENV)/bin/torchrun --nproc_per_node $(NPROC) grpo.py --config tiny.yaml $(ARGS)
 
 # flatgrpo vs TRL on the same CPU workload (issue: performance), plus where each step's time goes.

@@ -122,6 +122,7 @@ def generate(
         for i in range(len(prompt_ids))
     ]
     outputs = llm.generate([TokensPrompt(prompt_token_ids=ids) for ids in prompt_ids], params, use_tqdm=False)
+    check_outputs(outputs, len(prompt_ids), n)
     samples = []
     for ids, out in zip(prompt_ids, outputs):
         for c in out.outputs:  # the n completions of this prompt, in order
@@ -134,6 +135,18 @@ def generate(
                 truncated=c.finish_reason == "length",
             ))
     return samples
+
+
+def check_outputs(outputs, num_prompts: int, n: int) -> None:
+    """The layout generate() relies on (vLLM 0.32): one RequestOutput per prompt, in prompt order, each
+    holding its n completions with index 0..n-1 in order. A vLLM release that changes it stops here."""
+    if len(outputs) != num_prompts:
+        raise RuntimeError(f"generate: vLLM returned {len(outputs)} outputs for {num_prompts} prompts")
+    for i, out in enumerate(outputs):
+        indices = [c.index for c in out.outputs]
+        if indices != list(range(n)):
+            raise RuntimeError(f"generate: prompt {i}: vLLM returned completions {indices}, expected 0..{n - 1} in "
+                               "order (tested with vllm 0.32.0; this release orders RequestOutput.outputs differently)")
 
 
 def sleep(llm: LLM, level: int = 1) -> None:

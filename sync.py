@@ -30,19 +30,26 @@ def _hf_name(name: str) -> str:
     return name
 
 
-def full_params(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+def full_params(model: torch.nn.Module, dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield (hf_name, full tensor) for each parameter, one at a time (streaming: at most one
     gathered parameter is alive per step, never a second full copy of the model).
 
     Works for a plain module and for an FSDP2 (fully_shard) module, whose parameters are DTensors:
     `full_tensor()` all-gathers one parameter, so EVERY rank must consume this generator in step.
+    dtype (the engine's, engine_dtype(llm)): each SHARD is cast before the gather, so a bf16 engine
+    receives half the bytes of fp32 master weights (vLLM would round them to bf16 anyway; exact in fp32).
     A tied lm_head is not listed (named_parameters() deduplicates it).
     """
     if hasattr(model, "reshard"):
         model.reshard()  # FSDP2: a no_grad forward can leave the root unsharded
     for name, param in model.named_parameters():
-        tensor = param.full_tensor() if hasattr(param, "full_tensor") else param
-        yield _hf_name(name), tensor.detach()
+        param = param.detach() if dtype is None else param.detach().to(dtype)  # a DTensor casts its local shard
+        yield _hf_name(name), param.full_tensor() if hasattr(param, "full_tensor") else param
+
+
+def engine_dtype(llm: LLM) -> torch.dtype:
+    """The dtype the engine holds its weights in ("auto" resolved: bf16 for Qwen2.5 checkpoints)."""
+    return llm.llm_engine.model_config.dtype
 
 
 def _tied(llm: LLM) -> bool:

@@ -26,6 +26,8 @@ for layer in model.model.layers:
 fully_shard(model)
 state = reference.state_dict()
 full_params_equal = all(torch.equal(t, state[n]) for n, t in sync.full_params(model))
+bf16_full_params_equal = all(t.dtype == torch.bfloat16 and torch.equal(t, state[n].to(torch.bfloat16))
+                             for n, t in sync.full_params(model, torch.bfloat16))
 
 llm = rollout.make_engine(path, dtype="float32", max_model_len=512, gpu_memory_utilization=0.3, seed=rank)
 g = torch.Generator().manual_seed(100 + rank)
@@ -45,7 +47,8 @@ for s in samples:
         logits = model(input_ids=ids).logits[0, len(s.prompt_ids) - 1:-1].float()
     lp = torch.log_softmax(logits, -1).gather(-1, torch.tensor(s.response_ids)[:, None])[:, 0]
     worst = max(worst, (lp - torch.tensor(s.logprobs)).abs().max().item())
-report(rank, {"full_params_equal": full_params_equal, "diff_before_push": diff_before,
+report(rank, {"full_params_equal": full_params_equal, "bf16_full_params_equal": bf16_full_params_equal,
+              "diff_before_push": diff_before,
               "diff_after_push": diff_after, "sample_logprob_diff": worst, "samples": [s.response_ids for s in samples]})
 del llm
 if dist.is_initialized():  # vLLM's shutdown may already have destroyed it

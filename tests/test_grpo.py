@@ -3,6 +3,8 @@
 
 import json
 import os
+import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -11,6 +13,7 @@ import time
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+import yaml
 
 import grpo
 from conftest import ROOT
@@ -38,7 +41,22 @@ def test_defaults_yaml_and_overrides(tmp_path):
     ("trainer.total_steps=ten", "trainer.total_steps = 'ten' has type str; expected int"),
     ("actor.loss_agg_mode=sum", "accepted: token-mean, seq-mean-token-sum"),
     ("actor.kl_loss_type=full", "accepted: kl, k1, abs"),
-    ("actor.clip_ratio_c=1", "clip_ratio_c must be > 1.0"),
+    ("actor.clip_ratio_c=1", "actor.clip_ratio_c = 1.0; accepted: > 1"),
+    ("actor.lr=-1", "actor.lr = -1.0; accepted: > 0"),
+    ("rollout.temperature=-1", "rollout.temperature = -1.0; accepted: > 0"),
+    ("rollout.top_p=2", "rollout.top_p = 2.0; accepted: 0 < value <= 1"),
+    ("rollout.top_k=0", "rollout.top_k = 0; accepted: -1 (off) or >= 1"),
+    ("actor.grad_clip=-1", "actor.grad_clip = -1.0; accepted: > 0"),
+    ("data.max_response_length=0", "data.max_response_length = 0; accepted: >= 1"),
+    ("trainer.total_steps=0", "trainer.total_steps = 0; accepted: >= 1"),
+    ("rollout.n=0", "rollout.n = 0; accepted: >= 1"),
+    ("actor.clip_ratio_high=1.5", "actor.clip_ratio_high = 1.5; accepted: 0 <= value < 1"),
+    ("actor.lr_warmup_steps=-2", "actor.lr_warmup_steps = -2; accepted: >= 0"),
+    ("rollout.gpu_memory_utilization=0", "rollout.gpu_memory_utilization = 0.0; accepted: 0 < value <= 1"),
+    ("rollout.tensor_parallel_size=2", "rollout.tensor_parallel_size = 2; accepted: 1 (each rank runs its own engine"),
+    ("actor.betas=[0.9]", "actor.betas = [0.9]; accepted: two numbers in [0, 1)"),
+    ("actor.lr=.inf", "actor.lr = inf; accepted: a finite number"),
+    ("trainer.logger=[tensorboard]", "trainer.logger = ['tensorboard']; accepted: a list of: console, wandb"),
     ("model.compute_dtype=fp16", "accepted: float32, bfloat16, float16"),
     ("actor.ppo_mini_batch_size=5", "multiple of actor.ppo_mini_batch_size (5)"),
     ("trainer.resume=/no/such/dir", "accepted: off, auto, or the path"),
@@ -71,6 +89,53 @@ def test_cli_stops_with_one_line_before_loading_anything(tmp_path):
     assert "Traceback" not in proc.stderr and not out.exists()
 
 
+def test_every_ranged_key_is_a_known_key_and_every_default_is_accepted():
+    for key in grpo.RANGES:
+        section, _, name = key.partition(".")
+        assert name in grpo.DEFAULTS[section], key
+    for path in (None, os.path.join(ROOT, "gsm8k.yaml"), os.path.join(ROOT, "tiny.yaml")):
+        grpo.load_config(path, [])
+
+
+def one_error_line(proc) -> str:
+    """The single line a bad run ends with; no traceback from our ranks."""
+    assert proc.returncode != 0 and "Traceback" not in proc.stderr.replace("torch.distributed.elastic", "")
+    return proc.stderr.strip().splitlines()[-1]
+
+
+@pytest.mark.parametrize("path, env, message", [
+    ("/nonexistent/model", {}, "error: config: model.path = '/nonexistent/model': no such directory; accepted: "
+                               "a local model directory (config.json, *.safetensors) or a hub id"),
+    ("nobody/no-such-model", {"HF_HUB_OFFLINE": "1"}, "error: config: model.path = 'nobody/no-such-model': not a "
+                                                      "local directory, and the hub copy could not be fetched"),
+])
+def test_cli_wrong_model_path_stops_with_one_line(tmp_path, tiny_build, path, env, message):
+    proc = subprocess.run([sys.executable, "grpo.py", "--config", "tiny.yaml", f"model.path={path}",
+                           f"trainer.output_dir={tmp_path / 'run'}"], cwd=ROOT, capture_output=True, text=True,
+                          timeout=300, env={**os.environ, **env, "HF_HUB_CACHE": str(tmp_path / "hub")})
+    assert one_error_line(proc).startswith(message)
+
+
+def test_model_directory_without_weights_or_config(tmp_path):
+    (tmp_path / "config.json").write_text("{}")
+    with pytest.raises(grpo.ConfigError, match=r"model.path = .*: the directory has no \*.safetensors$"):
+        grpo.resolve_model(str(tmp_path), download=False)
+    (tmp_path / "config.json").unlink()
+    with pytest.raises(grpo.ConfigError, match=r"has no config.json and no \*.safetensors"):
+        grpo.resolve_model(str(tmp_path), download=False)
+
+
+def test_print_config_and_help():
+    proc = subprocess.run([sys.executable, "grpo.py", "--print-config", "--config", "gsm8k.yaml", "actor.lr=3e-6"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+    printed = yaml.safe_load(proc.stdout)
+    assert printed == grpo.load_config(os.path.join(ROOT, "gsm8k.yaml"), ["actor.lr=3e-6"])
+    assert printed["actor"]["lr"] == 3e-6 and printed["trainer"]["verbose"] is False
+    text = subprocess.run([sys.executable, "grpo.py", "--help"], cwd=ROOT, capture_output=True, text=True,
+                          timeout=300).stdout
+    assert "the new\nweights go back into the same vLLM engine, every step." in text and "--print-config" in text
+
+
 def test_cli_bad_data_and_world_size_stop_with_one_line(tmp_path, tiny_build):
     bad = write_jsonl(tmp_path / "bad.jsonl", [GSM[0], {"question": "no answer"}])
     proc = subprocess.run([sys.executable, "grpo.py", "--config", "tiny.yaml", f"data.train={bad}",
@@ -82,7 +147,7 @@ def test_cli_bad_data_and_world_size_stop_with_one_line(tmp_path, tiny_build):
     proc = run_grpo(tmp_path / "ws", 2, "data.train_batch_size=3", "actor.ppo_mini_batch_size=3", check=False)
     assert proc.returncode != 0 and "ConfigError" not in proc.stderr  # torchrun adds its own traceback, ranks none
     assert "error: config: actor.ppo_mini_batch_size (3) must be a multiple of the world size (2)" in proc.stderr
-    assert not (tmp_path / "never").exists() and not (tmp_path / "ws" / "metrics.jsonl").exists()
+    assert not (tmp_path / "never" / "metrics.jsonl").exists() and not (tmp_path / "ws" / "metrics.jsonl").exists()
 
 
 # ------------------------------------------------------------------------------------- data
@@ -169,11 +234,12 @@ SMALL = ["trainer.sync_check_every=1", "data.train_batch_size=8", "actor.ppo_min
 TIMING = ("timing_s/", "timing_per_token_ms/", "perf/time_per_step", "perf/throughput", "perf/mfu")
 
 
-def run_grpo(out, nproc: int, *overrides: str, background: bool = False, check: bool = True):
-    env = {**os.environ, "OMP_NUM_THREADS": str(2 // nproc)}
-    launcher = [sys.executable, "grpo.py"] if nproc == 1 else [
+def run_grpo(out, nproc: int, *overrides: str, background: bool = False, check: bool = True, env: dict | None = None,
+             script: str = "grpo.py"):
+    env = {**os.environ, "OMP_NUM_THREADS": str(2 // nproc), **(env or {})}
+    launcher = [sys.executable, script] if nproc == 1 else [
         sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
-        "--master_port", str(29600 + os.getpid() % 300), "grpo.py"]
+        "--master_port", str(29600 + os.getpid() % 300), script]
     cmd = launcher + ["--config", "tiny.yaml", *SMALL, f"trainer.output_dir={out}", *overrides]
     if background:
         return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
@@ -232,21 +298,46 @@ def val_file(tiny_build, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def e2e(tiny_build, val_file, tmp_path_factory):
-    """{nproc: out dir} of a 3-step tiny run at 1 and at 2 ranks, dumping every batch to <out>/dump."""
+def hub_cache(tiny_build, tmp_path_factory) -> dict:
+    """The environment of an offline machine whose Hugging Face cache holds the tiny model as the hub repo
+    flatgrpo/tiny-grpo, in the layout snapshot_download writes (models--org--name, refs/main, snapshots)."""
+    root = tmp_path_factory.mktemp("hub")
+    repo, revision = root / "models--flatgrpo--tiny-grpo", "0123456789abcdef0123456789abcdef01234567"
+    shutil.copytree(tiny_build["model"], repo / "snapshots" / revision)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(revision)
+    return {"HF_HUB_OFFLINE": "1", "HF_HUB_CACHE": str(root)}
+
+
+@pytest.fixture(scope="module")
+def e2e(tiny_build, val_file, hub_cache, tmp_path_factory):
+    """{nproc: (out dir, the finished process)} of a 3-step tiny run at 1 and at 2 ranks, with the model
+    given as a hub id (model.path=flatgrpo/tiny-grpo, resolved offline from hub_cache), dumping every
+    batch to <out>/dump."""
     runs = {}
     for nproc in (1, 2):
         out = tmp_path_factory.mktemp(f"e2e{nproc}")
         proc = run_grpo(out / "run", nproc, "trainer.save_every=2", f"trainer.dump_batches={out / 'dump'}",
-                        f"data.val={val_file[0]}", "reward.method=flexible")
-        assert "metrics.jsonl" in proc.stdout
-        runs[nproc] = out
+                        f"data.val={val_file[0]}", "reward.method=flexible", "model.path=flatgrpo/tiny-grpo",
+                        env=hub_cache)
+        runs[nproc] = (out, proc)
     return runs
+
+
+LIBRARY_LINE = re.compile(r"\b(INFO|WARNING|Warning|FutureWarning)\b|Failed to load weights")
 
 
 @pytest.mark.parametrize("nproc", [1, 2])
 def test_end_to_end_tiny_run(e2e, val_file, nproc):
-    out = e2e[nproc] / "run"
+    out, proc = e2e[nproc][0] / "run", e2e[nproc][1]
+    console = [line for line in (proc.stdout + proc.stderr).replace("\r", "\n").splitlines()
+               if line.strip() and not line.startswith("grpo:")]  # tqdm's redraws start with "grpo:"
+    assert len(console) <= 20, console  # ours: what runs, data, validation, a line per step, the summary
+    assert not [line for line in console if LIBRARY_LINE.search(line)], console  # no engine chatter, no warning
+    assert "metrics.jsonl" in proc.stdout and "flatgrpo: model flatgrpo/tiny-grpo" in proc.stdout
+    with open(out / "engine.log") as f:
+        engine_log = f.read()
+    assert "vllm" in engine_log and "Failed to load weights" in engine_log  # routed there, not lost
     rows = read_metrics(out)
     assert [r["step"] for r in rows] == [0, 1, 2, 3]
     assert set(rows[0]) == {"step", grpo.VAL_KEY}
@@ -276,7 +367,7 @@ def test_dumped_batches_hold_the_right_prompts_rewards_and_advantages(e2e, tiny_
         train = [json.loads(line) for line in f]
     batch_size, n = 8, 8
     for step in (1, 2, 3):
-        d = torch.load(e2e[nproc] / "dump" / f"step_{step}.pt")
+        d = torch.load(e2e[nproc][0] / "dump" / f"step_{step}.pt")
         width = d["response_mask"].shape[1]
         assert d["input_ids"].shape[0] == batch_size * n
         for k in range(batch_size * n):
@@ -289,7 +380,7 @@ def test_dumped_batches_hold_the_right_prompts_rewards_and_advantages(e2e, tiny_
         groups = d["rewards"].reshape(batch_size, n)  # [prompts, n]
         expected = (groups - groups.mean(-1, keepdim=True)) / (groups.std(-1, keepdim=True) + 1e-6)  # [prompts, n]
         assert torch.allclose(d["advantages"], expected.reshape(-1, 1) * d["response_mask"], atol=1e-6)
-    assert 0 < sum(torch.load(e2e[nproc] / "dump" / f"step_{s}.pt")["rewards"].sum() for s in (1, 2, 3)) < 3 * 64
+    assert 0 < sum(torch.load(e2e[nproc][0] / "dump" / f"step_{s}.pt")["rewards"].sum() for s in (1, 2, 3)) < 3 * 64
 
 
 def test_killed_and_resumed_run_logs_the_same_metrics(tmp_path, tiny_build):
@@ -309,13 +400,21 @@ def test_killed_and_resumed_run_logs_the_same_metrics(tmp_path, tiny_build):
     a, b = read_metrics(straight), read_metrics(killed)
     assert [r["step"] for r in b] == [0, 1, 2, 3, 4]
     assert [comparable(r) for r in a] == [comparable(r) for r in b]
+    # a resumed set-up leaves the RNGs as the checkpoint saved them, although vLLM re-seeds them at start-up
+    proc = subprocess.run([sys.executable, "tests/setup_worker.py", os.path.join(killed, "checkpoints", "step_4"),
+                           "--config", "tiny.yaml", *SMALL, f"trainer.output_dir={killed}", "trainer.total_steps=4",
+                           "trainer.resume=auto"], cwd=ROOT, capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "OMP_NUM_THREADS": "2"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert json.loads(proc.stdout.strip().splitlines()[-1]) == {"start": 5, "engine": True, "torch": True,
+                                                                "python": True, "numpy": True}
 
 
 def test_dump_at_one_rank_replay_at_two(e2e, tmp_path):
     """The seed's Experiment 1: the dumped batches replayed at another world size give the same update:
     every metric both runs log (not the timings; rollout/* compares with vLLM in one, the dump in the other)."""
-    run_grpo(tmp_path / "replay", 2, f"trainer.replay_batches={e2e[1] / 'dump'}", "trainer.export_hf=false")
-    a, b = read_metrics(e2e[1] / "run"), read_metrics(tmp_path / "replay")
+    run_grpo(tmp_path / "replay", 2, f"trainer.replay_batches={e2e[1][0] / 'dump'}", "trainer.export_hf=false")
+    a, b = read_metrics(e2e[1][0] / "run"), read_metrics(tmp_path / "replay")
     assert [r["step"] for r in b] == [1, 2, 3]
     for x, y in zip(a[1:], b):
         keys = [k for k in comparable(x) if k in y and not k.startswith("rollout/")]
@@ -340,3 +439,33 @@ def test_on_policy_shortcut_equals_the_separate_old_log_prob_pass(tmp_path, tiny
                     "rollout/logprob_diff_mean"):
             assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-6), key
         assert a["actor/ppo_kl"] == 0.0 and abs(b["actor/ppo_kl"]) < 1e-6  # ratio exactly / nearly 1
+
+
+# ------------------------------------------------------------------------------ the sync proof
+def test_sync_warning_rule_on_recorded_numbers():
+    """grpo.out_of_sync(mean, max, exact, warn_max=0.05, warn_mean=0.1) on measured rollout/logprob_diff_*."""
+    def warns(mean, worst, exact):
+        return grpo.out_of_sync(mean, worst, exact, 0.05, 0.1)
+    assert not warns(2e-6, 2e-5, exact=True)  # fp32, correct push (tiny demo)
+    assert warns(0.0069, 1.7, exact=True)  # fp32, the step after a skipped push (tiny, lr 1e-4)
+    assert not warns(0.0019, 0.2, exact=False)  # bf16, correct push: rare tokens off by 0.2 nats (tiny)
+    for mean in (0.011, 0.031, 0.064):  # bf16 rounding noise, Qwen-size models (public measurements)
+        assert not warns(mean, 5.0, exact=False)
+    assert warns(0.33, 8.1, exact=False)  # bf16, one step after a skipped push (tiny, lr 1e-3)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_a_skipped_push_warns_and_a_correct_run_does_not(tmp_path, tiny_build, dtype):
+    """tests/grpo_without_push.py leaves the engine on the initial weights; the step after, the sync proof
+    warns, in fp32 (max rule) and bf16 (mean rule). A correct bf16 run, whose rare tokens differ by more than
+    the fp32 threshold, does not warn. (A correct fp32 run not warning: the end-to-end runs.)"""
+    common = ["trainer.total_steps=2", "trainer.val_every=0", "trainer.export_hf=false", "trainer.plot=false",
+              "data.train_batch_size=4", "actor.ppo_mini_batch_size=4", "data.max_response_length=24",
+              "actor.lr=1e-3", "trainer.sync_check_every=0", f"rollout.dtype={dtype}", f"model.compute_dtype={dtype}"]
+    skipped = run_grpo(tmp_path / "skipped", 1, *common, script="tests/grpo_without_push.py")
+    assert "WARNING step 1" not in skipped.stdout and "WARNING step 2: vLLM's and the trainer's log-probs differ" \
+        in skipped.stdout
+    if dtype == "bfloat16":
+        correct = run_grpo(tmp_path / "correct", 1, *common)
+        assert "WARNING" not in correct.stdout
+        assert max(r["rollout/logprob_diff_max"] for r in read_metrics(tmp_path / "correct")) > 0.05

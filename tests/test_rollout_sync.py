@@ -143,6 +143,30 @@ def test_tied_lm_head_is_repacked_on_cpu(engine_and_model, monkeypatch):
     assert sync.check_sync(llm, model) <= 1e-4
 
 
+def test_generate_checks_the_layout_of_vllms_outputs():
+    """rollout.generate relies on one output per prompt, each with its n completions in order 0..n-1."""
+    from types import SimpleNamespace as NS
+
+    def outputs(*indices):
+        return [NS(outputs=[NS(index=i) for i in order]) for order in indices]
+    rollout.check_outputs(outputs([0, 1, 2], [0, 1, 2]), num_prompts=2, n=3)
+    with pytest.raises(RuntimeError, match=r"prompt 1: vLLM returned completions \[1, 0, 2\], expected 0..2"):
+        rollout.check_outputs(outputs([0, 1, 2], [1, 0, 2]), num_prompts=2, n=3)
+    with pytest.raises(RuntimeError, match="expected 0..2"):
+        rollout.check_outputs(outputs([0, 1]), num_prompts=1, n=3)
+    with pytest.raises(RuntimeError, match="1 outputs for 2 prompts"):
+        rollout.check_outputs(outputs([0]), num_prompts=2, n=1)
+
+
+def test_full_params_cast_to_the_engine_dtype(random_models):
+    model = AutoModelForCausalLM.from_pretrained(random_models["untied"], dtype=torch.float32)
+    state = model.state_dict()
+    for name, tensor in sync.full_params(model, torch.bfloat16):
+        assert tensor.dtype == torch.bfloat16 and torch.equal(tensor, state[name].to(torch.bfloat16))
+    assert all(t.data_ptr() == p.data_ptr() for (_, t), p in zip(sync.full_params(model, torch.float32),
+                                                                 model.parameters()))  # same dtype: no copy
+
+
 def test_full_params_names_match_hf_state_dict(random_models):
     for kind in ("tied", "untied"):
         model = AutoModelForCausalLM.from_pretrained(random_models[kind], dtype=torch.float32)
@@ -161,4 +185,5 @@ def test_two_ranks_each_with_an_engine_and_fsdp2_model(random_models):
         assert r["diff_before_push"] > 1e-2
         assert r["diff_after_push"] <= 1e-4
         assert r["sample_logprob_diff"] <= 1e-3
+        assert r["bf16_full_params_equal"]  # shards cast to bf16, then gathered: the full tensors, rounded
     assert results[0]["samples"] != results[1]["samples"]  # independent engines, different seeds
