@@ -9,6 +9,10 @@ The same code runs one CPU process (`python ...`, gloo) and many GPU nodes (`tor
     logp, entropy = compute_logprobs(policy, batch, temperature=1.0, max_tokens=16384, entropy_fn=...)
     metrics = train_step(policy, optimizer, mini_batch, loss_fn, temperature=1.0, max_tokens=16384)
 
+Log-probs never hold a [tokens, V] tensor: the lm_head, log-softmax and entropy run over chunks of
+positions, recomputed in the backward (chunked_logprobs; at Qwen2.5's V = 151,936 the plain path costs
+~3.8 MB per token of a micro-batch, the chunked one ~0.1 MB: bench/memory.py).
+
 Batches are dicts of tensors in veRL's layout: `input_ids` / `attention_mask` [B, P + R] with the
 prompt LEFT-padded to width P and the response RIGHT-padded to width R; `response_mask` and every
 other 2-D tensor (old/ref log-probs, advantages) are [B, R], aligned with the response tokens.
@@ -25,6 +29,7 @@ import math
 import os
 import shutil
 import time
+import types
 
 import torch
 import torch.distributed as dist
@@ -32,7 +37,8 @@ import torch.distributed.checkpoint as dcp
 from accelerate import init_empty_weights
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_state_dict,
                                                      set_model_state_dict, set_state_dict)
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
+from torch.utils.checkpoint import checkpoint
 from transformers import AutoConfig, AutoModelForCausalLM
 from transformers.modeling_utils import load_state_dict
 
@@ -103,6 +109,7 @@ def load_model(path: str, *, device: torch.device, param_dtype: torch.dtype = to
     set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
     model.requires_grad_(trainable)
     model.train(trainable)
+    add_logprob_forward(model)
     return model
 
 
@@ -207,20 +214,90 @@ def _synced_micro_batches(batch, max_tokens: int) -> list[list[int]]:
     return micro_batches(batch, max_tokens, target)
 
 
-def _forward(model, mb: dict[str, torch.Tensor], temperature: float, entropy_fn=None, entropy_grad: bool = True):
-    """Response log-probs [b, R] (log-softmax in fp32 of logits / temperature) and optionally entropy
-    [b, R] (without autograd graph when entropy_grad=False: a metric, not a loss term)."""
-    r_width = mb["response_mask"].shape[1]
-    position_ids = (mb["attention_mask"].cumsum(-1) - 1).clamp(min=0)  # [b, P + R], as vLLM counts
-    logits = model(input_ids=mb["input_ids"], attention_mask=mb["attention_mask"], position_ids=position_ids,
-                   use_cache=False, logits_to_keep=r_width + 1).logits  # [b, R + 1, V]: no lm_head on the prompt
-    logits = logits[:, :-1].float() / temperature  # [b, R, V]: position t predicts token t + 1
-    targets = mb["input_ids"][:, -r_width:]  # [b, R]
-    logp = torch.log_softmax(logits, dim=-1).gather(-1, targets[..., None])[..., 0]  # [b, R]
+LOGPROB_CHUNK = 512  # response positions per lm_head chunk (veRL's FusedLinearForPPO default): [512, V] fp32 is 0.3 GB
+
+
+def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: float, entropy_fn=None,
+                   entropy_grad: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """THE DEFINITION: log-softmax of logits / temperature, in fp32, at the targets; and entropy_fn of the
+    same scaled logits (veRL's logprobs_from_logits and entropy_from_logits). logits [n, V], targets [n]
+    -> logp [n], entropy [n] or None. entropy_grad=False: entropy without autograd graph (a metric)."""
+    logits = logits.float() / temperature  # [n, V]
+    logp = torch.log_softmax(logits, dim=-1).gather(-1, targets[:, None])[:, 0]  # [n]
     if entropy_fn is None:
         return logp, None
     with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
-        return logp, entropy_fn(logits)
+        return logp, entropy_fn(logits)  # [n]
+
+
+def chunked_logprobs(hidden: torch.Tensor, targets: torch.Tensor, lm_head, temperature: float, chunk_size: int,
+                     entropy_fn=None, entropy_grad: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """token_logprobs(lm_head(hidden), targets, ...) without ever holding a [n, V] tensor.
+
+    hidden [n, h] (final hidden states, after the last norm), targets [n] -> logp [n], entropy [n] or None.
+    The n positions are cut into chunks of chunk_size; each chunk runs lm_head -> logits -> log-softmax ->
+    gather (+ entropy) and keeps only its [chunk] outputs. With autograd on, every chunk is wrapped in
+    torch.utils.checkpoint: the forward keeps just the chunk's inputs, the backward recomputes the chunk's
+    logits and frees them before the next chunk. Cost: one extra lm_head matmul per token in the training
+    forward; memory: a few [chunk, V] tensors at a time instead of several [n, V] ones, whatever n is.
+    (veRL: FusedLinearForPPOFunction in verl/utils/experimental/torch_functional.py, the same idea with a
+    hand-written backward; TRL's selective_log_softmax; Liger's fused linear cross-entropy.)
+    chunk_size <= 0: one piece, no recompute (the plain path: [n, V] logits kept for the backward).
+    The chunks are of equal size (n = 1025, chunk_size 1024: 513 + 512), because a chunk of a few rows makes
+    the CPU's BLAS sum the backward's V-long products (grad_logits [c, V] @ W [V, h]) less accurately: about
+    1e-5 relative for c < 16, against 1e-7 for the plain path.
+    """
+    def piece(h, t):  # [c, h], [c] -> [c], [c]
+        return token_logprobs(lm_head(h), t, temperature, entropy_fn, entropy_grad)
+
+    if chunk_size <= 0:
+        return piece(hidden, targets)
+    chunks = max(1, math.ceil(hidden.shape[0] / chunk_size))  # of equal size: no tiny last chunk (see above)
+    logps, entropies = [], []
+    for h, t in zip(hidden.tensor_split(chunks), targets.tensor_split(chunks)):  # [c, h], [c], c <= chunk_size
+        logp, entropy = checkpoint(piece, h, t, use_reentrant=False) if torch.is_grad_enabled() else piece(h, t)
+        logps.append(logp)
+        entropies.append(entropy)
+    return torch.cat(logps), (torch.cat(entropies) if entropy_fn is not None else None)
+
+
+def response_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor,
+                      r_width: int, temperature: float, entropy_fn=None, entropy_grad: bool = True,
+                      chunk_size: int = LOGPROB_CHUNK) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Log-probs [b, R] of the last r_width tokens (the response) and their entropy [b, R] or None:
+    the decoder's final hidden states, then chunked_logprobs over the b * R response positions (no lm_head
+    on the prompt; position t predicts token t + 1).
+
+    Under FSDP2 this must run as a forward of the ROOT module: the root's pre-forward unshards the
+    parameters it owns (embed_tokens, the final norm, lm_head) and its backward hooks reduce-scatter their
+    gradients. Calling model.model and model.lm_head directly would skip both. load_model therefore makes
+    it a method of the model, registered with FSDP2 (register_fsdp_forward_method); call it as
+    model.response_logprobs(...).
+    """
+    hidden = model.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                         use_cache=False).last_hidden_state  # [b, P + R, h]
+    hidden = hidden[:, -r_width - 1:-1]  # [b, R, h]: the positions that predict the response tokens
+    b, h = hidden.shape[0], hidden.shape[-1]
+    logp, entropy = chunked_logprobs(hidden.reshape(b * r_width, h), input_ids[:, -r_width:].reshape(-1),
+                                     model.lm_head, temperature, chunk_size, entropy_fn, entropy_grad)  # [b * R]
+    return logp.view(b, r_width), (entropy.view(b, r_width) if entropy is not None else None)  # [b, R]
+
+
+def add_logprob_forward(model) -> None:
+    """Give the model its response_logprobs method; FSDP2 then runs it like forward (for a plain module the
+    registration does nothing)."""
+    model.response_logprobs = types.MethodType(response_logprobs, model)
+    register_fsdp_forward_method(model, "response_logprobs")
+
+
+def _forward(model, mb: dict[str, torch.Tensor], temperature: float, entropy_fn=None, entropy_grad: bool = True,
+             chunk_size: int = LOGPROB_CHUNK):
+    """Response log-probs [b, R] (and entropy [b, R] or None) of a micro-batch."""
+    if not hasattr(model, "response_logprobs"):  # a model that did not come from load_model
+        add_logprob_forward(model)
+    position_ids = (mb["attention_mask"].cumsum(-1) - 1).clamp(min=0)  # [b, P + R], as vLLM counts
+    return model.response_logprobs(mb["input_ids"], mb["attention_mask"], position_ids, mb["response_mask"].shape[1],
+                                   temperature, entropy_fn, entropy_grad, chunk_size)
 
 
 def _device_batch(batch, rows, device):
@@ -231,7 +308,7 @@ def _device_batch(batch, rows, device):
 
 @torch.no_grad()
 def compute_logprobs(model, batch: dict[str, torch.Tensor], *, temperature: float, max_tokens: int,
-                     entropy_fn=None) -> tuple[torch.Tensor, torch.Tensor | None]:
+                     entropy_fn=None, chunk_size: int = LOGPROB_CHUNK) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Per-token log-probs [B, R] (and entropy [B, R] if entropy_fn) of the batch's responses, in
     token-budgeted micro-batches. Used for the old (policy) and reference log-probs."""
     device = next(model.parameters()).device
@@ -239,17 +316,20 @@ def compute_logprobs(model, batch: dict[str, torch.Tensor], *, temperature: floa
     logp_all, ent_all = torch.zeros(shape), torch.zeros(shape) if entropy_fn else None
     for rows in _synced_micro_batches(batch, max_tokens):
         mb, idx = _device_batch(batch, rows, device)
-        logp, ent = _forward(model, mb, temperature, entropy_fn)
+        logp, ent = _forward(model, mb, temperature, entropy_fn, chunk_size=chunk_size)
         if rows:
             width = logp.shape[1]
             logp_all[idx, :width] = logp.cpu() * mb["response_mask"].cpu()
             if ent_all is not None:
                 ent_all[idx, :width] = ent.cpu() * mb["response_mask"].cpu()
+    if hasattr(model, "reshard"):
+        model.reshard()  # FSDP2 keeps the root (embed_tokens, norm, lm_head) unsharded after a forward: free it
     return logp_all, ent_all
 
 
 def train_step(model, optimizer, batch: dict[str, torch.Tensor], loss_fn, *, temperature: float,
-               max_tokens: int, grad_clip: float = 1.0, entropy_fn=None, entropy_grad: bool = True) -> dict[str, float]:
+               max_tokens: int, grad_clip: float = 1.0, entropy_fn=None, entropy_grad: bool = True,
+               chunk_size: int = LOGPROB_CHUNK) -> dict[str, float]:
     """One optimizer step on this rank's share of ONE mini-batch (veRL's update_policy inner loop).
 
     loss_fn(logp [b, R], entropy [b, R] | None, mb, counts) -> (loss, metrics), where counts are the
@@ -270,7 +350,7 @@ def train_step(model, optimizer, batch: dict[str, torch.Tensor], loss_fn, *, tem
         mb, _ = _device_batch(batch, rows, device)
         if not rows:
             mb["response_mask"] = torch.zeros_like(mb["response_mask"])
-        logp, entropy = _forward(model, mb, temperature, entropy_fn, entropy_grad)
+        logp, entropy = _forward(model, mb, temperature, entropy_fn, entropy_grad, chunk_size)
         loss, metrics = loss_fn(logp, entropy, mb, counts)
         (loss * world).backward()  # FSDP averages gradients over ranks: * world makes it the global sum
         for k, v in metrics.items():
@@ -278,10 +358,9 @@ def train_step(model, optimizer, batch: dict[str, torch.Tensor], loss_fn, *, tem
     grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=grad_clip)
     grad_norm = (grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm).item()
     skipped = not math.isfinite(grad_norm)
-    if skipped:
-        optimizer.zero_grad(set_to_none=True)
-    else:
+    if not skipped:
         optimizer.step()
+    optimizer.zero_grad(set_to_none=True)  # free the gradients now, not after the next generation
     reduced = {}
     for op, keys in ((dist.ReduceOp.SUM, [k for k in sorted(sums) if not k.endswith("_max")]),
                      (dist.ReduceOp.MAX, [k for k in sorted(sums) if k.endswith("_max")])):
