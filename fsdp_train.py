@@ -242,7 +242,9 @@ def chunked_logprobs(hidden: torch.Tensor, targets: torch.Tensor, lm_head, tempe
     forward; memory: a few [chunk, V] tensors at a time instead of several [n, V] ones, whatever n is.
     (veRL: FusedLinearForPPOFunction in verl/utils/experimental/torch_functional.py, the same idea with a
     hand-written backward; TRL's selective_log_softmax; Liger's fused linear cross-entropy.)
-    chunk_size <= 0: one piece, no recompute (the plain path: [n, V] logits kept for the backward).
+    chunk_size <= 0: one piece, no recompute (the plain path: [n, V] logits kept for the backward); so is
+    n <= chunk_size, where keeping one chunk's logits costs what recomputing it at the start of the backward
+    would.
     The chunks are of equal size (n = 1025, chunk_size 1024: 513 + 512), because a chunk of a few rows makes
     the CPU's BLAS sum the backward's V-long products (grad_logits [c, V] @ W [V, h]) less accurately: about
     1e-5 relative for c < 16, against 1e-7 for the plain path.
@@ -250,9 +252,9 @@ def chunked_logprobs(hidden: torch.Tensor, targets: torch.Tensor, lm_head, tempe
     def piece(h, t):  # [c, h], [c] -> [c], [c]
         return token_logprobs(lm_head(h), t, temperature, entropy_fn, entropy_grad)
 
-    if chunk_size <= 0:
+    if chunk_size <= 0 or hidden.shape[0] <= chunk_size:  # one chunk: recomputing it would not lower the peak
         return piece(hidden, targets)
-    chunks = max(1, math.ceil(hidden.shape[0] / chunk_size))  # of equal size: no tiny last chunk (see above)
+    chunks = math.ceil(hidden.shape[0] / chunk_size)  # of equal size: no tiny last chunk (see above)
     logps, entropies = [], []
     for h, t in zip(hidden.tensor_split(chunks), targets.tensor_split(chunks)):  # [c, h], [c], c <= chunk_size
         logp, entropy = checkpoint(piece, h, t, use_reentrant=False) if torch.is_grad_enabled() else piece(h, t)

@@ -52,7 +52,7 @@ DEFAULTS = {
                 "enable_prefix_caching": True, "seed_samples": True},
     "actor": {"lr": 1e-5, "lr_warmup_steps": 0, "lr_warmup_steps_ratio": 0.0, "lr_schedule": "constant", "min_lr_ratio": 0.0,
               "weight_decay": 0.01, "betas": [0.9, 0.999], "ppo_mini_batch_size": 16, "ppo_epochs": 1,
-              "ppo_max_token_len_per_gpu": 16384, "clip_ratio_low": 0.2, "clip_ratio_high": 0.28,
+              "ppo_max_token_len_per_gpu": 16384, "logprob_chunk_size": 512, "clip_ratio_low": 0.2, "clip_ratio_high": 0.28,
               "clip_ratio_c": 3.0, "loss_agg_mode": "token-mean", "recompute_old_log_prob": False, "entropy_coeff": 0.0, "use_kl_loss": True,
               "kl_loss_coef": 0.001, "kl_loss_type": "low_var_kl", "grad_clip": 1.0},
     "algorithm": {"norm_adv_by_std_in_grpo": True},
@@ -93,13 +93,15 @@ RANGES = {
     "rollout.gpu_memory_utilization": (lambda v: 0 < v <= 1, "0 < value <= 1"),
     "rollout.tensor_parallel_size": (lambda v: v == 1, "1 (each rank runs its own engine; tensor-parallel rollouts "
                                      "are not supported)"),
-    "rollout.sleep_level": (lambda v: v in (1, 2), "1 or 2"),
+    "rollout.sleep_level": (lambda v: v == 1, "1 (level 2 also drops buffers such as the RoPE cache, which the "
+                            "weight push does not send: untested, so refused)"),
     "actor.lr": (lambda v: v > 0, "> 0"), "actor.lr_warmup_steps": _at_least(0),
     "actor.lr_warmup_steps_ratio": _in(0, 1), "actor.min_lr_ratio": _in(0, 1), "actor.weight_decay": _at_least(0),
     "actor.betas": (lambda v: len(v) == 2 and all(isinstance(b, (int, float)) and 0 <= b < 1 for b in v),
                     "two numbers in [0, 1)"),
     "actor.ppo_mini_batch_size": _at_least(1), "actor.ppo_epochs": _at_least(1),
     "actor.ppo_max_token_len_per_gpu": _at_least(1),
+    "actor.logprob_chunk_size": (lambda v: v >= 0, ">= 0 (response positions per lm_head chunk; 0: no chunking)"),
     "actor.clip_ratio_low": _in(0, 1, closed_high=False), "actor.clip_ratio_high": _in(0, 1, closed_high=False),
     "actor.clip_ratio_c": (lambda v: v > 1, "> 1 (the dual-clip bound)"),
     "actor.entropy_coeff": _at_least(0), "actor.kl_loss_coef": _at_least(0), "actor.grad_clip": (lambda v: v > 0, "> 0"),
@@ -315,6 +317,8 @@ def grpo_step(run: "Run", step: int) -> dict:
     lacks: a replayed batch (trainer.replay_batches) arrives with rewards, old and reference log-probs
     and advantages, a sampled one with rewards only."""
     t = {}
+    if torch.cuda.is_available():
+        torch.cuda.reset_peak_memory_stats()  # perf/max_memory_allocated_gb: this step's peak, not the run's
     with Timer(t, "step"):
         batch = load_replay(run, step) if run.cfg["trainer"]["replay_batches"] else sample_batch(run, step, t)
         metrics = old_and_ref_logprobs(run, batch, t)
@@ -379,13 +383,15 @@ def old_and_ref_logprobs(run: "Run", batch: dict, t: dict) -> dict:
         with Timer(t, "old_log_prob"):
             old, entropy = fsdp_train.compute_logprobs(run.policy, batch, temperature=temperature,
                                                        max_tokens=ac["ppo_max_token_len_per_gpu"],
+                                                       chunk_size=ac["logprob_chunk_size"],
                                                        entropy_fn=losses.entropy_from_logits)
         metrics = old_logprob_metrics(batch, old, entropy, run.cfg)
         batch.setdefault("old_logprobs", old)  # a replayed batch keeps its dumped ones
     if run.ref is not None and "ref_logprobs" not in batch:
         with Timer(t, "ref"):
             batch["ref_logprobs"], _ = fsdp_train.compute_logprobs(run.ref, batch, temperature=temperature,
-                                                                   max_tokens=ac["ppo_max_token_len_per_gpu"])
+                                                                   max_tokens=ac["ppo_max_token_len_per_gpu"],
+                                                                   chunk_size=ac["logprob_chunk_size"])
     return metrics
 
 
@@ -410,6 +416,7 @@ def update_actor(run: "Run", batch: dict, t: dict) -> dict:
                 results.append(fsdp_train.train_step(
                     run.policy, run.optimizer, fsdp_train.select(batch, list(range(j, j + rows))), grpo_loss_fn(run.cfg),
                     temperature=ro["temperature"], max_tokens=ac["ppo_max_token_len_per_gpu"], grad_clip=ac["grad_clip"],
+                    chunk_size=ac["logprob_chunk_size"],
                     entropy_fn=losses.entropy_from_logits if ac["entropy_coeff"] or run.on_policy else None,
                     entropy_grad=bool(ac["entropy_coeff"])))
         run.scheduler.step()
@@ -497,9 +504,11 @@ def setup(cfg: dict) -> Run:
     run = Run(cfg, rank, world, local_positions(d["train_batch_size"], ac["ppo_mini_batch_size"], world, rank), pad_id,
               tokenizer, train_rows, val_rows, total_steps, policy, ref, optimizer, scheduler, start,
               MetricsLogger(cfg, rank, resume_step=start - 1))
-    # On-policy shortcut (veRL's and TRL's): with one mini-batch and one epoch the policy that sampled IS
-    # the one being updated, so the update's own forward gives the old log-probs (ratio = 1) and the
-    # separate old-log-prob pass is skipped. Dumps carry explicit old log-probs, replays bring them.
+    # On-policy shortcut (TRL's, and veRL's legacy dp_actor.py): with one mini-batch and one epoch the policy
+    # that sampled IS the one being updated, so the update's own forward gives the old log-probs (ratio = 1,
+    # pg_clipfrac and ppo_kl exactly 0) and the separate old-log-prob pass is skipped. veRL 0.9.1 always runs
+    # that pass (its ratio then carries the numerics of two forwards): actor.recompute_old_log_prob=true.
+    # Dumps carry explicit old log-probs, replays bring them.
     run.on_policy = (ac["ppo_epochs"] == 1 and ac["ppo_mini_batch_size"] == d["train_batch_size"]
                      and not ac["recompute_old_log_prob"] and not tr["dump_batches"] and not tr["replay_batches"])
     if not tr["replay_batches"]:  # the engine, one per rank, AFTER torch.distributed (replay needs none)
@@ -889,7 +898,8 @@ class MetricsLogger:
         if self.wandb is not None:
             self.wandb.log(metrics, step=step)
         if VAL_KEY in metrics and "console" in self.cfg["trainer"]["logger"]:
-            print(f"step {step}: {VAL_KEY} = {metrics[VAL_KEY]:.3f}", flush=True)
+            from tqdm import tqdm
+            tqdm.write(f"step {step}: {VAL_KEY} = {metrics[VAL_KEY]:.3f}")  # above the progress bar, not in it
 
     def close(self):
         if self.rank != 0:

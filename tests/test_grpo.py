@@ -54,6 +54,8 @@ def test_defaults_yaml_and_overrides(tmp_path):
     ("actor.lr_warmup_steps=-2", "actor.lr_warmup_steps = -2; accepted: >= 0"),
     ("rollout.gpu_memory_utilization=0", "rollout.gpu_memory_utilization = 0.0; accepted: 0 < value <= 1"),
     ("rollout.tensor_parallel_size=2", "rollout.tensor_parallel_size = 2; accepted: 1 (each rank runs its own engine"),
+    ("rollout.sleep_level=2", "rollout.sleep_level = 2; accepted: 1 (level 2 also drops buffers"),
+    ("actor.logprob_chunk_size=-1", "actor.logprob_chunk_size = -1; accepted: >= 0 (response positions per lm_head"),
     ("actor.betas=[0.9]", "actor.betas = [0.9]; accepted: two numbers in [0, 1)"),
     ("actor.lr=.inf", "actor.lr = inf; accepted: a finite number"),
     ("trainer.logger=[tensorboard]", "trainer.logger = ['tensorboard']; accepted: a list of: console, wandb"),
