@@ -1,0 +1,135 @@
+"""Does the seed recipe (gsm8k.yaml) fit on 80 GB GPUs? Per-GPU memory of Qwen2.5-0.5B, 1.5B and 7B on 1, 6
+and 8 GPUs, computed from the model shapes and the figures bench/memory.py measured (bench/results/memory.json).
+
+    .venv/bin/python bench/fit_table.py                    # the markdown table in the README
+    .venv/bin/python bench/fit_table.py --tokens 8192 --gpu-memory-utilization 0.3
+
+What is counted, per GPU, with FSDP2 sharding every parameter over all N GPUs (bytes; P parameters):
+  model states     fp32 policy parameters 4P/N + fp32 gradients 4P/N + AdamW's two moments 8P/N
+                   + the reference model in bf16 2P/N (no fp32 copy) + the root's unsharded bf16 embed_tokens
+                   and lm_head during a forward/backward (2Vh, twice if untied); gradients are freed after the
+                   optimizer step, so they do not count during generation.
+  activations      at actor.ppo_max_token_len_per_gpu tokens in one micro-batch, scaled from the 0.5B-shape
+                   fp32 measurements: (a) the inputs activation checkpointing keeps per layer, the measured
+                   marginal MB/token of the chunked train step, scaled by h * L and by 2/4 for bf16; plus the
+                   larger of (b) one decoder layer's recompute + backward, measured per token, scaled by the
+                   MLP width I and 2/4, and (c) the chunked head's transient, an upper bound: six fp32
+                   [logprob_chunk_size, V] tensors (logits, logits / T, log-softmax, softmax and their
+                   gradients) plus one fp32 [V, h] weight gradient. The plain path's (c) is its measured
+                   marginal per token, scaled by V, times the whole budget (the [tokens, V] logits).
+  vLLM             during generation: gpu_memory_utilization x GPU memory (weights, KV cache, activations);
+                   during the update it sleeps (level 1: weights to CPU, KV cache dropped): ~1 GB left.
+  overhead         CUDA contexts and allocator slack of the two frameworks: 3 GB.
+A phase fits when its sum is below the GPU's memory. These are estimates from measured pieces, not a run
+on GPUs (none could be used here); they say which knob to turn, not the last gigabyte.
+"""
+
+import argparse
+import json
+import os
+
+import yaml
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+GB, MB = 1024**3, 1024**2
+MODELS = {  # Qwen2.5's config.json values
+    "Qwen2.5-0.5B": dict(h=896, inter=4864, layers=24, heads=14, kv=2, vocab=151936, tied=True),
+    "Qwen2.5-1.5B": dict(h=1536, inter=8960, layers=28, heads=12, kv=2, vocab=151936, tied=True),
+    "Qwen2.5-7B": dict(h=3584, inter=18944, layers=28, heads=28, kv=4, vocab=152064, tied=False),
+}
+OVERHEAD_GB, VLLM_ASLEEP_GB = 3.0, 1.0
+HEAD_COPIES = 6  # fp32 [chunk, V] tensors one chunk's backward holds at most: logits, / T, log-softmax, softmax, grads
+
+
+def parameters(m: dict) -> int:
+    """Qwen2 parameter count: attention (q, k, v with biases, o), MLP, two norms per layer, embeddings, head."""
+    d = m["h"] // m["heads"]
+    attn = m["h"] * (m["heads"] * d) * 2 + m["h"] * (m["kv"] * d) * 2 + (m["heads"] + 2 * m["kv"]) * d
+    layer = attn + 3 * m["h"] * m["inter"] + 2 * m["h"]
+    return m["layers"] * layer + m["h"] + m["vocab"] * m["h"] * (1 if m["tied"] else 2)
+
+
+def steady_marginal(points: list[dict]) -> float:
+    """MB per token between the two largest points (the first interval can include one-off jumps)."""
+    return points[-1]["marginal_mb_per_token"]
+
+
+def activations_gb(m: dict, measured: dict, tokens: int, chunk: int, chunked: bool) -> float:
+    """(a) saved layer inputs + max((b) one layer's recompute, (c) the head), GB; see the docstring."""
+    s, p = measured["shape"], measured["points"]
+    saved = steady_marginal(p["train/chunked"]) * (m["h"] * m["layers"]) / (s["hidden_size"] * s["num_hidden_layers"]) / 2
+    layer = steady_marginal(p["layer/one decoder layer"]) * m["inter"] / s["intermediate_size"] / 2
+    if chunked:
+        head = (HEAD_COPIES * min(chunk, tokens) * m["vocab"] * 4 + 4 * m["vocab"] * m["h"]) / MB
+    else:  # the plain path: its marginal per token is the [tokens, V] logits and their copies
+        head = steady_marginal(p["train/plain"]) * m["vocab"] / s["vocab_size"] * tokens
+    return (saved * tokens + max(layer * tokens, head)) / 1024
+
+
+def fit_rows(cfg: dict, measured: dict, gpu_gb: float) -> list[dict]:
+    tokens, chunk = cfg["actor"]["ppo_max_token_len_per_gpu"], cfg["actor"]["logprob_chunk_size"]
+    util = cfg["rollout"]["gpu_memory_utilization"]
+    rows = []
+    for name, m in MODELS.items():
+        P = parameters(m)
+        for n in (1, 6, 8):
+            root = 2 * m["vocab"] * m["h"] * (1 if m["tied"] else 2) / GB
+            params, grads, adam, ref = 4 * P / n / GB, 4 * P / n / GB, 8 * P / n / GB, 2 * P / n / GB
+            act = activations_gb(m, measured, tokens, chunk, chunked=chunk > 0)
+            act_plain = activations_gb(m, measured, tokens, chunk, chunked=False)
+            update = params + grads + adam + ref + root + act + VLLM_ASLEEP_GB + OVERHEAD_GB
+            update_plain = update - act + act_plain
+            generation = params + adam + ref + util * gpu_gb + OVERHEAD_GB
+            rows.append(dict(model=name, params_b=P / 1e9, gpus=n, states=params + grads + adam, ref=ref, root=root,
+                             act=act, act_plain=act_plain, update=update, update_plain=update_plain,
+                             vllm=util * gpu_gb, generation=generation, fits=max(update, generation) <= gpu_gb))
+    return rows
+
+
+def knob(r: dict, gpu_gb: float) -> str:
+    if r["fits"]:
+        return "fits"
+    if r["states"] + r["ref"] + OVERHEAD_GB > gpu_gb:
+        return "no: model states alone exceed the GPU; more GPUs"
+    if r["generation"] > gpu_gb:
+        return "no: lower rollout.gpu_memory_utilization"
+    return "no: lower actor.ppo_max_token_len_per_gpu"
+
+
+def table(rows: list[dict], gpu_gb: float, tokens: int, util: float) -> str:
+    out = [f"| model | GPUs | model states (fp32 params + grads + AdamW) | reference (bf16) | activations at "
+           f"{tokens} tokens: chunked / plain | update peak: chunked / plain | generation (vLLM {util:g} x "
+           f"{gpu_gb:g} GB = {util * gpu_gb:g} GB) | fits in {gpu_gb:g} GB |", "|" + "---|" * 8]
+    for r in rows:
+        plain_fits = "" if r["update_plain"] <= gpu_gb else " (plain: no)"
+        out.append(f"| {r['model']} ({r['params_b']:.2f}B) | {r['gpus']} | {r['states']:.1f} | {r['ref']:.1f} | "
+                   f"{r['act']:.1f} / {r['act_plain']:.1f} | {r['update']:.1f} / {r['update_plain']:.1f} | "
+                   f"{r['generation']:.1f} | {knob(r, gpu_gb)}{plain_fits if r['fits'] else ''} |")
+    return "\n".join(out)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--config", default=os.path.join(HERE, "..", "gsm8k.yaml"))
+    ap.add_argument("--measured", default=os.path.join(HERE, "results", "memory.json"))
+    ap.add_argument("--gpu-gb", type=float, default=80.0)
+    ap.add_argument("--tokens", type=int, help="override actor.ppo_max_token_len_per_gpu")
+    ap.add_argument("--gpu-memory-utilization", type=float, help="override rollout.gpu_memory_utilization")
+    args = ap.parse_args()
+    with open(args.config) as f:
+        cfg = yaml.safe_load(f)
+    cfg["actor"].setdefault("logprob_chunk_size", 512)
+    if args.tokens:
+        cfg["actor"]["ppo_max_token_len_per_gpu"] = args.tokens
+    if args.gpu_memory_utilization:
+        cfg["rollout"]["gpu_memory_utilization"] = args.gpu_memory_utilization
+    with open(args.measured) as f:
+        measured = json.load(f)
+    rows = fit_rows(cfg, measured, args.gpu_gb)
+    print(table(rows, args.gpu_gb, cfg["actor"]["ppo_max_token_len_per_gpu"], cfg["rollout"]["gpu_memory_utilization"]))
+    print(f"\nGB per GPU; measured figures from {os.path.relpath(args.measured)} ({measured['device']}, "
+          f"`{measured['command'].strip()}`); the sums and scalings are in bench/fit_table.py's docstring.")
+
+
+if __name__ == "__main__":
+    main()
