@@ -11,7 +11,7 @@ CPU_TORCH_INDEX ?= $(if $(PIP_FIND_LINKS),,--extra-index-url https://download.py
 CUDA_ONLY := torchvision torchaudio torchcodec triton
 NPROC ?= 2
 
-.PHONY: install test demo bench clean
+.PHONY: install test demo curves bench clean
 
 install: $(STAMP)
 
@@ -33,6 +33,11 @@ test: install
 demo: install
 	OMP_NUM_THREADS=$$(( $$(nproc) / $(NPROC) > 0 ? $$(nproc) / $(NPROC) : 1 )) \
 	$(VENV)/bin/torchrun --nproc_per_node $(NPROC) grpo.py --config tiny.yaml $(ARGS)
+
+# The README's picture: a fresh demo run (seed 0) and its curves.png.
+curves: install
+	$(MAKE) demo ARGS="trainer.output_dir=runs/curves $(ARGS)"
+	cp runs/curves/curves.png docs/demo-curves.png
 
 # flatgrpo vs TRL on the same CPU workload (issue: performance), plus where each step's time goes.
 # TRL is a benchmark-only dependency (pyproject extra `bench`), installed here and nowhere else.
