@@ -130,6 +130,8 @@ def make_optimizer(model, *, lr: float, betas=(0.9, 0.999), weight_decay: float 
     scheduler.step() once per global step, after its optimizer steps."""
     if schedule not in ("constant", "cosine"):
         raise ValueError(f"make_optimizer: schedule={schedule!r}; accepted: constant, cosine")
+    if hasattr(model, "reshard"):  # FSDP2: after a forward the root is unsharded, and parameters() would list
+        model.reshard()             # its temporary full tensors, freed at the next reshard (AdamW: a crash)
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, betas=betas, weight_decay=weight_decay)
     return optimizer, torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda step: lr_factor(step, warmup_steps, total_steps, schedule, min_lr_ratio))
@@ -282,7 +284,8 @@ def response_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tens
     b, h = hidden.shape[0], hidden.shape[-1]
     logp, entropy = chunked_logprobs(hidden.reshape(b * r_width, h), input_ids[:, -r_width:].reshape(-1),
                                      model.lm_head, temperature, chunk_size, entropy_fn, entropy_grad)  # [b * R]
-    return logp.view(b, r_width), (entropy.view(b, r_width) if entropy is not None else None)  # [b, R]
+    # [b, R]; copies, not views: FSDP2 hooks the outputs for its backward, and a view invites in-place edits
+    return logp.view(b, r_width).clone(), (entropy.view(b, r_width).clone() if entropy is not None else None)
 
 
 def add_logprob_forward(model) -> None:

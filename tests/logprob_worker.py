@@ -37,6 +37,20 @@ class GradRecorder(torch.optim.Optimizer):
             self.grads[name] = g.detach().clone()
 
 
+def optimizer_after_a_no_grad_forward(model, mine) -> bool:
+    """A no-grad forward leaves the FSDP2 root unsharded; an optimizer built then must still train every
+    parameter (make_optimizer reshards first). True when one AdamW step changed every local shard."""
+    with torch.no_grad():
+        ft._forward(model, mine, TEMPERATURE)
+    optimizer, _ = ft.make_optimizer(model, lr=1e-2)
+    params = optimizer.param_groups[0]["params"]
+    local = lambda p: p.detach().to_local() if isinstance(p, DTensor) else p.detach()  # noqa: E731 (no collective)
+    before = [local(p).clone() for p in params]
+    ft.train_step(model, optimizer, mine, weighted_loss, temperature=TEMPERATURE, max_tokens=48,
+                  entropy_fn=losses.entropy_from_logits)
+    return all(not torch.equal(b, local(p)) for b, p in zip(before, params))
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("model")
@@ -63,7 +77,7 @@ def main():
         recorder.grads = {}
         state[chunk] = {"loss": metrics["loss"], "resharded_after_logprobs": resharded,
                         "grads_freed": all(p.grad is None for p in model.parameters())}
-    report(rank, {"state": state, "entropy_coef": ENTROPY_COEF})
+    report(rank, {"state": state, "entropy_coef": ENTROPY_COEF, "all_trained": optimizer_after_a_no_grad_forward(model, mine)})
     torch.distributed.destroy_process_group()
 
 

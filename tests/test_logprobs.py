@@ -128,3 +128,4 @@ def test_chunked_path_under_torchrun_equals_the_plain_path(big_vocab_models, tmp
             assert state["loss"] == pytest.approx(ref["loss"], rel=1e-6, abs=1e-7)
             assert state["resharded_after_logprobs"]  # the no-grad pass leaves no full embed / lm_head behind
             assert state["grads_freed"]  # train_step frees the gradients right after the optimizer step
+        assert all(r["all_trained"] for r in reports)  # an optimizer built after a no-grad forward trains all
