@@ -78,6 +78,7 @@ def main():
         state[chunk] = {"loss": metrics["loss"], "resharded_after_logprobs": resharded,
                         "grads_freed": all(p.grad is None for p in model.parameters())}
     report(rank, {"state": state, "entropy_coef": ENTROPY_COEF, "all_trained": optimizer_after_a_no_grad_forward(model, mine)})
+    torch.distributed.barrier()  # no rank tears gloo down while another still uses it
     torch.distributed.destroy_process_group()
 
 
