@@ -8,7 +8,7 @@ import tempfile
 
 import pytest
 
-# vLLM on CPU: in-process engine, a small KV cache (see ../shared/reference/cpu-notes.md).
+# vLLM on CPU: in-process engine, a small KV cache (see docs/cpu-notes.md).
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
