@@ -109,7 +109,6 @@ def load_model(path: str, *, device: torch.device, param_dtype: torch.dtype = to
     set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
     model.requires_grad_(trainable)
     model.train(trainable)
-    add_logprob_forward(model)
     return model
 
 
@@ -274,8 +273,8 @@ def response_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tens
 
     Under FSDP2 this must run as a forward of the ROOT module: the root's pre-forward unshards the
     parameters it owns (embed_tokens, the final norm, lm_head) and its backward hooks reduce-scatter their
-    gradients. Calling model.model and model.lm_head directly would skip both. load_model therefore makes
-    it a method of the model, registered with FSDP2 (register_fsdp_forward_method); call it as
+    gradients. Calling model.model and model.lm_head directly would skip both. _forward therefore makes
+    it a method of the model on first use, registered with FSDP2 (add_logprob_forward); call it as
     model.response_logprobs(...).
     """
     hidden = model.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
@@ -298,7 +297,7 @@ def add_logprob_forward(model) -> None:
 def _forward(model, mb: dict[str, torch.Tensor], temperature: float, entropy_fn=None, entropy_grad: bool = True,
              chunk_size: int = LOGPROB_CHUNK):
     """Response log-probs [b, R] (and entropy [b, R] or None) of a micro-batch."""
-    if not hasattr(model, "response_logprobs"):  # a model that did not come from load_model
+    if not hasattr(model, "response_logprobs"):  # first use: attach it, FSDP2-registered
         add_logprob_forward(model)
     position_ids = (mb["attention_mask"].cumsum(-1) - 1).clamp(min=0)  # [b, P + R], as vLLM counts
     return model.response_logprobs(mb["input_ids"], mb["attention_mask"], position_ids, mb["response_mask"].shape[1],

@@ -118,7 +118,6 @@ def main():
     args = ap.parse_args()
     with open(args.config) as f:
         cfg = yaml.safe_load(f)
-    cfg["actor"].setdefault("logprob_chunk_size", 512)
     if args.tokens:
         cfg["actor"]["ppo_max_token_len_per_gpu"] = args.tokens
     if args.gpu_memory_utilization:
