@@ -17,7 +17,7 @@ from torch.distributed.tensor import DTensor
 
 import fsdp_train as ft
 import losses
-from reporting import report
+from reporting import report, shut_down
 from test_logprobs import ENTROPY_COEF, TEMPERATURE, batch, weighted_loss
 
 ROWS = {1: [[0, 1, 2, 3, 4, 5]], 2: [[0, 1, 3, 4], [2, 5]]}  # rank -> rows (rank 1: the empty and a short one)
@@ -78,8 +78,7 @@ def main():
         state[chunk] = {"loss": metrics["loss"], "resharded_after_logprobs": resharded,
                         "grads_freed": all(p.grad is None for p in model.parameters())}
     report(rank, {"state": state, "entropy_coef": ENTROPY_COEF, "all_trained": optimizer_after_a_no_grad_forward(model, mine)})
-    torch.distributed.barrier()  # no rank tears gloo down while another still uses it
-    torch.distributed.destroy_process_group()
+    shut_down()
 
 
 if __name__ == "__main__":

@@ -19,7 +19,7 @@ import torch
 
 import fsdp_train as ft
 import grpo
-from reporting import report
+from reporting import report, shut_down
 
 CONFIG = ["rollout.n=4", "data.train_batch_size=4", "actor.ppo_mini_batch_size=4", "data.max_prompt_length=8",
           "data.max_response_length=12", "rollout.temperature=0.7", "actor.entropy_coeff=0.003",
@@ -120,8 +120,7 @@ def main():
     result["cosine"] = schedule(path, ["actor.lr=0.01", "actor.lr_warmup_steps_ratio=0.5", "actor.lr_schedule=cosine",
                                        "actor.min_lr_ratio=0.1"], batch, device)
     report(rank, result)
-    torch.distributed.barrier()
-    torch.distributed.destroy_process_group()
+    shut_down()
 
 
 if __name__ == "__main__":

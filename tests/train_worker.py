@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 import fsdp_train as ft
 import losses
-from reporting import report
+from reporting import report, shut_down
 
 CLIP = dict(clip_low=0.2, clip_high=0.28, clip_c=3.0)
 ENTROPY_COEF, KL_COEF = 0.003, 0.001
@@ -136,8 +136,7 @@ def main():
     if rank == 0:
         torch.save(weights, os.path.join(args.out, f"final_ws{world}.pt"))
     report(rank, {"history": history})
-    dist.barrier()
-    dist.destroy_process_group()
+    shut_down()
 
 
 if __name__ == "__main__":
