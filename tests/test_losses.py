@@ -3,12 +3,14 @@
 import math
 import statistics
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from losses import agg_loss, entropy_from_logits, grpo_advantages, kl_penalty, masked_mean, policy_loss
+from losses import (agg_loss, entropy_from_logits, grpo_advantages, kl_penalty, masked_mean, nonzero_std_groups,
+                    policy_loss)
 
 T = torch.tensor
 
@@ -209,6 +211,42 @@ def test_policy_loss_shape_mismatch():
         policy_loss(torch.zeros(2, 3), torch.zeros(2, 3), torch.zeros(2), torch.ones(2, 3))
 
 
+def _ref_weighted_pg(logp, old, adv, mask, w, mode, clip_low=0.2, clip_high=0.28, clip_c=3.0):
+    """veRL compute_policy_loss_vanilla with rollout_is_weights, per token in float64 Python."""
+    rows = []
+    for lr, orow, ar, mr, wr in zip(*(t.tolist() for t in (logp, old, adv, mask, w))):
+        losses = []
+        for lp, o, a, m, wt in zip(lr, orow, ar, mr, wr):
+            r = math.exp(min(max(lp - o, -20.0), 20.0))
+            clipped = max(-a * r, -a * min(max(r, 1 - clip_low), 1 + clip_high))
+            losses.append((min(-a * clip_c, clipped) if a < 0 else clipped) * wt if m else None)
+        rows.append([x for x in losses if x is not None])
+    if mode == "token-mean":
+        return sum(map(sum, rows)) / sum(map(len, rows))
+    filled = [r for r in rows if r]
+    return sum(sum(r) / (len(r) + 1e-8) for r in filled) / len(filled)  # seq-mean-token-mean
+
+
+@pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-mean"])
+def test_policy_loss_is_weights_multiply_the_clipped_per_token_loss(mode):
+    g = torch.Generator().manual_seed(0)
+    logp = torch.randn(4, 6, generator=g, dtype=torch.float64) * 0.4
+    old = torch.randn(4, 6, generator=g, dtype=torch.float64) * 0.4
+    logp[0, 0] = old[0, 0] + 1.5  # clipped above, A > 0
+    adv = torch.tensor([1.0, -2.0, 0.5, -0.3], dtype=torch.float64)[:, None].expand(4, 6)  # [B, R]
+    logp[1, 1] = old[1, 1] + 3.0  # dual clip, A < 0
+    mask = (torch.arange(6)[None] < torch.tensor([6, 3, 0, 2])[:, None]).double()  # an empty row
+    w = torch.rand(4, 6, generator=g, dtype=torch.float64) * 2 * mask
+    kw = dict(clip_low=0.2, clip_high=0.28, agg_mode=mode)
+    loss, metrics = policy_loss(logp, old, adv, mask, is_weights=w, **kw)
+    assert loss.item() == pytest.approx(_ref_weighted_pg(logp, old, adv, mask, w, mode), rel=1e-12)
+    plain, plain_metrics = policy_loss(logp, old, adv, mask, **kw)
+    assert metrics == plain_metrics  # the weights touch the loss only
+    ones, _ = policy_loss(logp, old, adv, mask, is_weights=torch.ones_like(w), **kw)
+    assert torch.equal(ones, plain)  # and is_weights=None is the unweighted loss, bit for bit
+    assert plain.item() == pytest.approx(_ref_weighted_pg(logp, old, adv, mask, torch.ones_like(w), mode), rel=1e-12)
+
+
 # ---------------------------------------------------------------- KL and entropy
 @pytest.mark.parametrize("kind, expected", [
     ("kl", 1.0), ("k1", 1.0), ("abs", 1.0), ("mse", 0.5), ("k2", 0.5),
@@ -258,3 +296,50 @@ def test_entropy_from_logits():
     assert torch.allclose(entropy_from_logits(z), expected, atol=1e-10)
     assert entropy_from_logits(T([[1.0, 2.0]])).item() == pytest.approx(
         -sum(p * math.log(p) for p in torch.softmax(T([1.0, 2.0]), 0).tolist()))
+
+
+# ---------------------------------------------------------------- DAPO dynamic sampling: nonzero_std_groups
+def _np_keep(values, n):
+    """veRL's rule with numpy itself: drop a group iff n > 1 and float(np.std(values)) == 0.0."""
+    return [not (n > 1 and float(np.std(values[i:i + n])) == 0.0) for i in range(0, len(values), n)]
+
+
+def test_nonzero_std_groups_numpy_edge_cases():
+    assert nonzero_std_groups([0.1] * 3, 3) == [True]  # np.std = 1.4e-17: kept
+    assert nonzero_std_groups([0.1] * 8, 8) == [False]  # np.std = 0.0: dropped
+    assert nonzero_std_groups(T([1.0, 0.0, 1.0, 1.0, 1.0, 1.0]), 3) == [True, False]
+    assert nonzero_std_groups([5.0, 5.0], 1) == [True, True]  # a group of one is never dropped
+    assert nonzero_std_groups([], 4) == []
+    for values in ([0.1] * 3, [0.1] * 8, [0.1] * 119, [-1.7699756849662132] * 150, [0.7] * 300):
+        assert nonzero_std_groups(values, len(values)) == _np_keep(values, len(values)), len(values)
+
+
+def test_nonzero_std_groups_matches_numpy_on_many_groups():
+    rng = np.random.default_rng(0)
+    for _ in range(300):
+        n = int(rng.integers(1, 301))
+        kind = rng.integers(4)
+        if kind == 0:  # repeated values from a small pool (float32 rewards included)
+            values = rng.choice([0.1, 0.2, 1 / 3, float(np.float32(0.1)), 0.7], size=2 * n)
+        elif kind == 1:  # all equal
+            values = np.full(2 * n, rng.uniform(-5, 5))
+        elif kind == 2:  # all equal but one ulp
+            values = np.full(2 * n, rng.uniform(-5, 5))
+            values[rng.integers(2 * n)] = np.nextafter(values[0], 10)
+        else:
+            values = rng.uniform(-1, 1, size=2 * n).astype(np.float32).astype(np.float64)
+        values = values.tolist()
+        assert nonzero_std_groups(values, n) == _np_keep(values, n), (n, kind)
+
+
+def test_nonzero_std_groups_float32_tensor_is_widened_exactly():
+    rewards = T([0.1] * 8 + [0.1] * 7 + [0.2], dtype=torch.float32)
+    values = [float(v) for v in np.asarray(rewards.numpy(), dtype=np.float64)]
+    assert nonzero_std_groups(rewards, 8) == _np_keep(values, 8) == [False, True]
+
+
+def test_nonzero_std_groups_bad_n():
+    for n in (0, -1, 4, 2.0, True):
+        with pytest.raises(ValueError, match="nonzero_std_groups: n="):
+            nonzero_std_groups([1.0, 2.0, 3.0, 4.0, 5.0, 6.0], n)
+

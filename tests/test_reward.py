@@ -4,10 +4,12 @@ import random
 import string
 
 import pytest
+import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from reward import CLIP_CHARS, INSTRUCTION, compute_score, extract_ground_truth, extract_solution, make_prompt
+from reward import (CLIP_CHARS, INSTRUCTION, compute_score, extract_ground_truth, extract_solution, make_prompt,
+                    overlong_penalty)
 
 
 def test_make_prompt_is_verl_single_user_message():
@@ -132,3 +134,45 @@ def test_property_total_and_consistent(text, method):
 def test_property_appended_answer_always_found(n, prefix):
     assert compute_score(prefix + f"\n#### {n}", str(n)) == 1.0
     assert compute_score(prefix + f"\n#### {n:,}", str(n)) == 1.0   # thousands separators
+
+
+# ---------------------------------------------------------------- DAPO overlong penalty
+def _verl_overlong(length, max_len, buffer_len, factor):
+    """veRL's expression (experimental/reward_loop/reward_manager/dapo.py) on a 0-d int64 tensor, as veRL runs it."""
+    valid_response_length = torch.ones(length, dtype=torch.int64).sum()  # an attention-mask sum: 0-d int64
+    exceed_len = valid_response_length - (max_len - buffer_len)
+    return min(-exceed_len / buffer_len * factor, 0)
+
+
+def test_overlong_penalty_bit_equal_to_verl_torch():
+    rng = random.Random(0)
+    factors = [0.1, 1.0, 0.7, 0.3, 1 / 3, 0.5, 2.0, 0.05, 0.9, 1.5]
+    checked = 0
+    for _ in range(3000):
+        buffer_len = rng.choice([1, 3, 7, 10, 64, 100, 333, 1000, 1024, 4096, rng.randint(1, 8000)])
+        max_len = buffer_len + rng.randint(0, 8000)
+        near_end = rng.random() < 0.8
+        length = rng.randint(max(0, max_len - buffer_len - 3) if near_end else 0, max_len)
+        factor = rng.choice(factors + [rng.uniform(0, 3)])
+        want = _verl_overlong(length, max_len, buffer_len, factor)
+        got = overlong_penalty(length, max_len, buffer_len, factor)
+        in_buffer = torch.is_tensor(want)  # else veRL's min() returned the int 0
+        assert type(got) is float and got == (want.item() if in_buffer else want), (length, max_len, buffer_len, factor)
+        checked += in_buffer
+    assert checked > 1500  # most cases inside the buffer (a float32 tensor in veRL), the rest the int 0 branch
+
+
+def test_overlong_penalty_hand_values():
+    assert overlong_penalty(10, 20, 10, 1.0) == 0.0  # at the buffer start
+    assert overlong_penalty(3, 20, 10, 1.0) == 0.0  # before it: Python's min(x, 0) gives 0
+    assert overlong_penalty(15, 20, 10, 1.0) == -0.5
+    assert overlong_penalty(20, 20, 10, 1.0) == -1.0
+    assert overlong_penalty(13, 20, 10, 0.1) == -0.030000001192092896  # float32: f32(f32(-0.3) * f32(0.1))
+    assert overlong_penalty(13, 20, 10, 0.1) != -3 / 10 * 0.1
+
+
+@pytest.mark.parametrize("args", [(5, 20, 0, 1.0), (5, 20, -1, 1.0), (5, 8, 10, 1.0)])
+def test_overlong_penalty_bad_config(args):
+    with pytest.raises(ValueError, match="buffer_length=.*max_response_length="):
+        overlong_penalty(*args)
+
