@@ -175,7 +175,7 @@ def select(batch: dict[str, torch.Tensor], rows: list[int]) -> dict[str, torch.T
     p_width = batch["input_ids"].shape[1] - r_width
     sub = {k: v[rows] for k, v in batch.items()}
     p_len = int(sub["attention_mask"][:, :p_width].sum(-1).max())
-    r_len = max(1, int(sub["response_mask"].sum(-1).max()))
+    r_len = max(1, int(sub["attention_mask"][:, p_width:].sum(-1).max()))  # not response_mask: it may have holes
     for k, v in sub.items():
         if k in SEQ_KEYS:
             sub[k] = v[:, p_width - p_len:p_width + r_len]
@@ -190,7 +190,7 @@ def micro_batches(batch: dict[str, torch.Tensor], max_tokens: int, num_groups: i
     num_groups, the largest groups are split (then empty groups [] added) to reach exactly that many."""
     p_width = batch["input_ids"].shape[1] - batch["response_mask"].shape[1]
     p_lens = batch["attention_mask"][:, :p_width].sum(-1).tolist()
-    r_lens = batch["response_mask"].sum(-1).tolist()
+    r_lens = batch["attention_mask"][:, p_width:].sum(-1).tolist()  # every token, also those a mask leaves out
     order = sorted(range(len(p_lens)), key=lambda i: -(p_lens[i] + r_lens[i]))
     groups, p_max, r_max = [], 0, 0
     for i in order:
@@ -379,9 +379,16 @@ def train_step(model, optimizer, batch: dict[str, torch.Tensor], loss_fn, *, tem
     out = {**reduced, "actor/grad_norm": grad_norm,
            "actor/skipped_steps": float(skipped),
            "perf/mfu/actor": mfu(flops, time.perf_counter() - start, world, peak_flops())}
-    if torch.cuda.is_available():
-        out["perf/max_memory_allocated_gb"] = torch.cuda.max_memory_allocated() / 1024**3
+    if torch.cuda.is_available():  # the trainer's own peak: without other memory pools (a sleeping vLLM's)
+        out["perf/max_memory_allocated_gb"] = (torch.cuda.max_memory_allocated() - other_pools_bytes()) / 1024**3
     return out
+
+
+def other_pools_bytes(snapshot: list[dict] | None = None) -> int:
+    """Bytes allocated in CUDA memory pools other than the default one (segment_pool_id (0, 0)), e.g. vLLM's
+    sleep-mode pool, which torch's max_memory_allocated() counts too, even while that engine sleeps."""
+    snapshot = torch.cuda.memory_snapshot() if snapshot is None else snapshot
+    return sum(s["allocated_size"] for s in snapshot if tuple(s.get("segment_pool_id", (0, 0))) != (0, 0))
 
 
 # ------------------------------------------------------------------------------- performance
@@ -443,8 +450,10 @@ def save_checkpoint(root: str, step: int, model, optimizer, scheduler, extra: di
 
 
 def list_checkpoints(root: str) -> list[str]:
-    """Complete checkpoints under root, oldest first."""
-    found = [p for p in glob.glob(os.path.join(root, "step_*")) if os.path.exists(os.path.join(p, "COMPLETE"))]
+    """Complete checkpoints under root, oldest first (step_<N> only: a step_<N>.tmp left by a crash between
+    its COMPLETE marker and the rename is not one)."""
+    found = [p for p in glob.glob(os.path.join(root, "step_*")) if os.path.basename(p)[5:].isdigit()
+             and os.path.exists(os.path.join(p, "COMPLETE"))]
     return sorted(found, key=lambda p: int(os.path.basename(p).split("_")[1]))
 
 

@@ -151,8 +151,9 @@ def check_outputs(outputs, num_prompts: int, n: int) -> None:
 
 def sleep(llm: LLM, level: int = 1) -> None:
     """Free the engine's GPU memory while the trainer works (veRL's hybrid engine). Level 1 keeps a
-    CPU copy of the weights (buffers such as RoPE caches survive); level 2 discards everything.
-    No-op on CPU."""
+    CPU copy of the weights; level 2 discards them and keeps only the named buffers (RoPE caches), so the
+    weights must be reloaded (vLLM 0.32: vllm/v1/worker/gpu_worker.py, sleep and wake_up). Sleeping also
+    aborts requests and resets the prefix cache (vllm/v1/engine/core.py, sleep). No-op on CPU."""
     if not is_cpu():
         llm.sleep(level=level)
 
@@ -162,3 +163,12 @@ def wake(llm: LLM, tags: list[str] | None = None) -> None:
     generating (veRL's order, so weights and KV cache never coexist with the trainer's peak). No-op on CPU."""
     if not is_cpu():
         llm.wake_up(tags=tags)
+
+
+def pool_bytes() -> int:
+    """Bytes held by vLLM's sleep-mode memory pool (its weights, KV cache and workspace), 0 without one (CPU,
+    or sleep mode off). torch's allocator counts these allocations as its own, even while the engine sleeps
+    (vllm/device_allocator/cumem.py: the pool is a torch MemPool; get_current_usage sums its allocations,
+    slept ones included), so a trainer reports its own peak without them and this number apart."""
+    from vllm.device_allocator.cumem import CuMemAllocator
+    return CuMemAllocator.instance.get_current_usage() if getattr(CuMemAllocator, "instance", None) else 0

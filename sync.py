@@ -82,7 +82,12 @@ def push_weights(llm: LLM, named_tensors: Iterable[tuple[str, torch.Tensor]]) ->
     llm.collective_rpc("reload_weights", kwargs={"weights_iterator": stream(), "is_checkpoint_format": True})
     if tied and current_platform.is_cpu():
         llm.apply_model(_repack_tied_lm_head)
-    llm.reset_prefix_cache()  # KV computed with the old weights must never be reused
+    # KV computed with the old weights must never be reused. vLLM 0.32 returns False, without raising, while
+    # requests still hold blocks (vllm/v1/core/block_pool.py, reset_prefix_cache): never true between two
+    # generate() calls of an in-process LLM, so a False here is a bug to stop on, not to retry.
+    if not llm.reset_prefix_cache():
+        raise RuntimeError("push_weights: vLLM did not reset its prefix cache (requests still hold KV blocks); "
+                           "samples would reuse KV computed with the old weights")
     return count
 
 

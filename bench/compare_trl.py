@@ -33,6 +33,8 @@ os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
 import torch  # noqa: E402
 
+import config  # noqa: E402
+import data  # noqa: E402
 import grpo  # noqa: E402
 import reward  # noqa: E402
 import tiny  # noqa: E402
@@ -57,7 +59,7 @@ def flatgrpo_round(model_path: str, prompts: int, max_tokens: int, steps: int, s
             "trainer.export_hf=false", "trainer.plot=false", "trainer.sync_check_every=0", "trainer.logger=[]",
             f"trainer.seed={seed}", f"trainer.output_dir={out}"]
         if ranks == 1:
-            grpo.train(grpo.load_config(os.path.join(ROOT, "tiny.yaml"), overrides))
+            grpo.train(config.load_config(os.path.join(ROOT, "tiny.yaml"), overrides))
         else:
             env = {**os.environ, "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // ranks))}
             proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(ranks),
@@ -135,7 +137,7 @@ def main():
     torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
     paths = tiny.build(os.path.join(ROOT, ".cache", "tiny"), seed=0)
     with open(paths["train"]) as f:
-        rows = grpo._rows_from_records([json.loads(line) for line in f], paths["train"])
+        rows = data._rows_from_records([json.loads(line) for line in f], paths["train"])
     model = paths["model" if args.model == "warm" else "base"]
     print(f"machine: {os.cpu_count()} CPU cores, torch {torch.__version__}, {torch.get_num_threads()} threads; "
           f"model {model}")

@@ -33,6 +33,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 
 import fsdp_train as ft  # noqa: E402
+import config  # noqa: E402
 import grpo  # noqa: E402
 import losses  # noqa: E402
 import tiny  # noqa: E402
@@ -98,7 +99,7 @@ def point(args) -> dict:
     tokens, kw = int(batch["attention_mask"].sum()), dict(temperature=1.0, max_tokens=10**9, chunk_size=args.chunk)
     if args.point == "train":
         optimizer, _ = ft.make_optimizer(model, lr=1e-6)
-        loss_fn = grpo.grpo_loss_fn(grpo.load_config(None, CONFIG))
+        loss_fn = grpo.grpo_loss_fn(config.load_config(None, CONFIG))
         step = lambda b: ft.train_step(model, optimizer, b, loss_fn, entropy_fn=losses.entropy_from_logits, **kw)  # noqa: E731
         step(micro_batch(1, model.config.vocab_size, 8, 8))  # warm-up: AdamW's states exist before the measurement
         run = lambda: step(batch)  # noqa: E731
@@ -150,7 +151,7 @@ def time_table(model: str, rows: int, chunk: int, rounds: int) -> None:
     _, _, device = ft.init_distributed()
     policy = ft.load_model(model, device=device, activation_checkpointing=True)
     optimizer, _ = ft.make_optimizer(policy, lr=1e-6)
-    loss_fn = grpo.grpo_loss_fn(grpo.load_config(None, CONFIG))
+    loss_fn = grpo.grpo_loss_fn(config.load_config(None, CONFIG))
     batch = micro_batch(rows, policy.config.vocab_size)
     tokens = int(batch["attention_mask"].sum())
     paths = {"plain (chunk 0)": 0, f"chunked ({chunk})": chunk}

@@ -59,3 +59,29 @@ def run_torchrun(script: str, nproc: int, *args: str, timeout: int = 600, killed
         with open(os.path.join(results_dir, f"rank{rank}.json")) as f:
             results.append(json.load(f))
     return results
+
+
+def free_port() -> int:
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_nodes(script: list[str], nproc: int, nodes: list[dict], timeout: int = 600) -> list[subprocess.CompletedProcess]:
+    """Several torchrun "nodes" on this machine (--nnodes len(nodes) --node_rank k, rendezvous on 127.0.0.1),
+    started together; nodes[k] may give "args" (appended to script), "env" and "wrap" (a command prefix, e.g.
+    a private mount namespace). Returns each node's finished process (stdout, stderr, returncode)."""
+    port = free_port()
+    procs = []
+    for k, node in enumerate(nodes):
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT, **node.get("env", {})}
+        cmd = [*node.get("wrap", []), sys.executable, "-m", "torch.distributed.run", "--nnodes", str(len(nodes)),
+               "--node_rank", str(k), "--nproc_per_node", str(nproc), "--master_addr", "127.0.0.1",
+               "--master_port", str(port), *script, *node.get("args", [])]
+        procs.append(subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    out = []
+    for p in procs:
+        stdout, stderr = p.communicate(timeout=timeout)
+        out.append(subprocess.CompletedProcess(p.args, p.returncode, stdout, stderr))
+    return out

@@ -14,10 +14,11 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
+import config  # noqa: E402
 import grpo  # noqa: E402
 
 checkpoint, config, overrides = sys.argv[1], sys.argv[3], sys.argv[4:]
-run = grpo.setup(grpo.load_config(config, overrides))
+run = grpo.setup(config.load_config(config, overrides))
 saved = torch.load(os.path.join(checkpoint, "state_rank0.pt"), weights_only=False)["extra"]["rng"]
 print(json.dumps({"start": run.start, "engine": run.llm is not None,
                   "torch": torch.equal(torch.get_rng_state(), saved["torch"]),

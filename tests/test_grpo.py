@@ -15,21 +15,31 @@ import pyarrow.parquet as pq
 import pytest
 import yaml
 
-import grpo
+import config
+import data
+import fsdp_train
+import metrics
+import reward
+import rollout
 from conftest import ROOT
+
+VAL_KEY = "val-core/openai/gsm8k/reward/mean@1"  # veRL's name of greedy validation accuracy on GSM8K
 
 # ------------------------------------------------------------------------------------ config
 
 
 def test_defaults_yaml_and_overrides(tmp_path):
-    cfg = grpo.load_config(os.path.join(ROOT, "gsm8k.yaml"), ["actor.lr=3e-6", "trainer.total_steps=7",
+    cfg = config.load_config(os.path.join(ROOT, "gsm8k.yaml"), ["actor.lr=3e-6", "trainer.total_steps=7",
                                                                "trainer.logger=[console, wandb]"])
     assert cfg["actor"]["lr"] == 3e-6 and isinstance(cfg["actor"]["lr"], float)  # "3e-6": YAML 1.1 string
     assert cfg["trainer"]["total_steps"] == 7 and cfg["trainer"]["logger"] == ["console", "wandb"]
     assert cfg["data"]["train_batch_size"] == 96 and cfg["actor"]["clip_ratio_high"] == 0.28
     assert cfg["actor"]["entropy_coeff"] == 0.003 and cfg["actor"]["kl_loss_coef"] == 0.001
-    assert grpo.load_config(None, [])["actor"]["lr"] == grpo.DEFAULTS["actor"]["lr"]
-    assert grpo.load_config(None, ["actor.kl_loss_coef=0"])["actor"]["kl_loss_coef"] == 0.0  # int -> float
+    assert config.load_config(None, [])["actor"]["lr"] == config.DEFAULTS["actor"]["lr"]
+    assert config.load_config(None, ["actor.kl_loss_coef=0"])["actor"]["kl_loss_coef"] == 0.0  # int -> float
+    rc = config.load_config(None, ["algorithm.rollout_correction.rollout_is_threshold=0.5_2",  # not YAML's 0.52
+                                   "algorithm.rollout_correction.rollout_rs_threshold=3"])["algorithm"]["rollout_correction"]
+    assert rc["rollout_is_threshold"] == "0.5_2" and rc["rollout_rs_threshold"] == 3.0
 
 
 @pytest.mark.parametrize("override, message", [
@@ -54,32 +64,47 @@ def test_defaults_yaml_and_overrides(tmp_path):
     ("actor.lr_warmup_steps=-2", "actor.lr_warmup_steps = -2; accepted: >= 0"),
     ("rollout.gpu_memory_utilization=0", "rollout.gpu_memory_utilization = 0.0; accepted: 0 < value <= 1"),
     ("rollout.tensor_parallel_size=2", "rollout.tensor_parallel_size = 2; accepted: 1 (each rank runs its own engine"),
-    ("rollout.sleep_level=2", "rollout.sleep_level = 2; accepted: 1 (level 2 also drops buffers"),
+    ("rollout.sleep_level=2", "rollout.sleep_level = 2; accepted: 1 (level 2 discards the weights; wrong outputs"),
+    ("trainer.resume=/tmp", "trainer.resume = '/tmp' is not a checkpoint"),
+    ("algorithm.rollout_correction.rollout_is=seq", "rollout_is = 'seq'; accepted: token, sequence"),
+    ("algorithm.rollout_correction.rollout_is=token algorithm.rollout_correction.rollout_is_threshold=2_1",
+     "rollout_is_threshold = '2_1'"),
+    ("algorithm.rollout_correction.rollout_rs=token_k9", "rollout_rs = 'token_k9', rollout_rs_threshold = None"),
+    ("algorithm.rollout_correction.rollout_rs=token_k2", "rollout_rs = 'token_k2', rollout_rs_threshold = None"),
+    ("algorithm.rollout_correction.bypass_mode=true algorithm.rollout_correction.rollout_is=token",
+     "rollout_is = 'token' with bypass_mode=true; accepted: null"),
+    ("algorithm.rollout_corection.rollout_is=token", "unknown key 'algorithm.rollout_corection.rollout_is'; accepted: "
+                                                     "algorithm.norm_adv_by_std_in_grpo, algorithm.rollout_correction"),
+    ("data.gen_batch_size=4", "data.gen_batch_size = 4; accepted: null or data.train_batch_size, unless "
+                              "algorithm.filter_groups.enable=true"),
+    ("rollout.val_n=4", "rollout.val_n = 4 needs rollout.val_temperature > 0"),
+    ("reward.overlong_buffer.enable=true", "reward.overlong_buffer.len = 0; accepted: 0 < value <= data.max_response_length"),
+    ("custom_reward_function.path=7", "custom_reward_function.path = 7 has type int; expected str"),
     ("actor.logprob_chunk_size=-1", "actor.logprob_chunk_size = -1; accepted: >= 0 (response positions per lm_head"),
     ("actor.betas=[0.9]", "actor.betas = [0.9]; accepted: two numbers in [0, 1)"),
     ("actor.lr=.inf", "actor.lr = inf; accepted: a finite number"),
     ("trainer.logger=[tensorboard]", "trainer.logger = ['tensorboard']; accepted: a list of: console, wandb"),
     ("model.compute_dtype=fp16", "accepted: float32, bfloat16, float16"),
     ("actor.ppo_mini_batch_size=5", "multiple of actor.ppo_mini_batch_size (5)"),
-    ("trainer.resume=/no/such/dir", "accepted: off, auto, or the path"),
+    ("trainer.resume=/no/such/dir", "is not a checkpoint; accepted: off, auto, or a complete checkpoint directory"),
     ("actor.lr", "is not key.sub=value"),
 ])
 def test_config_errors_name_the_key_and_the_accepted_values(override, message):
-    with pytest.raises(grpo.ConfigError, match=message.replace("(", r"\(").replace(")", r"\)").replace("[", r"\[")):
-        grpo.load_config(None, [override])
+    with pytest.raises(config.ConfigError, match=message.replace("(", r"\(").replace(")", r"\)").replace("[", r"\[")):
+        config.load_config(None, override.split(" "))
 
 
 def test_config_file_errors(tmp_path):
     bad = tmp_path / "bad.yaml"
     bad.write_text("actor:\n  lr: 1e-5\n  cliprange: 0.2\n")
-    with pytest.raises(grpo.ConfigError, match=f"{bad}.*unknown key 'actor.cliprange'"):
-        grpo.load_config(str(bad), [])
+    with pytest.raises(config.ConfigError, match=f"{bad}.*unknown key 'actor.cliprange'"):
+        config.load_config(str(bad), [])
     bad.write_text("actors:\n  lr: 1\n")
-    with pytest.raises(grpo.ConfigError, match="unknown section 'actors'"):
-        grpo.load_config(str(bad), [])
+    with pytest.raises(config.ConfigError, match="unknown section 'actors'"):
+        config.load_config(str(bad), [])
     bad.write_text("trainer:\n  dump_batches: a\n  replay_batches: b\n")
-    with pytest.raises(grpo.ConfigError, match="exclusive"):
-        grpo.load_config(str(bad), [])
+    with pytest.raises(config.ConfigError, match="exclusive"):
+        config.load_config(str(bad), [])
 
 
 def test_cli_stops_with_one_line_before_loading_anything(tmp_path):
@@ -92,11 +117,13 @@ def test_cli_stops_with_one_line_before_loading_anything(tmp_path):
 
 
 def test_every_ranged_key_is_a_known_key_and_every_default_is_accepted():
-    for key in grpo.RANGES:
-        section, _, name = key.partition(".")
-        assert name in grpo.DEFAULTS[section], key
+    for key in [*config.RANGES, *config.TYPES, *config.CHOICES]:
+        node = config.DEFAULTS
+        for part in key.split("."):
+            assert part in node, key
+            node = node[part]
     for path in (None, os.path.join(ROOT, "gsm8k.yaml"), os.path.join(ROOT, "tiny.yaml")):
-        grpo.load_config(path, [])
+        config.load_config(path, [])
 
 
 def one_error_line(proc) -> str:
@@ -120,18 +147,18 @@ def test_cli_wrong_model_path_stops_with_one_line(tmp_path, tiny_build, path, en
 
 def test_model_directory_without_weights_or_config(tmp_path):
     (tmp_path / "config.json").write_text("{}")
-    with pytest.raises(grpo.ConfigError, match=r"model.path = .*: the directory has no \*.safetensors$"):
-        grpo.resolve_model(str(tmp_path), download=False)
+    with pytest.raises(config.ConfigError, match=r"model.path = .*: the directory has no \*.safetensors$"):
+        data.resolve_model(str(tmp_path), download=False)
     (tmp_path / "config.json").unlink()
-    with pytest.raises(grpo.ConfigError, match=r"has no config.json and no \*.safetensors"):
-        grpo.resolve_model(str(tmp_path), download=False)
+    with pytest.raises(config.ConfigError, match=r"has no config.json and no \*.safetensors"):
+        data.resolve_model(str(tmp_path), download=False)
 
 
 def test_print_config_and_help():
     proc = subprocess.run([sys.executable, "grpo.py", "--print-config", "--config", "gsm8k.yaml", "actor.lr=3e-6"],
                           cwd=ROOT, capture_output=True, text=True, timeout=300)
     printed = yaml.safe_load(proc.stdout)
-    assert printed == grpo.load_config(os.path.join(ROOT, "gsm8k.yaml"), ["actor.lr=3e-6"])
+    assert printed == config.load_config(os.path.join(ROOT, "gsm8k.yaml"), ["actor.lr=3e-6"])
     assert printed["actor"]["lr"] == 3e-6 and printed["trainer"]["verbose"] is False
     text = subprocess.run([sys.executable, "grpo.py", "--help"], cwd=ROOT, capture_output=True, text=True,
                           timeout=300).stdout
@@ -156,7 +183,9 @@ def test_cli_bad_data_and_world_size_stop_with_one_line(tmp_path, tiny_build):
 GSM = [{"question": "Tom has 3 apples and gets 4 more. How many?", "answer": "3 + 4 = <<3+4=7>>7\n#### 7"},
        {"question": "Ann has 1,200 coins.", "answer": "#### 1,200"}]
 VERL = [{"data_source": "openai/gsm8k", "prompt": [{"role": "user", "content": "Q? Let's think"}], "ability": "math",
-         "reward_model": {"style": "rule", "ground_truth": "72"}, "extra_info": {"split": "train", "index": 0}}]
+         "reward_model": {"style": "rule", "ground_truth": "72"}, "extra_info": {"split": "train", "index": 0}},
+        {"data_source": "my/task", "prompt": [{"role": "user", "content": "Spell 3"}], "ability": "other",
+         "reward_model": {"style": "rule", "ground_truth": "three"}, "extra_info": {"split": "train", "index": 1}}]
 
 
 def write_jsonl(path, rows):
@@ -165,19 +194,27 @@ def write_jsonl(path, rows):
 
 
 def test_loaders_for_every_layout(tmp_path):
-    expected_gsm = [{"prompt": [{"role": "user", "content": GSM[0]["question"] + " " + grpo.reward.INSTRUCTION}],
-                     "ground_truth": "7"},
-                    {"prompt": [{"role": "user", "content": GSM[1]["question"] + " " + grpo.reward.INSTRUCTION}],
-                     "ground_truth": "1200"}]
-    expected_verl = [{"prompt": VERL[0]["prompt"], "ground_truth": "72"}]
-    assert grpo.load_rows(write_jsonl(tmp_path / "g.jsonl", GSM), "train", None) == expected_gsm
-    assert grpo.load_rows(write_jsonl(tmp_path / "v.jsonl", VERL), "train", None) == expected_verl
+    """Both layouts, both file types; veRL rows keep data_source and extra_info (a reward file gets them),
+    GSM8K rows get veRL's data_source; every row says where it came from (for error messages)."""
+    def plain(rows):
+        return [{k: v for k, v in r.items() if k != "where"} for r in rows]
+    expected_gsm = [{"prompt": [{"role": "user", "content": g["question"] + " " + reward.INSTRUCTION}],
+                     "ground_truth": truth, "data_source": "openai/gsm8k",
+                     "extra_info": {"index": i, "question": g["question"], "answer": g["answer"]}}
+                    for i, (g, truth) in enumerate(zip(GSM, ["7", "1200"]))]
+    expected_verl = [{"prompt": VERL[0]["prompt"], "ground_truth": "72", "data_source": "openai/gsm8k",
+                      "extra_info": {"split": "train", "index": 0}},
+                     {"prompt": VERL[1]["prompt"], "ground_truth": "three", "data_source": "my/task",
+                      "extra_info": {"split": "train", "index": 1}}]
+    assert plain(data.load_rows(write_jsonl(tmp_path / "g.jsonl", GSM), "train", None)) == expected_gsm
+    assert plain(data.load_rows(write_jsonl(tmp_path / "v.jsonl", VERL), "train", None)) == expected_verl
     pq.write_table(pa.Table.from_pylist(VERL), tmp_path / "v.parquet")
     pq.write_table(pa.Table.from_pylist(GSM), tmp_path / "g.parquet")
-    assert grpo.load_rows(str(tmp_path / "v.parquet"), "train", None) == expected_verl
-    assert grpo.load_rows(str(tmp_path / "g.parquet"), "train", None) == expected_gsm
-    both = grpo.load_rows(f"{tmp_path / 'g.parquet'},{tmp_path / 'v.parquet'}", "train", None)
-    assert both == expected_gsm + expected_verl
+    assert plain(data.load_rows(str(tmp_path / "v.parquet"), "train", None)) == expected_verl
+    assert plain(data.load_rows(str(tmp_path / "g.parquet"), "train", None)) == expected_gsm
+    both = data.load_rows(f"{tmp_path / 'g.parquet'},{tmp_path / 'v.parquet'}", "train", None)
+    assert [r["where"] for r in both] == [f"{tmp_path / f}.parquet row {i}" for f in "gv" for i in (0, 1)]
+    assert plain(both) == expected_gsm + expected_verl
 
 
 @pytest.mark.parametrize("rows, message", [
@@ -191,40 +228,45 @@ def test_loaders_for_every_layout(tmp_path):
 ])
 def test_bad_rows_name_file_row_and_field(tmp_path, rows, message):
     with pytest.raises(ValueError, match=message):
-        grpo.load_rows(write_jsonl(tmp_path / "bad.jsonl", rows), "train", None)
+        data.load_rows(write_jsonl(tmp_path / "bad.jsonl", rows), "train", None)
 
 
 def test_bad_files(tmp_path):
     with pytest.raises(FileNotFoundError, match="missing.jsonl does not exist"):
-        grpo.load_rows(str(tmp_path / "missing.jsonl"), "train", None)
+        data.load_rows(str(tmp_path / "missing.jsonl"), "train", None)
     (tmp_path / "x.csv").write_text("a,b\n")
     with pytest.raises(ValueError, match="unsupported file type; accepted: .parquet, .jsonl"):
-        grpo.load_rows(str(tmp_path / "x.csv"), "train", None)
+        data.load_rows(str(tmp_path / "x.csv"), "train", None)
     (tmp_path / "broken.jsonl").write_text(json.dumps(GSM[0]) + "\n{oops\n")
     with pytest.raises(ValueError, match="broken.jsonl: row 1: not valid JSON"):
-        grpo.load_rows(str(tmp_path / "broken.jsonl"), "train", None)
+        data.load_rows(str(tmp_path / "broken.jsonl"), "train", None)
 
 
 def test_overlong_prompts_are_filtered_and_counted_never_truncated(tiny_tokenizer):
     rows = [{"prompt": [{"role": "user", "content": "short"}], "ground_truth": "1"},
             {"prompt": [{"role": "user", "content": "long " * 200}], "ground_truth": "2"}]
     d = {"max_prompt_length": 64, "filter_overlong_prompts": True}
-    kept, dropped = grpo.filter_overlong(rows, tiny_tokenizer, d)
+    kept, dropped = data.filter_overlong(rows, tiny_tokenizer, d)
     assert kept == rows[:1] and dropped == 1 and kept[0] is rows[0]
     with pytest.raises(ValueError, match="1 prompts exceed data.max_prompt_length=64"):
-        grpo.filter_overlong(rows, tiny_tokenizer, {**d, "filter_overlong_prompts": False})
+        data.filter_overlong(rows, tiny_tokenizer, {**d, "filter_overlong_prompts": False})
+    # the boundary: a prompt of exactly max_prompt_length tokens (the chat template rendered, as vLLM gets it)
+    text = tiny_tokenizer.apply_chat_template(rows[0]["prompt"], add_generation_prompt=True, tokenize=False)
+    length = len(tiny_tokenizer(text, add_special_tokens=False)["input_ids"])
+    assert data.filter_overlong(rows[:1], tiny_tokenizer, {**d, "max_prompt_length": length}) == (rows[:1], 0)
+    assert data.filter_overlong(rows[:1], tiny_tokenizer, {**d, "max_prompt_length": length - 1}) == ([], 1)
 
 
 def test_data_order_and_rank_shares():
     rows = [{"i": i} for i in range(10)]
-    assert [r["i"] for r in grpo.step_prompts(rows, 1, 4, False, 0)] == [0, 1, 2, 3]
-    assert [r["i"] for r in grpo.step_prompts(rows, 3, 4, False, 0)] == [0, 1, 2, 3]  # drop_last: new epoch
-    shuffled = [[r["i"] for r in grpo.step_prompts(rows, s, 4, True, 0)] for s in (1, 2, 3, 4)]
-    assert shuffled[0] != [0, 1, 2, 3] and shuffled[:2] == [[r["i"] for r in grpo.step_prompts(rows, s, 4, True, 0)]
+    assert [r["i"] for r in data.step_prompts(rows, 1, 4, False, 0)] == [0, 1, 2, 3]
+    assert [r["i"] for r in data.step_prompts(rows, 3, 4, False, 0)] == [0, 1, 2, 3]  # drop_last: new epoch
+    shuffled = [[r["i"] for r in data.step_prompts(rows, s, 4, True, 0)] for s in (1, 2, 3, 4)]
+    assert shuffled[0] != [0, 1, 2, 3] and shuffled[:2] == [[r["i"] for r in data.step_prompts(rows, s, 4, True, 0)]
                                                           for s in (1, 2)]
     assert len(set(shuffled[0] + shuffled[1])) == 8 and shuffled[0] != shuffled[2]  # reshuffled per epoch
     for world in (1, 2, 4):
-        shares = [grpo.local_positions(16, 8, world, r) for r in range(world)]
+        shares = [data.local_positions(16, 8, world, r) for r in range(world)]
         assert sorted(p for s in shares for p in s) == list(range(16))
         for s in shares:  # each mini-batch split evenly over the ranks
             assert sum(p < 8 for p in s) == sum(p >= 8 for p in s) == 8 // world
@@ -284,15 +326,15 @@ def val_file(tiny_build, tmp_path_factory):
         questions = [json.loads(line)["question"] for line in f][:7]
     rows, scores = [], []
     for i, question in enumerate(questions):
-        prompt = grpo.reward.make_prompt(question)
-        ids = grpo.rollout.render_prompt(tokenizer, prompt)
+        prompt = reward.make_prompt(question)
+        ids = rollout.render_prompt(tokenizer, prompt)
         with torch.no_grad():
             out = model.generate(torch.tensor([ids]), max_new_tokens=32, do_sample=False)
         text = tokenizer.decode(out[0, len(ids):], skip_special_tokens=True)
-        answer = grpo.reward.extract_solution(text, "flexible")
+        answer = reward.extract_solution(text, "flexible")
         truth = str(answer) if i % 2 == 0 and answer else "-12345"
         rows.append({"prompt": prompt, "reward_model": {"ground_truth": truth}})
-        scores.append(grpo.reward.compute_score(text, truth, method="flexible"))
+        scores.append(reward.compute_score(text, truth, method="flexible"))
     path = tmp_path_factory.mktemp("val") / "val.jsonl"
     write_jsonl(path, rows)
     assert 0 < sum(scores) < len(scores)
@@ -342,18 +384,18 @@ def test_end_to_end_tiny_run(e2e, val_file, nproc):
     assert "vllm" in engine_log and "Failed to load weights" in engine_log  # routed there, not lost
     rows = read_metrics(out)
     assert [r["step"] for r in rows] == [0, 1, 2, 3]
-    assert set(rows[0]) == {"step", grpo.VAL_KEY}
-    assert rows[0][grpo.VAL_KEY] == pytest.approx(val_file[1])  # a global mean over all 7 rows, at any world size
+    assert set(rows[0]) == {"step", VAL_KEY}
+    assert rows[0][VAL_KEY] == pytest.approx(val_file[1])  # a global mean over all 7 rows, at any world size
     for r in rows[1:]:
         assert set(VERL_KEYS) <= set(r), set(VERL_KEYS) - set(r)
         assert r["rollout/logprob_diff_max"] < 1e-3  # vLLM serves the trained weights
         assert 0 <= r["critic/score/mean"] <= 1 and r["perf/total_num_tokens"] > 8 * 8 * 40
         assert r["response_length/max"] <= 32 and r["actor/lr"] == 1e-4
-    assert grpo.VAL_KEY in rows[2] and grpo.VAL_KEY in rows[3]
+    assert VAL_KEY in rows[2] and VAL_KEY in rows[3]
     assert [r["rollout/sync_check"] < 1e-3 for r in rows[1:] if "rollout/sync_check" in r] == [True] * 3
     assert os.path.getsize(os.path.join(out, "curves.png")) > 10_000
     assert os.path.exists(os.path.join(out, "hf", "model.safetensors"))
-    assert [os.path.basename(p) for p in grpo.fsdp_train.list_checkpoints(os.path.join(out, "checkpoints"))] == \
+    assert [os.path.basename(p) for p in fsdp_train.list_checkpoints(os.path.join(out, "checkpoints"))] == \
         ["step_2", "step_3"]
 
 
@@ -375,10 +417,10 @@ def test_dumped_batches_hold_the_right_prompts_rewards_and_advantages(e2e, tiny_
         for k in range(batch_size * n):
             row = train[(step - 1) * batch_size + k // n]  # shuffle off: the step's prompts in order
             prompt = d["input_ids"][k, :-width][d["attention_mask"][k, :-width].bool()].tolist()
-            assert prompt == grpo.rollout.render_prompt(tokenizer, grpo.reward.make_prompt(row["question"]))
+            assert prompt == rollout.render_prompt(tokenizer, reward.make_prompt(row["question"]))
             text = tokenizer.decode(d["input_ids"][k, -width:][d["response_mask"][k].bool()], skip_special_tokens=True)
-            truth = grpo.reward.extract_ground_truth(row["answer"])
-            assert d["rewards"][k].item() == grpo.reward.compute_score(text, truth, method="flexible")
+            truth = reward.extract_ground_truth(row["answer"])
+            assert d["rewards"][k].item() == reward.compute_score(text, truth, method="flexible")
         groups = d["rewards"].reshape(batch_size, n)  # [prompts, n]
         expected = (groups - groups.mean(-1, keepdim=True)) / (groups.std(-1, keepdim=True) + 1e-6)  # [prompts, n]
         assert torch.allclose(d["advantages"], expected.reshape(-1, 1) * d["response_mask"], atol=1e-6)
@@ -445,9 +487,9 @@ def test_on_policy_shortcut_equals_the_separate_old_log_prob_pass(tmp_path, tiny
 
 # ------------------------------------------------------------------------------ the sync proof
 def test_sync_warning_rule_on_recorded_numbers():
-    """grpo.out_of_sync(mean, max, exact, warn_max=0.05, warn_mean=0.1) on measured rollout/logprob_diff_*."""
+    """metrics.out_of_sync(mean, max, exact, warn_max=0.05, warn_mean=0.1) on measured rollout/logprob_diff_*."""
     def warns(mean, worst, exact):
-        return grpo.out_of_sync(mean, worst, exact, 0.05, 0.1)
+        return metrics.out_of_sync(mean, worst, exact, 0.05, 0.1)
     assert not warns(2e-6, 2e-5, exact=True)  # fp32, correct push (tiny demo)
     assert warns(0.0069, 1.7, exact=True)  # fp32, the step after a skipped push (tiny, lr 1e-4)
     assert not warns(0.0019, 0.2, exact=False)  # bf16, correct push: rare tokens off by 0.2 nats (tiny)

@@ -1,0 +1,130 @@
+"""Running on a cluster: what each node fetches, the checks that several nodes see one output directory,
+the resume point chosen once, stop signals (preemption) turned into a clean checkpoint, and the RNG states a
+checkpoint carries. Plumbing for grpo.py, not the algorithm. Every function is collective: call it on all ranks.
+
+    model_dir = node_first(lambda first: resolve_model(path, download=first))   # one download per node
+    check_shared_dir("runs/gsm8k")      # else one line: the nodes do not share trainer.output_dir
+    catch_stop_signals(); ...; if stop_requested(): save, exit 128 + signal
+"""
+
+import os
+import random
+import signal
+import time
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from config import ConfigError
+
+
+def node_first(fetch):
+    """fetch(first=True) on each node's local rank 0 (it downloads or builds into the node's own disk or
+    cache), then fetch(first=False) on the node's other ranks (they read what it left there). Nodes need not
+    share a file system. A failure on any node stops every rank with that one-line message."""
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    result, error = None, None
+    if local_rank == 0:
+        try:
+            result = fetch(True)
+        except (ValueError, OSError) as e:  # ConfigError is a ValueError
+            error = str(e)
+    errors = [None] * dist.get_world_size()
+    dist.all_gather_object(errors, error)  # also the barrier the other ranks wait at
+    if any(errors):
+        raise ConfigError(next(e for e in errors if e))
+    if local_rank == 0:
+        return result
+    try:
+        return fetch(False)
+    except (ValueError, OSError) as e:
+        raise ConfigError(str(e)) from None
+
+
+def check_shared_dir(path: str, key: str = "trainer.output_dir", wait_s: float = 10.0) -> None:
+    """Stop (one line, every rank) unless all ranks see the same directory at `path`: rank 0 writes a fresh
+    marker file there and every rank looks for it (for up to wait_s, as a network file system may show a new
+    file late). Checkpoints need it: every rank writes its DCP shards there, rank 0 the COMPLETE marker."""
+    os.makedirs(path, exist_ok=True)
+    token = [f".shared-check-{os.getpid()}-{time.time_ns()}" if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(token, src=0)
+    marker = os.path.join(path, token[0])
+    if dist.get_rank() == 0:
+        open(marker, "w").close()
+    dist.barrier()
+    deadline = time.monotonic() + wait_s
+    while not (seen := token[0] in os.listdir(path)) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    blind = [None] * dist.get_world_size()
+    dist.all_gather_object(blind, None if seen else f"{os.uname().nodename} (rank {dist.get_rank()})")
+    if dist.get_rank() == 0:
+        os.remove(marker)
+    if any(blind):
+        raise ConfigError(f"config: {key} = {path!r} is not one directory shared by all nodes: "
+                          f"{', '.join(b for b in blind if b)} cannot see what rank 0 writes there; put it on a "
+                          "file system every node mounts")
+
+
+def broadcast(value, src: int = 0):
+    """rank src's value, on every rank (e.g. the checkpoint to resume from, chosen once by rank 0)."""
+    box = [value]
+    dist.broadcast_object_list(box, src=src)
+    return box[0]
+
+
+# ---------------------------------------------------------------------------------- stop signals
+_stop = {"signal": 0}
+
+
+def catch_stop_signals() -> None:
+    """SIGTERM (SLURM / Kubernetes preemption, torchrun's shutdown) and SIGINT (Ctrl-C) only set a flag; the
+    loop finishes its step, checkpoints it and exits. A second signal acts at once (the default action)."""
+    def handler(signum, frame):
+        _stop["signal"] = signum
+        signal.signal(signum, signal.SIG_DFL)
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, handler)
+
+
+def stop_requested() -> int:
+    """The stop signal any rank received (0: none), the same on every rank."""
+    flag = torch.tensor([_stop["signal"]], dtype=torch.int64)
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    return int(flag.item())
+
+
+# ---------------------------------------------------------------------------------- RNG states
+def seed_everything(seed: int):
+    random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def rng_state() -> dict:
+    return {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state(),
+            "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None}
+
+
+def restore_rng(state: dict):
+    random.setstate(state["python"])
+    if "numpy" in state:  # checkpoints from before it was saved lack it
+        np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if state["cuda"] is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def global_rows(tensors: list[torch.Tensor], positions: list[int], n: int) -> tuple[list[torch.Tensor], list[int]]:
+    """Each rank's [b, R_rank] tensors -> the WHOLE batch's [B, R] tensors on every rank (sample j of the prompt
+    at position p is row p * n + j; R is the widest rank's, zero-padded), and the rows that are this rank's.
+    The same tensors at any world size, so whole-batch statistics (rollout correction) do not depend on it."""
+    mine = [p * n + j for p in positions for j in range(n)]
+    parts = [None] * dist.get_world_size()
+    dist.all_gather_object(parts, (mine, [t.cpu() for t in tensors]))
+    width = max(t.shape[1] for _, ts in parts for t in ts)
+    order = torch.tensor([r for rows, _ in parts for r in rows])
+    out = []
+    for k in range(len(tensors)):
+        stacked = torch.cat([torch.nn.functional.pad(ts[k], (0, width - ts[k].shape[1])) for _, ts in parts])
+        out.append(torch.empty_like(stacked).index_copy_(0, order, stacked))  # [B, R]
+    return out, mine

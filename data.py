@@ -1,0 +1,247 @@
+"""What flatgrpo reads and writes besides the model's math: datasets in GSM8K's and veRL's formats, the
+prompts of each generation batch, the task's scorer (veRL's GSM8K rule or a user's reward file), the model
+directory, and the dumped batches of the seed's Experiment 1. Plumbing for grpo.py, not the algorithm.
+
+    rows = load_rows("~/data/gsm8k/train.parquet", "train", None)   # [{"prompt", "ground_truth", ...}]
+    prompts = step_prompts(rows, 3, batch=96, shuffle=False, seed=0)   # the 3rd batch, epoch-wise order
+    score = make_scorer(cfg)          # score(row, response_text) -> (reward, extras)
+"""
+
+import glob
+import importlib.util
+import json
+import math
+import numbers
+import os
+import random
+
+import torch
+import torch.distributed as dist
+
+import fsdp_train
+import reward
+import rollout
+from config import ConfigError
+
+GSM8K = "openai/gsm8k"  # veRL's data_source of GSM8K rows, and of flatgrpo's tiny GSM8K-format rows
+
+
+# ------------------------------------------------------------------------------------- datasets
+def load_rows(source: str, split: str, tiny_paths: dict | None) -> list[dict]:
+    """Rows {"prompt": chat messages, "ground_truth": str, "data_source": str, "extra_info": dict,
+    "where": "file row i"} from:
+      "openai/gsm8k"            the hub dataset (question / answer columns), split train or test;
+      "tiny"                    tiny.py's synthetic GSM8K-format set;
+      a .parquet or .jsonl path in veRL's layout (prompt, reward_model.ground_truth, data_source, extra_info)
+                                or GSM8K's (question, answer); a comma-separated list of paths is concatenated.
+    A row without the needed fields stops the run with the file, row and field."""
+    if source == "tiny":
+        return _rows_from_records(_read_file(tiny_paths[split]), tiny_paths[split])
+    if source == GSM8K:
+        import datasets
+        try:
+            records = datasets.load_dataset(GSM8K, "main", split=split).to_list()
+        except Exception as e:  # offline, no network: one line, and the way out
+            raise ValueError(f"data: openai/gsm8k could not be loaded from the hub ({type(e).__name__}); pass "
+                             "local files instead, e.g. veRL's data.train=~/data/gsm8k/train.parquet") from None
+        return _rows_from_records(records, f"openai/gsm8k[{split}]")
+    rows = []
+    for path in source.split(","):
+        rows += _rows_from_records(_read_file(path.strip()), path.strip())
+    return rows
+
+
+def _read_file(path: str) -> list[dict]:
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"data: {path} does not exist (accepted: openai/gsm8k, tiny, *.parquet, *.jsonl)")
+    if path.endswith(".parquet"):
+        import pyarrow.parquet as pq
+        return pq.read_table(path).to_pylist()
+    if path.endswith(".jsonl"):
+        with open(path) as f:
+            records = []
+            for i, line in enumerate(f):
+                if line.strip():
+                    try:
+                        records.append(json.loads(line))
+                    except json.JSONDecodeError as e:
+                        raise ValueError(f"data: {path}: row {i}: not valid JSON ({e})") from None
+            return records
+    raise ValueError(f"data: {path}: unsupported file type; accepted: .parquet, .jsonl")
+
+
+def _rows_from_records(records: list[dict], where: str) -> list[dict]:
+    rows = []
+    for i, r in enumerate(records):
+        if not isinstance(r, dict):
+            raise ValueError(f"data: {where}: row {i}: expected an object, got {type(r).__name__}")
+        if "prompt" in r or "reward_model" in r:  # veRL's preprocessed layout
+            prompt, rm = r.get("prompt"), r.get("reward_model")
+            if not isinstance(prompt, list) or not prompt or not all(isinstance(m, dict) and "content" in m for m in prompt):
+                raise ValueError(f"data: {where}: row {i}: field 'prompt' must be a non-empty list of chat messages")
+            if not isinstance(rm, dict) or rm.get("ground_truth") in (None, ""):
+                raise ValueError(f"data: {where}: row {i}: missing field 'reward_model.ground_truth'")
+            row = {"prompt": [dict(m) for m in prompt], "ground_truth": rm["ground_truth"],
+                   "data_source": str(r.get("data_source") or GSM8K), "extra_info": r.get("extra_info") or {}}
+            row["ground_truth"] = str(row["ground_truth"]) if row["data_source"] == GSM8K else row["ground_truth"]
+        else:  # GSM8K's layout
+            for field in ("question", "answer"):
+                if not isinstance(r.get(field), str) or not r[field]:
+                    raise ValueError(f"data: {where}: row {i}: missing field {field!r} "
+                                     "(accepted layouts: question/answer, or prompt/reward_model.ground_truth)")
+            try:
+                truth = reward.extract_ground_truth(r["answer"])
+            except ValueError as e:
+                raise ValueError(f"data: {where}: row {i}: field 'answer': {e}") from None
+            row = {"prompt": reward.make_prompt(r["question"]), "ground_truth": truth, "data_source": GSM8K,
+                   "extra_info": {"index": i, "question": r["question"], "answer": r["answer"]}}
+        rows.append(row | {"where": f"{where} row {i}"})
+    return rows
+
+
+def filter_overlong(rows: list[dict], tokenizer, d: dict) -> tuple[list[dict], int]:
+    """Drop prompts longer than data.max_prompt_length tokens (never truncate; a prompt of exactly that many
+    tokens is kept); returns (kept, dropped)."""
+    kept = [r for r in rows if len(rollout.render_prompt(tokenizer, r["prompt"])) <= d["max_prompt_length"]]
+    if not d["filter_overlong_prompts"] and len(kept) < len(rows):
+        raise ValueError(f"data: {len(rows) - len(kept)} prompts exceed data.max_prompt_length="
+                         f"{d['max_prompt_length']} tokens; raise it or set data.filter_overlong_prompts=true")
+    return kept, len(rows) - len(kept)
+
+
+def step_prompts(rows: list[dict], step: int, batch: int, shuffle: bool, seed: int) -> list[dict]:
+    """The prompts of generation batch `step` (1-based): epoch-wise order, the last partial batch dropped
+    (veRL's drop_last). A pure function of the counter, so a resumed run sees the same data."""
+    per_epoch = len(rows) // batch
+    epoch, index = divmod(step - 1, per_epoch)
+    order = list(range(len(rows)))
+    if shuffle:
+        random.Random(seed * 100_003 + epoch).shuffle(order)
+    return [rows[i] for i in order[index * batch:(index + 1) * batch]]
+
+
+def local_positions(batch: int, mini: int, world: int, rank: int) -> list[int]:
+    """Positions (in the step's prompt list) that this rank owns: every mini-batch is split evenly
+    over the ranks, so a mini-batch holds the same prompts at any world size."""
+    share = mini // world
+    return [j * mini + rank * share + i for j in range(batch // mini) for i in range(share)]
+
+
+# ------------------------------------------------------------------------------------- the scorer
+def make_scorer(cfg: dict):
+    """score(row, text) -> (reward: float, extras: dict) for a response decoded with skip_special_tokens.
+    custom_reward_function.path set: that file's function (veRL's signature: compute_score(data_source,
+    solution_str, ground_truth, extra_info) -> a number, or a dict with a numeric "score" whose other keys
+    are extras); otherwise veRL's GSM8K rule (reward.compute_score), with the extracted answer as "pred"
+    (majority voting in validation). The file is loaded once per process; a bad return stops the run."""
+    path, name, rw = cfg["custom_reward_function"]["path"], cfg["custom_reward_function"]["name"], cfg["reward"]
+    if path is None:
+        def gsm8k(row, text):
+            pred = reward.extract_solution(text, method=rw["method"], clip_chars=rw["clip_chars"])
+            return reward.compute_score(text, row["ground_truth"], method=rw["method"], format_score=rw["format_score"],
+                                        score=rw["score"], clip_chars=rw["clip_chars"]), {"pred": pred or "[no answer]"}
+        return gsm8k
+    fn = load_reward_function(path, name)
+
+    def custom(row, text):
+        out = fn(data_source=row["data_source"], solution_str=text, ground_truth=row["ground_truth"],
+                 extra_info=row["extra_info"])
+        value, extras = (out.get("score"), {k: v for k, v in out.items() if k != "score"}) if isinstance(out, dict) \
+            else (out, {})
+        if not isinstance(value, numbers.Real) or not math.isfinite(value):
+            raise ConfigError(f"custom_reward_function: {path}:{name} returned {out!r} for {row['where']}; accepted: "
+                              "a finite number, or a dict with a numeric 'score'")
+        return float(value), extras
+    return custom
+
+
+def load_reward_function(path: str, name: str):
+    """The function `name` of the Python file `path` (custom_reward_function.path / .name)."""
+    if not os.path.isfile(path):
+        raise ConfigError(f"config: custom_reward_function.path = {path!r}: no such file")
+    spec = importlib.util.spec_from_file_location("custom_reward", path)
+    module = importlib.util.module_from_spec(spec)
+    try:
+        spec.loader.exec_module(module)
+    except Exception as e:
+        raise ConfigError(f"config: custom_reward_function.path = {path!r}: importing it failed "
+                          f"({type(e).__name__}: {e})") from None
+    if not callable(getattr(module, name, None)):
+        raise ConfigError(f"config: custom_reward_function.name = {name!r}: {path} defines no function {name}")
+    return getattr(module, name)
+
+
+def check_scorer(rows: list[dict], cfg: dict) -> None:
+    """Without a reward file only GSM8K rows can be scored: say so before anything trains."""
+    other = next((r for r in rows if r["data_source"] != GSM8K), None)
+    if other and cfg["custom_reward_function"]["path"] is None:
+        raise ConfigError(f"data: {other['where']}: data_source {other['data_source']!r} has no built-in scorer; "
+                          f"accepted: {GSM8K}, or a reward file in custom_reward_function.path")
+
+
+# ------------------------------------------------------------------------------------- the model
+HUB_FILES = ["*.json", "*.safetensors", "*.txt", "*.jinja"]  # config, weights, tokenizer, chat template
+
+
+def resolve_model(path: str, download: bool) -> str:
+    """model.path -> the local directory that the tokenizer, the trainer and vLLM all read.
+    A local directory must hold config.json and *.safetensors. Anything else must be a hub id
+    (org/name): downloaded once per node into the Hugging Face cache (HF_HUB_CACHE), or, with download=False
+    or HF_HUB_OFFLINE=1, found there."""
+    if os.path.isdir(path):
+        missing = [what for what in ("config.json", "*.safetensors") if not glob.glob(os.path.join(path, what))]
+        if missing:
+            raise ConfigError(f"config: model.path = {path!r}: the directory has no {' and no '.join(missing)}")
+        return path
+    if path.count("/") != 1 or path.startswith((".", "/", "~")):
+        raise ConfigError(f"config: model.path = {path!r}: no such directory; accepted: a local model directory "
+                          "(config.json, *.safetensors) or a hub id such as Qwen/Qwen2.5-1.5B-Instruct")
+    from huggingface_hub import snapshot_download
+    try:
+        return snapshot_download(path, allow_patterns=HUB_FILES, local_files_only=not download)
+    except Exception as e:  # offline, no network, unknown or gated repo: all end the run the same way
+        raise ConfigError(f"config: model.path = {path!r}: not a local directory, and the hub copy could not be "
+                          f"fetched ({type(e).__name__}); download it where the hub is reachable and pass the local "
+                          "directory") from None
+
+
+# ------------------------------------------------------------------------------- dump / replay
+DUMPED = ("old_logprobs", "ref_logprobs", "advantages", "rollout_logprobs", "is_weights", "response_mask")
+
+
+def dump_batch(run, step: int, batch: dict):
+    """Save the step's GLOBAL training batch (all ranks, in global prompt order) to
+    <trainer.dump_batches>/step_<N>.pt: token ids, the attention mask (every sampled token), the response
+    mask the loss uses (after rejection sampling), rewards, advantages, old, reference and vLLM log-probs,
+    and the IS weights (the seed's Experiment 1: replay them elsewhere with trainer.replay_batches)."""
+    n, root = run.cfg["rollout"]["n"], run.cfg["trainer"]["dump_batches"]
+    rows = [{k: v[i] for k, v in batch.items()} | {"position": run.positions[i // n]}
+            for i in range(batch["input_ids"].shape[0])]
+    gathered = [None] * run.world
+    dist.all_gather_object(gathered, rows)
+    if run.rank == 0:
+        rows = sorted((r for part in gathered for r in part), key=lambda r: r["position"])  # stable: samples stay in order
+        width = [len(r["response_mask"]) for r in rows]  # each rank's rows have their own padded width
+        prompts = [r["input_ids"][:-w][r["attention_mask"][:-w].bool()].tolist() for r, w in zip(rows, width)]
+        responses = [r["input_ids"][-w:][r["attention_mask"][-w:].bool()].tolist() for r, w in zip(rows, width)]
+        full = fsdp_train.make_batch(prompts, responses, pad_id=0)
+        r_width = full["response_mask"].shape[1]
+        for key in (k for k in DUMPED if k in rows[0]):
+            full[key] = torch.stack([torch.nn.functional.pad(r[key], (0, r_width - r[key].shape[0]))[:r_width]
+                                     for r in rows])
+        full["rewards"] = torch.stack([r["rewards"] for r in rows])
+        os.makedirs(root, exist_ok=True)
+        torch.save(full, os.path.join(root, f"step_{step}.pt.tmp"))
+        os.replace(os.path.join(root, f"step_{step}.pt.tmp"), os.path.join(root, f"step_{step}.pt"))
+    dist.barrier()
+
+
+def load_replay(run, step: int) -> dict:
+    """This rank's rows of a dumped step (the prompt positions it would have sampled): a complete batch
+    with rewards, advantages, old and reference log-probs (and, when dumped, vLLM's log-probs, the IS
+    weights and the post-rejection response mask)."""
+    path = os.path.join(run.cfg["trainer"]["replay_batches"], f"step_{step}.pt")
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"trainer.replay_batches: {path} missing (the dump has fewer steps than this run)")
+    n = run.cfg["rollout"]["n"]
+    return fsdp_train.select(torch.load(path), [p * n + j for p in run.positions for j in range(n)])

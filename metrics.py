@@ -1,0 +1,179 @@
+"""Metric computations with veRL's names, over the GLOBAL batch (every rank's rows): the step's data
+metrics (critic/*, response_length/*, ...), the old-log-prob pass's (actor/entropy, rollout/logprob_diff_*)
+with the run-time sync rule, and validation's (val-core/<data_source>/reward/mean@N, best@k, maj@k, ...).
+Plumbing for grpo.py: the formulas are veRL's, the names too (README, "Metrics").
+"""
+
+import functools
+from collections import defaultdict
+
+import numpy as np
+import torch.distributed as dist
+
+import fsdp_train
+import losses
+
+
+@functools.lru_cache(maxsize=None)
+def _bootstrap_idx(n: int, k: int) -> np.ndarray:
+    """veRL's np.random.seed(42); np.random.choice(n, size=(1000, k), replace=True): the same MT19937
+    stream from a private RandomState, so the global numpy RNG is left alone. (1000, k), read-only use."""
+    return np.random.RandomState(42).choice(n, size=(1000, k), replace=True)
+
+
+def _maj_first(codes: np.ndarray, idx: np.ndarray) -> np.ndarray:
+    """(P, 1000): per resample, the first position whose vote has the most samples (so a tie goes to
+    the vote seen first in the resample, and its value is that vote's first value: calc_maj_val)."""
+    (p, n), nb = codes.shape, idx.shape[1]
+    picks = (idx[:, :, None] == np.arange(n)).sum(0, dtype=np.float32)  # (1000, N) times each sample is drawn
+    same = (codes[:, :, None] == codes[:, None, :]).astype(np.float32).reshape(p * n, n)
+    cnt = (same @ picks.T).reshape(p, n, nb)[:, idx, np.arange(nb)]  # (P, k, 1000) draws voting like each pick
+    return cnt.argmax(1)  # the first maximum
+
+
+def _prompt_metrics(vals: np.ndarray, codes: np.ndarray | None) -> dict[str, np.ndarray]:
+    """Per-prompt metrics of P prompts with N values each: vals (P, N); codes (P, N) or None, the index
+    of each pred's first occurrence in its prompt (equal codes iff equal preds)."""
+    n = vals.shape[1]
+    m = {f"mean@{n}": vals.mean(1)} | ({f"std@{n}": vals.std(1)} if n > 1 else {})
+    for k in [2**i for i in range(1, n.bit_length()) if 2**i < n] + [n] * (n > 1):  # veRL's gen_ns
+        idx = _bootstrap_idx(n, k).T  # (k, 1000)
+        r = vals[:, idx]  # (P, k, 1000): resample values, position-major so reductions run over axis 1
+        maj = [] if codes is None else [("maj", np.take_along_axis(r, _maj_first(codes, idx)[:, None], 1)[:, 0])]
+        for name, x in [("best", r.max(1)), ("worst", r.min(1))] + maj:
+            m[f"{name}@{k}/mean"], m[f"{name}@{k}/std"] = x.mean(1), x.std(1)
+    return m
+
+
+def validation_metrics(samples: list[dict]) -> dict[str, float]:
+    """veRL's validation metrics: trainer/ppo/metric_utils.py process_validation_metrics (with
+    bootstrap_metric, calc_maj_val) + trainer/ppo/ray_trainer.py RayPPOTrainer._val_metrics_update.
+
+    samples: {"data_source", "uid" (the prompt), "reward", optional "pred" (extracted answer, used only
+    for voting), optional extra numeric keys, e.g. "acc"}. A missing key or None is skipped, as are
+    variables whose first value is a string. Per data source, variable and prompt (N values):
+      mean@N, std@N (np.std, population; only N > 1);
+      for k in 2, 4, 8, ... < N, then N: 1000 resamples of size k with replacement (indices of
+      np.random.seed(42) + np.random.choice, the same for every prompt with this (N, k)):
+      best@k/mean|std, worst@k/mean|std: mean and std over resamples of the resample's max / min;
+      maj@k/mean|std (every pred of the prompt not None): the value of the first sample of the vote
+      with the most samples in the resample, ties to the vote seen first there.
+    Each metric is then averaged over the prompts that have it, named f"{sec}/{data_source}/{var}/{metric}":
+    sec = "val-core" iff var is the core var ("acc" if the data source has acc values, else "reward"),
+    the metric starts with mean/maj/best and contains f"@{n_max}" (largest N of that var); else "val-aux".
+
+    Example: one prompt of data source "d", rewards [1, 0, 0, 1], preds [a, b, b, a] ->
+      val-core/d/reward/mean@4 = 0.5, val-aux/d/reward/std@4 = 0.5 (N = 4: k = 2, 4),
+      val-aux/d/reward/best@2/mean = 0.738, .../worst@2/mean = 0.278, .../maj@2/mean = 0.522,
+      val-core/d/reward/best@4/mean = 0.926 (and best@4/std), val-core/d/reward/maj@4/mean = 0.514,
+      val-aux/d/reward/worst@4/mean = 0.082. With N = 1 only val-core/d/reward/mean@1 remains.
+
+    One intentional difference: veRL 0.9.1's reward loop copies a float score into "acc", so its core
+    metric is .../acc/...; here a float reward stays "reward" (the classic veRL name:
+    val-core/openai/gsm8k/reward/mean@1).
+    """
+    groups = defaultdict(lambda: defaultdict(list))  # data_source -> uid -> samples
+    for s in samples:
+        groups[s["data_source"]][s["uid"]].append(s)
+    out = {}
+    for ds, prompts in groups.items():
+        rows = defaultdict(list)  # (var, N, votes?) -> [(values, codes)]: prompts batched by shape
+        for group in prompts.values():
+            preds = [s.get("pred") for s in group]
+            for var in dict.fromkeys(k for s in group for k in s if k not in ("data_source", "uid", "pred")):
+                vals = [s[var] for s in group if s.get(var) is not None]
+                if vals and not isinstance(vals[0], str):
+                    vote = len(vals) == len(preds) and all(p is not None for p in preds)
+                    rows[var, len(vals), vote].append((vals, [preds.index(p) for p in preds] if vote else []))
+        per = defaultdict(lambda: defaultdict(list))  # var -> metric -> one value per prompt
+        for (var, n, vote), batch in rows.items():  # chunks: arrays of <= 2**14 * 1000 values
+            for chunk in (batch[i:i + step] for step in [max(1, 2**14 // n)] for i in range(0, len(batch), step)):
+                vals, codes = np.array([v for v, _ in chunk], dtype=np.float64), np.array([c for _, c in chunk])
+                for name, x in _prompt_metrics(vals, codes if vote else None).items():
+                    per[var][name].extend(x.tolist())
+        core = "acc" if "acc" in per else "reward"
+        for var, metrics in per.items():
+            n_max = max(int(name.split("@")[-1].split("/")[0]) for name in metrics)
+            for name, xs in metrics.items():
+                is_core = var == core and name.startswith(("mean", "maj", "best")) and f"@{n_max}" in name
+                out[f"{'val-core' if is_core else 'val-aux'}/{ds}/{var}/{name}"] = float(np.mean(xs))
+    return out
+
+
+# ------------------------------------------------------------------------------------ training metrics
+def _stats(prefix: str, values: list[float]) -> dict:
+    return {f"{prefix}/mean": sum(values) / len(values), f"{prefix}/max": max(values), f"{prefix}/min": min(values)}
+
+
+def batch_metrics(batch: dict, d: dict, timings: dict, world: int) -> dict:
+    """veRL's critic/*, length, per-token timing and perf metrics over the GLOBAL batch (the step's own time
+    and throughput are added once the step is over); a reward file's numeric extras as
+    reward_extra_info/<key>/mean. Lengths count every sampled token (the attention mask), advantages the
+    tokens of the response mask (after rejection sampling), as veRL's compute_data_metrics."""
+    mask, width = batch["response_mask"], batch["response_mask"].shape[1]
+    local = {"scores": batch["rewards"].tolist(), "resp": batch["attention_mask"][:, -width:].sum(-1).tolist(),
+             "prompt": batch["attention_mask"][:, :-width].sum(-1).tolist(),
+             "adv": batch["advantages"][mask.bool()].tolist()}
+    local.update({k: v.tolist() for k, v in batch.items() if k.startswith("extra/")})
+    parts = [None] * world
+    dist.all_gather_object(parts, local)
+    g = {k: [x for p in parts for x in p[k]] for k in local}
+    out = {**_stats("critic/score", g["scores"]), **_stats("critic/rewards", g["scores"])}
+    out.update(_stats("critic/advantages", g["adv"] or [0.0]))
+    out.update(_stats("critic/returns", g["adv"] or [0.0]))  # GRPO: returns == advantages
+    out.update(_stats("response_length", g["resp"]))
+    out["response_length/clip_ratio"] = sum(r >= d["max_response_length"] for r in g["resp"]) / len(g["resp"])
+    out.update(_stats("prompt_length", g["prompt"]))
+    out["prompt_length/clip_ratio"] = sum(p >= d["max_prompt_length"] for p in g["prompt"]) / len(g["prompt"])
+    out.update({f"reward_extra_info/{k[6:]}/mean": sum(v) / len(v) for k, v in g.items() if k.startswith("extra/")})
+    total = sum(g["resp"]) + sum(g["prompt"])
+    if "gen" in timings:
+        out["timing_per_token_ms/gen"] = timings["gen"] * 1000 / max(1, sum(g["resp"]))
+    for key in ("ref", "adv", "update_actor"):
+        if key in timings:
+            out[f"timing_per_token_ms/{key}"] = timings[key] * 1000 / total
+    out["perf/total_num_tokens"] = total
+    return out
+
+
+def old_logprob_metrics(batch: dict, old_logp, entropy, cfg: dict) -> dict:
+    """actor/entropy (veRL logs agg_loss(entropy) of the old-log-prob pass, in actor.loss_agg_mode) and the
+    run-time sync proof rollout/logprob_diff_*: that pass against the log-probs it must reproduce, vLLM's
+    sampling ones (or, for a replayed batch, the dumped old ones). With GLOBAL counts each rank's agg_loss is
+    its share of the sum."""
+    mask = batch["response_mask"]
+    tokens = fsdp_train.all_reduce(mask.sum())
+    seqs = fsdp_train.all_reduce((mask.sum(-1) > 0).sum())
+    expected = batch["old_logprobs"] if "old_logprobs" in batch else batch["rollout_logprobs"]  # [B, R]
+    diff = (old_logp - expected).abs() * mask  # [B, R]
+    entropy = losses.agg_loss(entropy, mask, cfg["actor"]["loss_agg_mode"], num_tokens=tokens, num_seqs=seqs,
+                              scale_factor=cfg["data"]["max_response_length"])
+    return {"actor/entropy": fsdp_train.all_reduce(entropy),
+            "rollout/logprob_diff_max": fsdp_train.all_reduce(diff.max(), op=dist.ReduceOp.MAX),
+            "rollout/logprob_diff_mean": fsdp_train.all_reduce(diff.sum()) / tokens}
+
+
+def warn_if_out_of_sync(cfg: dict, rank: int, step: int, metrics: dict, exact: bool) -> None:
+    """The run-time sync proof, judged every step (out_of_sync): a loud warning, not an error."""
+    tr, mean, worst = cfg["trainer"], metrics["rollout/logprob_diff_mean"], metrics["rollout/logprob_diff_max"]
+    if rank != 0 or not out_of_sync(mean, worst, exact, tr["logprob_diff_warn"], tr["logprob_diff_warn_mean"]):
+        return
+    what = "dumped and recomputed old" if tr["replay_batches"] else "vLLM's and the trainer's"
+    cause = "this run does not start from the dumped run's state" if tr["replay_batches"] else \
+        "the engine may not serve the trained weights (missing push / prefix-cache reset / dtype mismatch)"
+    print(f"\nWARNING step {step}: {what} log-probs differ by {mean:.2g} nats on average, {worst:.2g} at most: "
+          f"{cause}.", flush=True)
+
+
+def out_of_sync(mean: float, worst: float, exact: bool, warn_max: float, warn_mean: float) -> bool:
+    """Do vLLM's sampling log-probs and the trainer's differ more than numerics allow?
+    exact (fp32 engine and trainer): a correct push agrees to ~1e-5 on EVERY token, so one token off by
+        more than warn_max (trainer.logprob_diff_warn, 0.05 nats) is a bug.
+    otherwise (bf16/fp16 anywhere): single rare tokens legitimately differ by 0.1 nats and more (rounding
+        of large logits), so the MEAN over all tokens is judged against warn_mean
+        (trainer.logprob_diff_warn_mean, 0.1 nats). bf16 rounding noise averages 0.01-0.06 nats on
+        Qwen2.5-size models (public reports) and 0.002 on the tiny model; an engine left on old weights
+        drifts past 0.1 as the policy moves (tiny model, lr 1e-3: 0.33 one step after a skipped push).
+    A single missed push in bf16 is below that noise: rollout/sync_check and the fp32 rule are the sharp
+    probes, the mean's curve (rollout/logprob_diff_mean) the one to watch."""
+    return (exact and worst > warn_max) or mean > warn_mean
