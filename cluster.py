@@ -79,10 +79,11 @@ _stop = {"signal": 0}
 
 def catch_stop_signals() -> None:
     """SIGTERM (SLURM / Kubernetes preemption, torchrun's shutdown) and SIGINT (Ctrl-C) only set a flag; the
-    loop finishes its step, checkpoints it and exits. A second signal acts at once (the default action)."""
+    loop finishes its step, checkpoints it and exits. Repeats are ignored: a terminal's Ctrl-C reaches torchrun
+    and its workers, and torchrun then forwards it once more. torchrun SIGKILLs workers that are still running
+    --shutdown-timeout seconds (default 30) after forwarding: give it a step and a checkpoint's time."""
     def handler(signum, frame):
-        _stop["signal"] = signum
-        signal.signal(signum, signal.SIG_DFL)
+        _stop["signal"] = _stop["signal"] or signum
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, handler)
 

@@ -42,11 +42,13 @@ DEFAULTS = {
     "custom_reward_function": {"path": None, "name": "compute_score"},
     "trainer": {"total_steps": None, "total_epochs": 1, "seed": 0, "output_dir": "runs/tiny", "resume": "off",
                 "save_every": 0, "keep_checkpoints": 2, "val_every": 10, "val_before_train": True, "val_only": False,
+                "validation_data_dir": None,
                 "dump_batches": None, "replay_batches": None, "logger": ["console"], "project": "flatgrpo",
                 "experiment": "run", "sync_check_every": 10, "logprob_diff_warn": 0.05, "logprob_diff_warn_mean": 0.1,
                 "export_hf": True, "plot": True, "verbose": False},
 }
 TYPES = {"trainer.total_steps": int, "trainer.dump_batches": str, "trainer.replay_batches": str, "data.gen_batch_size": int,
+         "trainer.validation_data_dir": str,
          "algorithm.rollout_correction.rollout_is": str, "algorithm.rollout_correction.rollout_rs": str,
          "algorithm.rollout_correction.rollout_is_threshold": (float, str),
          "algorithm.rollout_correction.rollout_rs_threshold": (float, str), "custom_reward_function.path": str}

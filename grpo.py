@@ -311,7 +311,7 @@ def validate_and_save(run: "Run", step: int, t: dict) -> dict:
     out = {}
     if run.llm is not None and tr["val_every"] > 0 and (step % tr["val_every"] == 0 or last):
         with timed(t, "testing"):
-            out = validate(run)
+            out = validate(run, step)
     if tr["save_every"] > 0 and (step % tr["save_every"] == 0 or last):
         with timed(t, "save_checkpoint"):
             save(run, step)
@@ -357,11 +357,12 @@ def grpo_loss_fn(cfg: dict, captured: dict | None = None):
     return loss_fn
 
 
-def validate(run: "Run") -> dict:
+def validate(run: "Run", step: int) -> dict:
     """testing: rollout.val_n samples of each validation prompt (greedy by default), scored like training,
     summarised by veRL's validation metrics (metrics.validation_metrics: val-core/<data_source>/reward/mean@N,
     best@k, maj@k, ...). Prompts are cut into contiguous blocks over the ranks and sampled with seeds that
-    follow the global prompt index, so the result does not depend on the world size."""
+    follow the global prompt index, so the result does not depend on the world size. With
+    trainer.validation_data_dir every sample is also written to <dir>/<step>.jsonl (veRL's dump)."""
     ro, rows, n = run.cfg["rollout"], run.val_rows, run.cfg["rollout"]["val_n"]
     lo, hi = len(rows) * run.rank // run.world, len(rows) * (run.rank + 1) // run.world
     mine = rows[lo:hi]
@@ -369,11 +370,15 @@ def validate(run: "Run") -> dict:
                                top_p=ro["val_top_p"], top_k=ro["val_top_k"], max_tokens=run.cfg["data"]["max_response_length"],
                                seed=run.cfg["trainer"]["seed"] + lo * n if ro["val_temperature"] > 0 else None) if mine else []
     rewards, extras = score_samples(run, samples, mine)
-    results = [{"data_source": mine[k // n]["data_source"], "uid": lo + k // n, "reward": rewards[k].item(), **extras[k]}
-               for k in range(len(samples))]
+    results = [({"data_source": mine[k // n]["data_source"], "uid": lo + k // n, "reward": rewards[k].item(), **extras[k]},
+                {"input": mine[k // n]["prompt"][-1]["content"], "output": s.text, "gts": mine[k // n]["ground_truth"]})
+               for k, s in enumerate(samples)]
     parts = [None] * run.world
     dist.all_gather_object(parts, results)
-    return metrics.validation_metrics([r for part in parts for r in part])
+    results = [r for part in parts for r in part]
+    if run.rank == 0 and run.cfg["trainer"]["validation_data_dir"]:
+        logs.write_generations(run.cfg["trainer"]["validation_data_dir"], step, [text | r for r, text in results])
+    return metrics.validation_metrics([r for r, _ in results])
 
 
 # ------------------------------------------------------------------------------------ set-up and end
@@ -409,6 +414,7 @@ def setup(cfg: dict) -> Run:
     step 0; stop signals caught from here on."""
     rank, world, device = fsdp_train.init_distributed()
     tr, d, ac, rc = cfg["trainer"], cfg["data"], cfg["actor"], cfg["algorithm"]["rollout_correction"]
+    score = data.make_scorer(cfg)  # a bad reward file stops here, before anything loads
     cluster.check_shared_dir(tr["output_dir"])  # every rank writes checkpoint shards there
     engine_log = logs.route_library_logs(tr["output_dir"], rank, tr["verbose"])
     log0(rank, f"flatgrpo: model {cfg['model']['path']} on {world} rank(s); output in {tr['output_dir']} "
@@ -421,7 +427,7 @@ def setup(cfg: dict) -> Run:
     policy, ref = load_models(cfg, model_path, device)
     optimizer, scheduler = build_optimizer(cfg, policy, total_steps)
     start, extra = resume(cfg, policy, optimizer, scheduler, rank, world)
-    run = Run(cfg, rank, world, val_rows, data.make_scorer(cfg), None,
+    run = Run(cfg, rank, world, val_rows, score, None,
               data.local_positions(d["train_batch_size"], ac["ppo_mini_batch_size"], world, rank),
               tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id, tokenizer,
               train_rows, total_steps, policy, ref, optimizer, scheduler, start,
@@ -445,7 +451,7 @@ def setup(cfg: dict) -> Run:
     if "rng" in extra:
         cluster.restore_rng(extra["rng"])  # AFTER the engine: vLLM re-seeds Python's, NumPy's and torch's RNGs
     if run.llm is not None and tr["val_before_train"] and tr["val_every"] > 0 and start == 1:
-        run.logger.log(0, validate(run))
+        run.logger.log(0, validate(run, 0))
     cluster.catch_stop_signals()
     return run
 
@@ -572,11 +578,12 @@ def evaluate(cfg: dict):
     into vLLM only, validated, and the metrics printed and written to <output_dir>/val_metrics.jsonl (step 0).
     No trainer, optimizer, reference model, checkpoint or export."""
     rank, world, _ = fsdp_train.init_distributed()
+    score = data.make_scorer(cfg)
     logs.route_library_logs(cfg["trainer"]["output_dir"], rank, cfg["trainer"]["verbose"])
     model_path, _, _, val_rows, _ = load_data(cfg, rank, world, train=False)
-    run = Run(cfg, rank, world, val_rows, data.make_scorer(cfg), start_engine(cfg, model_path, rank))
+    run = Run(cfg, rank, world, val_rows, score, start_engine(cfg, model_path, rank))
     logger = logs.MetricsLogger(cfg, rank, resume_step=0, file="val_metrics.jsonl")
-    logger.log(0, validate(run))
+    logger.log(0, validate(run, 0))
     logger.close()
     run.llm = None
     dist.destroy_process_group()

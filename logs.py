@@ -112,6 +112,16 @@ def plot_curves(rows: list[dict], val_key: str | None, png_path: str) -> str:
     return png_path
 
 
+def write_generations(folder: str, step: int, samples: list[dict]) -> str:
+    """veRL's trainer.validation_data_dir dump: <folder>/<step>.jsonl, one validation sample per line (input,
+    output, gts, the reward and the scorer's extras, data_source, uid = the prompt's index)."""
+    os.makedirs(folder, exist_ok=True)
+    path = os.path.join(folder, f"{step}.jsonl")
+    with open(path, "w") as f:
+        f.writelines(json.dumps({**r, "step": step}, default=str) + "\n" for r in samples)
+    return path
+
+
 def write_line(message: str):
     """A console line that does not break the progress bar (tqdm.write in a terminal, print otherwise)."""
     from tqdm import tqdm

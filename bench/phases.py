@@ -2,10 +2,15 @@
 
     .venv/bin/python bench/phases.py breakdown [--steps 20]   # the demo config (tiny.yaml), per phase
     .venv/bin/python bench/phases.py scaling                  # step time vs prompts/step and response length
+    .venv/bin/python bench/phases.py correction [--steps 20]  # rollout correction's cost; what bypass_mode saves
 
 breakdown: mean seconds and share of the step of every phase over N steps (the first step, with
 its warm-up, is excluded); "everything else" = step - the timed phases, i.e. the loop's own overhead.
 Target: everything outside generation + update + push <= 5% of the step.
+correction: the demo with a bf16 engine, the old-log-prob pass forced on (actor.recompute_old_log_prob), with
+and without algorithm.rollout_correction (rollout_is=sequence, rollout_rs=token_k3): the correction's own time
+(timing_s/rollout_corr: gathering the batch, weights, mask, metrics) as a share of the step (target <= 1%); and
+bypass_mode (old := vLLM's log-probs): the old-log-prob pass it saves, in seconds and share of the step.
 scaling: the warm-started model stops after ~17 tokens whatever the limit, so this table uses the
 tiny RANDOM model (tiny.py's `base`), whose responses run to the limit: step time and peak resident
 memory of each phase for prompts per step in (1, 4, 16, 64) x max response tokens in (32, 128, 512).
@@ -15,6 +20,7 @@ mark reached by the end of that phase; vLLM's KV cache (1 GiB) is allocated befo
 """
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -29,32 +35,31 @@ os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
 import psutil  # noqa: E402  (a vLLM dependency)
 
+import config  # noqa: E402
 import grpo  # noqa: E402
 import tiny  # noqa: E402
 
-PHASES = ["gen", "reward", "old_log_prob", "ref", "adv", "update_actor", "update_weights", "sync_check", "logging",
-          "testing", "save_checkpoint"]
+PHASES = ["gen", "reward", "old_log_prob", "ref", "rollout_corr", "adv", "update_actor", "update_weights", "sync_check",
+          "logging", "testing", "save_checkpoint"]
 
 
 class PhaseMemory:
-    """Peak RSS per phase: wraps grpo.Timer so that a sampler thread knows the current phase."""
+    """Peak RSS per phase: wraps grpo.timed so that a sampler thread knows the current phase."""
 
     def __init__(self):
         self.peak, self.phase, self.stop = {}, None, False
-        proc, outer = psutil.Process(), self
-        enter, exit_ = grpo.Timer.__enter__, grpo.Timer.__exit__
+        proc, outer, timed = psutil.Process(), self, grpo.timed
 
-        def patched_enter(timer):
-            if timer.key != "step":
-                outer.phase = timer.key
-            return enter(timer)
-
-        def patched_exit(timer, *exc):
-            if timer.key != "step":
+        @contextlib.contextmanager
+        def phase_timed(timings, key):
+            if key != "step":
+                outer.phase = key
+            with timed(timings, key):
+                yield
+            if key != "step":
                 outer.phase = None
-            return exit_(timer, *exc)
 
-        grpo.Timer.__enter__, grpo.Timer.__exit__ = patched_enter, patched_exit
+        grpo.timed = phase_timed
 
         def sample():
             while not outer.stop:
@@ -67,7 +72,7 @@ class PhaseMemory:
 
 def run(overrides: list[str]) -> list[dict]:
     with tempfile.TemporaryDirectory() as out:
-        cfg = grpo.load_config(os.path.join(os.path.dirname(os.path.abspath(grpo.__file__)), "tiny.yaml"),
+        cfg = config.load_config(os.path.join(os.path.dirname(os.path.abspath(grpo.__file__)), "tiny.yaml"),
                                overrides + [f"trainer.output_dir={out}", "trainer.logger=[]", "trainer.plot=false",
                                             "trainer.export_hf=false"])
         grpo.train(cfg)
@@ -117,9 +122,30 @@ def scaling() -> None:
     mem.stop = True
 
 
+def correction(steps: int) -> None:
+    common = [f"trainer.total_steps={steps + 1}", "trainer.val_every=0", "rollout.dtype=bfloat16"]
+    rc = "algorithm.rollout_correction."
+    runs = {"old pass, no correction": common + ["actor.recompute_old_log_prob=true"],
+            "old pass + IS + rejection": common + [f"{rc}rollout_is=sequence", f"{rc}rollout_rs=token_k3",
+                                                   f"{rc}rollout_rs_threshold=0.05"],
+            "bypass_mode (no old pass)": common + [f"{rc}bypass_mode=true"]}
+    means = {}
+    for name, overrides in runs.items():
+        rows = run(overrides)[1:]  # drop the warm-up step
+        means[name] = {k: statistics.mean(r.get(f"timing_s/{k}", 0.0) for r in rows)
+                       for k in ("step", "old_log_prob", "rollout_corr")}
+        m = means[name]
+        print(f"{name:<28} step {m['step']:.3f} s   old_log_prob {m['old_log_prob']:.3f} s   "
+              f"rollout_corr {m['rollout_corr'] * 1000:.1f} ms ({m['rollout_corr'] / m['step']:.2%} of the step)")
+    corrected, full = means["old pass + IS + rejection"], means["old pass, no correction"]
+    print(f"correction overhead: {corrected['rollout_corr'] / corrected['step']:.2%} of the step (target <= 1%)")
+    print(f"bypass_mode saves the old-log-prob pass: {full['old_log_prob']:.3f} s, "
+          f"{full['old_log_prob'] / full['step']:.1%} of the step with it")
+
+
 if __name__ == "__main__":
     ap = argparse.ArgumentParser()
-    ap.add_argument("what", choices=["breakdown", "scaling"])
+    ap.add_argument("what", choices=["breakdown", "scaling", "correction"])
     ap.add_argument("--steps", type=int, default=20)
     args = ap.parse_args()
-    breakdown(args.steps) if args.what == "breakdown" else scaling()
+    {"breakdown": lambda: breakdown(args.steps), "scaling": scaling, "correction": lambda: correction(args.steps)}[args.what]()

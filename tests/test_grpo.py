@@ -389,6 +389,10 @@ def test_end_to_end_tiny_run(e2e, val_file, nproc):
     for r in rows[1:]:
         assert set(VERL_KEYS) <= set(r), set(VERL_KEYS) - set(r)
         assert r["rollout/logprob_diff_max"] < 1e-3  # vLLM serves the trained weights
+        # two mini-batches per step (4 of 8 prompts): the second one's old log-probs must be those of the policy
+        # that SAMPLED, not of the one the first mini-batch already moved (the on-policy shortcut must be off)
+        assert r["timing_s/old_log_prob"] > 0 and r["actor/ppo_kl"] != 0.0
+        assert r["rollout_corr/kl"] == pytest.approx(0, abs=1e-4) and "rollout_corr/chi2_token" in r
         assert 0 <= r["critic/score/mean"] <= 1 and r["perf/total_num_tokens"] > 8 * 8 * 40
         assert r["response_length/max"] <= 32 and r["actor/lr"] == 1e-4
     assert VAL_KEY in rows[2] and VAL_KEY in rows[3]
@@ -513,3 +517,129 @@ def test_a_skipped_push_warns_and_a_correct_run_does_not(tmp_path, tiny_build, d
         correct = run_grpo(tmp_path / "correct", 1, *common)
         assert "WARNING" not in correct.stdout
         assert max(r["rollout/logprob_diff_max"] for r in read_metrics(tmp_path / "correct")) > 0.05
+
+
+# ------------------------------------------------------------------ evaluation and a user's reward (issue 20)
+def read_jsonl(path) -> list[dict]:
+    with open(path) as f:
+        return [json.loads(line) for line in f]
+
+
+@pytest.mark.parametrize("which", ["initial", "exported"])
+def test_val_only_logs_what_the_training_run_validated(e2e, val_file, hub_cache, tmp_path, which):
+    """trainer.val_only on the model the 1-rank run started from (its step-0 validation) and on its hf/ export
+    (its last validation): the same greedy mean@1, printed and logged, and nothing else written."""
+    trained = read_metrics(e2e[1][0] / "run")
+    model, expected = ("flatgrpo/tiny-grpo", trained[0][VAL_KEY]) if which == "initial" else \
+        (str(e2e[1][0] / "run" / "hf"), trained[-1][VAL_KEY])
+    out = tmp_path / "eval"
+    proc = run_grpo(out, 1, "trainer.val_only=true", f"data.val={val_file[0]}", "reward.method=flexible",
+                    f"model.path={model}", env=hub_cache)
+    assert read_jsonl(out / "val_metrics.jsonl") == [{"step": 0, VAL_KEY: expected}]
+    assert f"step 0: {VAL_KEY} = {expected:.3f}" in proc.stdout
+    assert sorted(os.listdir(out)) == ["engine.log", "val_metrics.jsonl"]  # no checkpoint, export, config, curves
+
+
+def test_sampled_validation_metrics_equal_verls_computation_on_the_samples(tiny_build, val_file, tmp_path):
+    """rollout.val_n=4 at temperature 1, 2 ranks: the logged val-core mean@4, best@4/mean and maj@4/mean (and every
+    other key) equal veRL's process_validation_metrics written out literally (tests/test_val_metrics.py) on the
+    dumped samples, whose rewards and votes are veRL's GSM8K scores and answers of their texts."""
+    out, dump = tmp_path / "eval", tmp_path / "generations"
+    run_grpo(out, 2, "trainer.val_only=true", f"data.val={val_file[0]}", "reward.method=flexible", "rollout.val_n=4",
+             "rollout.val_temperature=1.0", f"trainer.validation_data_dir={dump}")
+    samples = read_jsonl(dump / "0.jsonl")
+    assert sorted(s["uid"] for s in samples) == sorted(list(range(7)) * 4)
+    for s in samples:
+        assert s["reward"] == reward.compute_score(s["output"], s["gts"], method="flexible")
+        assert s["pred"] == (reward.extract_solution(s["output"], "flexible") or "[no answer]")
+    from test_val_metrics import reference
+    expected = reference([{k: s[k] for k in ("data_source", "uid", "reward", "pred")} for s in samples])
+    logged = read_jsonl(out / "val_metrics.jsonl")[0]
+    core = "val-core/openai/gsm8k/reward/"
+    assert {core + k for k in ("mean@4", "best@4/mean", "maj@4/mean", "best@2/mean", "maj@2/mean")} <= set(logged)
+    assert {k: v for k, v in logged.items() if k != "step"} == pytest.approx(expected, rel=1e-12)
+    assert len({s["output"] for s in samples}) > 7  # sampled, not greedy
+
+
+CONSTANT = 0.375  # a float32 number, as veRL's reward tensor holds it
+
+
+@pytest.fixture(scope="module")
+def reward_files(tmp_path_factory) -> dict:
+    root = tmp_path_factory.mktemp("rewards")
+    files = {"constant": f"def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
+                         f"    return {CONSTANT}\n",
+             "text": "def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n    return 'abc'\n",
+             "broken": "import no_such_module\n"}
+    for name, text in files.items():
+        (root / f"{name}.py").write_text(text)
+    return {name: str(root / f"{name}.py") for name in files}
+
+
+def test_a_constant_reward_file_gives_exactly_that_score(tiny_build, val_file, reward_files, tmp_path):
+    train = run_grpo(tmp_path / "train", 1, f"custom_reward_function.path={reward_files['constant']}",
+                     f"data.val={val_file[0]}", "trainer.total_steps=1", "trainer.val_every=1", "trainer.save_every=0")
+    rows = read_metrics(tmp_path / "train")
+    assert rows[0][VAL_KEY] == CONSTANT and rows[1][VAL_KEY] == CONSTANT
+    assert rows[1]["critic/score/mean"] == rows[1]["critic/score/min"] == CONSTANT and rows[1]["actor/pg_loss"] == 0.0
+    run_grpo(tmp_path / "eval", 1, "trainer.val_only=true", f"custom_reward_function.path={reward_files['constant']}",
+             f"data.val={val_file[0]}")
+    assert read_jsonl(tmp_path / "eval" / "val_metrics.jsonl") == [{"step": 0, VAL_KEY: CONSTANT}]
+    assert "error" not in train.stderr
+
+
+@pytest.mark.parametrize("key, message", [
+    ("path=/no/such/reward.py", "error: config: custom_reward_function.path = '/no/such/reward.py': no such file"),
+    ("name=nope", "error: config: custom_reward_function.name = 'nope': {constant} defines no function nope"),
+    ("path={broken}", "error: config: custom_reward_function.path = '{broken}': importing it failed (ModuleNotFoundError"),
+    ("path={text}", "error: custom_reward_function: {text}:compute_score returned 'abc' for "),
+])
+def test_bad_reward_files_stop_with_one_line(tiny_build, reward_files, tmp_path, key, message):
+    overrides = [f"custom_reward_function.{key.format(**reward_files)}", "trainer.val_only=true"]
+    if key.startswith("name"):
+        overrides.append(f"custom_reward_function.path={reward_files['constant']}")
+    proc = run_grpo(tmp_path / "run", 1, *overrides, check=False)
+    assert one_error_line(proc).startswith(message.format(**reward_files))
+    if key.startswith("path={text}"):
+        assert one_error_line(proc).endswith("; accepted: a finite number, or a dict with a numeric 'score'")
+
+
+def test_the_example_reward_file_trains(tiny_build, tmp_path):
+    """examples/gsm8k_partial_credit.py (veRL's format, a dict with acc and pred): 3 steps; every dumped reward is 1
+    where veRL's strict GSM8K rule scores the text 1, 0.1 where it finds another "#### N", else 0; its acc becomes
+    the val-core metric (veRL's rule) and is logged as a training mean."""
+    run_grpo(tmp_path / "run", 1, "custom_reward_function.path=examples/gsm8k_partial_credit.py",
+             f"trainer.dump_batches={tmp_path / 'dump'}", "trainer.val_every=3", "trainer.save_every=0")
+    rows = read_metrics(tmp_path / "run")
+    assert [r["step"] for r in rows] == [0, 1, 2, 3]
+    assert "val-core/openai/gsm8k/acc/mean@1" in rows[0] and "val-aux/openai/gsm8k/reward/mean@1" in rows[0]
+    import torch
+    from transformers import AutoTokenizer
+    tokenizer = AutoTokenizer.from_pretrained(tiny_build["model"])
+    with open(tiny_build["train"]) as f:
+        train = [json.loads(line) for line in f]
+    for step in (1, 2, 3):
+        d = torch.load(tmp_path / "dump" / f"step_{step}.pt")
+        width = d["response_mask"].shape[1]
+        for k in range(d["input_ids"].shape[0]):
+            text = tokenizer.decode(d["input_ids"][k, -width:][d["attention_mask"][k, -width:].bool()],
+                                    skip_special_tokens=True)
+            truth = reward.extract_ground_truth(train[(step - 1) * 8 + k // 8]["answer"])
+            right, found = reward.compute_score(text, truth) == 1.0, reward.extract_solution(text) is not None
+            assert d["rewards"][k].item() == pytest.approx(1.0 if right else 0.1 if found else 0.0)
+        assert rows[step]["reward_extra_info/acc/mean"] == pytest.approx(
+            sum(float(r == 1.0) for r in d["rewards"].tolist()) / len(d["rewards"]))
+
+
+def test_a_ten_step_run_in_a_log_file_is_one_line_per_step(tiny_build, tmp_path):
+    """In a file (SLURM output, nohup, CI: not a terminal) no progress bar redraws: one line per step."""
+    log = tmp_path / "log.txt"
+    with open(log, "w") as f:
+        subprocess.run([sys.executable, "grpo.py", "--config", "tiny.yaml", f"trainer.output_dir={tmp_path / 'run'}",
+                        "trainer.total_steps=10", "trainer.val_every=5", "data.val_max_samples=8",
+                        "data.train_batch_size=2", "actor.ppo_mini_batch_size=2", "rollout.n=4",
+                        "data.max_response_length=16", "trainer.save_every=0"], cwd=ROOT, stdout=f,
+                       stderr=subprocess.STDOUT, timeout=900, check=True, env={**os.environ, "OMP_NUM_THREADS": "2"})
+    lines = log.read_text().splitlines()
+    assert len(lines) <= 25, lines
+    assert sum(line.startswith("step ") and "s/step" in line for line in lines) == 10
