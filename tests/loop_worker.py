@@ -3,12 +3,14 @@
     torchrun --nproc_per_node N tests/loop_worker.py MODEL_PATH OUT_DIR
 
 One global step of 4 prompts x n = 4 samples with a known reward pattern (tests/test_loop.py holds
-it), split over the ranks as grpo.py splits it (grpo.local_positions). Each rank assembles its
+it), split over the ranks as grpo.py splits it (data.local_positions). Each rank assembles its
 advantages with grpo.group_advantages, runs grpo.update_actor (fsdp_train.train_step with
 grpo.grpo_loss_fn) once off-policy (dumped-style old log-probs: clipping and the dual clip fire) and
-once on-policy (from the same initial weights), and computes grpo.batch_metrics. The optimizer is
+once on-policy (from the same initial weights), and computes metrics.batch_metrics. The optimizer is
 SGD with lr 1 and no clipping, so weights_after - weights_before = -gradient. Rank 0 saves the
-weights; every rank reports its metrics (tests/reporting.py).
+weights; every rank reports its metrics (tests/reporting.py). Then 4 global steps with the real AdamW
+and LR schedule (constant with one mini-batch per step, cosine with two) record the lr of every optimizer
+step and the logged actor/lr.
 """
 
 import os
@@ -17,8 +19,11 @@ import types
 
 import torch
 
+import config
+import data
 import fsdp_train as ft
 import grpo
+import metrics
 from reporting import report, shut_down
 
 CONFIG = ["rollout.n=4", "data.train_batch_size=4", "actor.ppo_mini_batch_size=4", "data.max_prompt_length=8",
@@ -68,57 +73,65 @@ def one_update(path: str, cfg: dict, batch: dict, on_policy: bool, device) -> tu
     optimizer = torch.optim.SGD(policy.parameters(), lr=1.0)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
     run = types.SimpleNamespace(cfg=cfg, world=torch.distributed.get_world_size(), policy=policy,
-                                optimizer=optimizer, scheduler=scheduler, on_policy=on_policy, ref=object())
+                                optimizer=optimizer, scheduler=scheduler, capture=on_policy, ref=object())
     before = full_weights(policy)
-    metrics = grpo.update_actor(run, batch, {})
-    return before, full_weights(policy), metrics
+    result = grpo.update_actor(run, batch, {})
+    return before, full_weights(policy), result
 
 
-def schedule(path: str, overrides: list[str], batch: dict, device) -> dict:
-    """4 global steps with grpo.build_optimizer's AdamW + LR schedule: the logged actor/lr of each step,
-    and whether step 1 (lr 0 with warmup) left the weights unchanged and step 2 did not."""
-    cfg = grpo.load_config(None, CONFIG + overrides)
+def schedule(path: str, overrides: list[str], full: dict, device) -> dict:
+    """4 global steps with grpo.build_optimizer's AdamW + LR schedule, on this rank's rows of `full` as the
+    config's mini-batches split them: the logged actor/lr of each global step, the lr of every optimizer
+    step (one per mini-batch), and whether each global step left the weights unchanged."""
+    cfg = config.load_config(None, CONFIG + overrides)
+    rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
+    n = cfg["rollout"]["n"]
+    positions = data.local_positions(cfg["data"]["train_batch_size"], cfg["actor"]["ppo_mini_batch_size"], world, rank)
+    batch = ft.select(full, [p * n + j for p in positions for j in range(n)])
+    batch["advantages"] = grpo.group_advantages(batch["rewards"], batch["response_mask"], cfg)
     policy = ft.load_model(path, device=device)
     optimizer, scheduler = grpo.build_optimizer(cfg, policy, total_steps=4)
-    run = types.SimpleNamespace(cfg=cfg, world=torch.distributed.get_world_size(), policy=policy,
-                                optimizer=optimizer, scheduler=scheduler, on_policy=False, ref=object())
+    step_lrs = []
+    optimizer.register_step_pre_hook(lambda opt, args, kwargs: step_lrs.append(opt.param_groups[0]["lr"]))
+    run = types.SimpleNamespace(cfg=cfg, world=world, policy=policy,
+                                optimizer=optimizer, scheduler=scheduler, capture=False, ref=object())
     lrs, unchanged = [], []
     for _ in range(4):
         before = full_weights(policy)
         lrs.append(grpo.update_actor(run, batch, {})["actor/lr"])
         after = full_weights(policy)
         unchanged.append(all(torch.equal(before[k], after[k]) for k in before))
-    return {"lr": lrs, "unchanged": unchanged}
+    return {"lr": lrs, "step_lrs": step_lrs, "unchanged": unchanged}
 
 
 def main():
     path, out = sys.argv[1], sys.argv[2]
     rank, world, device = ft.init_distributed()
-    cfg = grpo.load_config(None, CONFIG)
+    cfg = config.load_config(None, CONFIG)
     full = global_batch(vocab=ft.AutoConfig.from_pretrained(path).vocab_size)
     n = cfg["rollout"]["n"]
-    positions = grpo.local_positions(cfg["data"]["train_batch_size"], cfg["actor"]["ppo_mini_batch_size"], world, rank)
+    positions = data.local_positions(cfg["data"]["train_batch_size"], cfg["actor"]["ppo_mini_batch_size"], world, rank)
     batch = ft.select(full, [p * n + j for p in positions for j in range(n)])
     batch["advantages"] = grpo.group_advantages(batch["rewards"], batch["response_mask"], cfg)
     result = {"advantages": batch["advantages"].tolist(), "rows": [p * n + j for p in positions for j in range(n)]}
     on_policy_batch = {k: v for k, v in batch.items() if k != "old_logprobs"}
     for name, b, on_policy in (("off_policy", batch, False), ("on_policy", on_policy_batch, True)):
-        before, after, metrics = one_update(path, cfg, b, on_policy, device)
-        result[name] = metrics
+        before, after, result[name] = one_update(path, cfg, b, on_policy, device)
         if rank == 0:
             torch.save({"before": before, "after": after}, os.path.join(out, f"{name}_ws{world}.pt"))
-    result["batch_metrics"] = grpo.batch_metrics(batch, cfg["data"], {"gen": 2.0, "update_actor": 3.0}, world)
+    result["batch_metrics"] = metrics.batch_metrics(batch, cfg["data"], {"gen": 2.0, "update_actor": 3.0}, world)
     # seq-mean-token-mean with an EMPTY response in the mini-batch: veRL divides by all 16 rows
-    cfg_seq = grpo.load_config(None, CONFIG + ["actor.loss_agg_mode=seq-mean-token-mean"])
+    cfg_seq = config.load_config(None, CONFIG + ["actor.loss_agg_mode=seq-mean-token-mean"])
     empty = empty_response(full, EMPTY_ROW)
     part = ft.select(empty, [p * n + j for p in positions for j in range(n)])
     part["advantages"] = grpo.group_advantages(part["rewards"], part["response_mask"], cfg_seq)
     before, after, result["seq_mean_empty"] = one_update(path, cfg_seq, part, False, device)
     if rank == 0:
         torch.save({"before": before, "after": after}, os.path.join(out, f"seq_mean_empty_ws{world}.pt"))
-    result["constant"] = schedule(path, ["actor.lr=0.01", "actor.lr_warmup_steps=2"], batch, device)
+    result["constant"] = schedule(path, ["actor.lr=0.01", "actor.lr_warmup_steps=2"], full, device)
+    # two mini-batches per global step (2 prompts each, 1 per rank at world size 2): still ONE schedule step
     result["cosine"] = schedule(path, ["actor.lr=0.01", "actor.lr_warmup_steps_ratio=0.5", "actor.lr_schedule=cosine",
-                                       "actor.min_lr_ratio=0.1"], batch, device)
+                                       "actor.min_lr_ratio=0.1", "actor.ppo_mini_batch_size=2"], full, device)
     report(rank, result)
     shut_down()
 

@@ -5,7 +5,8 @@
 
 Every step trains on a synthetic GRPO mini-batch that is identical whatever the world size (seeded by
 the step): 8 sequences whose response lengths differ wildly, split across ranks so that rank 0 holds
-most of the tokens. Each rank reports the metrics of every step (tests/reporting.py).
+most of the tokens. Each rank reports the metrics of every step (tests/reporting.py), and how many of
+its rows were longer than --max-tokens (they get a micro-batch of their own).
 """
 
 import argparse
@@ -24,7 +25,9 @@ ENTROPY_COEF, KL_COEF = 0.003, 0.001
 
 
 def global_batch(step: int, vocab: int) -> dict:
-    """8 sequences: 6 long (responses of 20..40 tokens) then 2 short (1..3 tokens)."""
+    """8 sequences: 6 long (responses of 20..40 tokens) then 2 short (1..3 tokens). Every response of 3 tokens
+    or more has HOLES: real tokens (attention 1) whose response_mask is 0, as rejection sampling leaves them
+    (at response positions 1 and len // 2): they carry no loss but still condition the later tokens."""
     g = torch.Generator().manual_seed(1000 + step)
     prompts, responses = [], []
     for i in range(8):
@@ -33,6 +36,9 @@ def global_batch(step: int, vocab: int) -> dict:
         prompts.append(torch.randint(3, vocab, (p_len,), generator=g).tolist())
         responses.append(torch.randint(3, vocab, (r_len,), generator=g).tolist())
     batch = ft.make_batch(prompts, responses, pad_id=0)
+    for i, r in enumerate(responses):
+        if len(r) >= 3:
+            batch["response_mask"][i, [1, len(r) // 2]] = 0.0
     shape = batch["response_mask"].shape
     batch["old_logprobs"] = -torch.rand(shape, generator=g) * 6 - 4.0  # far from the model: ratios get clipped
     batch["ref_logprobs"] = -torch.rand(shape, generator=g) * 6 - 4.0
@@ -99,11 +105,12 @@ def main():
             torch.save(full_weights(model), os.path.join(args.out, f"loaded_ws{world}.pt"))
         else:
             full_weights(model)
-    history = []
+    history, over_budget = [], 0
     for step in range(start, args.steps + 1):
         batch = global_batch(step, model.config.vocab_size)
         batch["advantages"] = batch["advantages"] * (1 + 0.1 * torch.rand(1))  # uses the global RNG
         mine = ft.select(batch, rows_of_rank(rank, world))
+        over_budget += int((mine["attention_mask"].sum(-1) > args.max_tokens).sum())  # rows that need a group alone
         before = full_weights(model) if step == args.nan_at else None
         metrics = ft.train_step(model, optimizer, mine,
                                 lambda lp, e, mb, c: grpo_loss(lp, e, mb, c, nan_hook=step == args.nan_at),
@@ -135,7 +142,7 @@ def main():
     weights = full_weights(model)
     if rank == 0:
         torch.save(weights, os.path.join(args.out, f"final_ws{world}.pt"))
-    report(rank, {"history": history})
+    report(rank, {"history": history, "over_budget_rows": over_budget})
     shut_down()
 
 
