@@ -57,8 +57,15 @@ def init_distributed() -> tuple[int, int, torch.device]:
         torch.cuda.set_device(local_rank)
     if not dist.is_initialized():
         backend = "cpu:gloo,cuda:nccl" if cuda else "gloo"
-        if "RANK" in os.environ:
-            dist.init_process_group(backend)
+        if "RANK" in os.environ:  # torchrun: what init_process_group(backend) does, in a key space of its own
+            store, rank, world = next(dist.rendezvous("env://"))
+            # torchrun's agent keeps its store, keys and all, when --max-restarts restarts the workers, and gloo
+            # would then dial the dead workers' addresses ("connectFullMesh ... Connection refused",
+            # pytorch#135712). Every attempt's ranks join once: the join count numbers the attempts, alike on
+            # every node (torchrun's TORCHELASTIC_RESTART_COUNT is not: a node with healthy workers keeps it).
+            attempt = (store.add("flatgrpo/joined", 1) - 1) // world
+            dist.init_process_group(backend, store=dist.PrefixStore(f"attempt_{attempt}/default_pg", store),
+                                    rank=rank, world_size=world)
         else:
             dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
     if not cuda:
