@@ -11,102 +11,88 @@ key and what it accepts, before anything heavy loads. veRL's name of each key: R
 import copy
 import math
 import os
+import re
 
 import torch
 import yaml
 
 import losses
 
-# section -> key -> default (a dict default is a sub-section: algorithm.rollout_correction.rollout_is).
-# A key's type is its default's type; TYPES names it where the default does not (None, or several types).
-DEFAULTS = {
-    "model": {"path": "tiny", "param_dtype": "float32", "compute_dtype": "float32",
-              "activation_checkpointing": False, "tiny_seed": 0},
-    "data": {"train": "tiny", "val": "tiny", "train_batch_size": 16, "gen_batch_size": None, "max_prompt_length": 256,
-             "max_response_length": 64, "shuffle": False, "filter_overlong_prompts": True, "val_max_samples": -1},
-    "rollout": {"n": 8, "temperature": 1.0, "top_p": 1.0, "top_k": -1, "dtype": "float32",
-                "gpu_memory_utilization": 0.4, "tensor_parallel_size": 1, "sleep_level": 1,
-                "enable_prefix_caching": True, "seed_samples": True,
-                "val_n": 1, "val_temperature": 0.0, "val_top_p": 1.0, "val_top_k": -1},
-    "actor": {"lr": 1e-5, "lr_warmup_steps": 0, "lr_warmup_steps_ratio": 0.0, "lr_schedule": "constant", "min_lr_ratio": 0.0,
-              "weight_decay": 0.01, "betas": [0.9, 0.999], "ppo_mini_batch_size": 16, "ppo_epochs": 1,
-              "ppo_max_token_len_per_gpu": 16384, "logprob_chunk_size": 512, "clip_ratio_low": 0.2, "clip_ratio_high": 0.28,
-              "clip_ratio_c": 3.0, "loss_agg_mode": "token-mean", "recompute_old_log_prob": False, "entropy_coeff": 0.0, "use_kl_loss": True,
-              "kl_loss_coef": 0.001, "kl_loss_type": "low_var_kl", "grad_clip": 1.0},
+# The schema: section -> key -> default, or (default, accepted). A dict is a sub-section
+# (algorithm.rollout_correction.rollout_is). accepted: a tuple of choices, a type where the default's is not
+# the type (a None default; several types), or a rule on `value` as Python: a leading operator means "value <op>"
+# and a bare number "value ==" (">= 1", "0 < value <= 1", "-1 (off) or >= 1"); "(...)" explains, and the rule is
+# shown as written when a value breaks it. --print-config prints the defaults; README: veRL's name of each key.
+GE0, GE1, POS, UNIT, FRAC, OFF = ">= 0", ">= 1", "> 0", "0 < value <= 1", "0 <= value < 1", "-1 (off) or >= 1"
+SCHEMA = {
+    "model": {"path": "tiny", "param_dtype": ("float32", ("float32", "bfloat16")),
+              "compute_dtype": ("float32", ("float32", "bfloat16", "float16")), "activation_checkpointing": False,
+              "tiny_seed": (0, GE0)},
+    "data": {"train": "tiny", "val": "tiny", "train_batch_size": (16, GE1), "gen_batch_size": (None, GE1),
+             "max_prompt_length": (256, GE1), "max_response_length": (64, GE1), "shuffle": False,
+             "filter_overlong_prompts": True, "val_max_samples": (-1, "-1 (all) or >= 1")},
+    "rollout": {"n": (8, GE1), "temperature": (1.0, "> 0 (the trainer divides logits by it)"), "top_p": (1.0, UNIT),
+                "top_k": (-1, OFF), "dtype": ("float32", ("auto", "float32", "bfloat16", "float16")),
+                "gpu_memory_utilization": (0.4, UNIT),
+                "tensor_parallel_size": (1, "1 (each rank runs its own engine; tensor-parallel rollouts are not "
+                                            "supported)"),
+                # vLLM 0.32 level 2 discards the weights and restores only the named buffers on wake
+                # (vllm/v1/worker/gpu_worker.py:299-309, 338-354); wrong outputs after level-2 sleep + weight
+                # reload are an open vLLM report (#29341): refused until that is settled.
+                "sleep_level": (1, "1 (level 2 discards the weights; wrong outputs after a level-2 sleep and a "
+                                   "weight reload are an open vLLM report, #29341)"),
+                "enable_prefix_caching": True, "seed_samples": True, "val_n": (1, GE1), "val_temperature": (0.0, GE0),
+                "val_top_p": (1.0, UNIT), "val_top_k": (-1, OFF)},
+    "actor": {"lr": (1e-5, POS), "lr_warmup_steps": (0, GE0), "lr_warmup_steps_ratio": (0.0, "0 <= value <= 1"),
+              "lr_schedule": ("constant", ("constant", "cosine")), "min_lr_ratio": (0.0, "0 <= value <= 1"),
+              "weight_decay": (0.01, GE0), "betas": ([0.9, 0.999], "two numbers in [0, 1)"),
+              "ppo_mini_batch_size": (16, GE1), "ppo_epochs": (1, GE1), "ppo_max_token_len_per_gpu": (16384, GE1),
+              "logprob_chunk_size": (512, ">= 0 (response positions per lm_head chunk; 0: no chunking)"),
+              "clip_ratio_low": (0.2, FRAC), "clip_ratio_high": (0.28, FRAC), "clip_ratio_c": (3.0, "> 1 (the dual-clip bound)"),
+              "loss_agg_mode": ("token-mean", losses.AGG_MODES), "recompute_old_log_prob": False,
+              "entropy_coeff": (0.0, GE0), "use_kl_loss": True, "kl_loss_coef": (0.001, GE0),
+              "kl_loss_type": ("low_var_kl", losses.KL_KINDS + tuple(k + "+" for k in losses.KL_KINDS)),
+              "grad_clip": (1.0, POS)},
     "algorithm": {"norm_adv_by_std_in_grpo": True,
-                  "rollout_correction": {"rollout_is": None, "rollout_is_threshold": 2.0, "rollout_is_batch_normalize": False,
-                                         "rollout_rs": None, "rollout_rs_threshold": None, "bypass_mode": False},
-                  "filter_groups": {"enable": False, "max_num_gen_batches": 0}},
-    "reward": {"method": "strict", "format_score": 0.0, "score": 1.0, "clip_chars": 300,
-               "overlong_buffer": {"enable": False, "len": 0, "penalty_factor": 0.0}},
-    "custom_reward_function": {"path": None, "name": "compute_score"},
-    "trainer": {"total_steps": None, "total_epochs": 1, "seed": 0, "output_dir": "runs/tiny", "resume": "off",
-                "save_every": 0, "keep_checkpoints": 2, "val_every": 10, "val_before_train": True, "val_only": False,
-                "validation_data_dir": None,
-                "dump_batches": None, "replay_batches": None, "logger": ["console"], "project": "flatgrpo",
-                "experiment": "run", "sync_check_every": 10, "logprob_diff_warn": 0.05, "logprob_diff_warn_mean": 0.1,
-                "export_hf": True, "plot": True, "verbose": False},
+                  "rollout_correction": {"rollout_is": (None, ("token", "sequence")),
+                                         "rollout_is_threshold": (2.0, (float, str)), "rollout_is_batch_normalize": False,
+                                         "rollout_rs": (None, str), "rollout_rs_threshold": (None, (float, str)),
+                                         "bypass_mode": False},
+                  "filter_groups": {"enable": False, "max_num_gen_batches": (0, ">= 0 (0: no limit)")}},
+    "reward": {"method": ("strict", ("strict", "flexible")), "format_score": 0.0, "score": 1.0, "clip_chars": (300, GE1),
+               "overlong_buffer": {"enable": False, "len": (0, GE0), "penalty_factor": (0.0, GE0)}},
+    "custom_reward_function": {"path": (None, str), "name": "compute_score"},
+    "trainer": {"total_steps": (None, GE1), "total_epochs": (1, GE1), "seed": (0, GE0), "output_dir": "runs/tiny",
+                "resume": "off", "save_every": (0, GE0), "keep_checkpoints": (2, GE1), "val_every": (10, GE0),
+                "val_before_train": True, "val_only": False, "validation_data_dir": (None, str),
+                "dump_batches": (None, str), "replay_batches": (None, str), "logger": (["console"], "a list of: console, wandb"),
+                "project": "flatgrpo", "experiment": "run", "sync_check_every": (10, GE0), "logprob_diff_warn": (0.05, POS),
+                "logprob_diff_warn_mean": (0.1, POS), "export_hf": True, "plot": True, "verbose": False},
 }
-TYPES = {"trainer.total_steps": int, "trainer.dump_batches": str, "trainer.replay_batches": str, "data.gen_batch_size": int,
-         "trainer.validation_data_dir": str,
-         "algorithm.rollout_correction.rollout_is": str, "algorithm.rollout_correction.rollout_rs": str,
-         "algorithm.rollout_correction.rollout_is_threshold": (float, str),
-         "algorithm.rollout_correction.rollout_rs_threshold": (float, str), "custom_reward_function.path": str}
-CHOICES = {"actor.loss_agg_mode": losses.AGG_MODES, "actor.lr_schedule": ("constant", "cosine"),
-           "reward.method": ("strict", "flexible"),
-           "actor.kl_loss_type": ("kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3", "k1+", "k2+", "k3+", "low_var_kl+"),
-           "model.param_dtype": ("float32", "bfloat16"), "model.compute_dtype": ("float32", "bfloat16", "float16"),
-           "rollout.dtype": ("auto", "float32", "bfloat16", "float16"),
-           "algorithm.rollout_correction.rollout_is": ("token", "sequence")}
+TYPES = {"data.gen_batch_size": int, "trainer.total_steps": int, "algorithm.rollout_correction.rollout_is": str}  # None defaults
+RULES = {"two numbers in [0, 1)": lambda v: len(v) == 2 and all(isinstance(b, (int, float)) and 0 <= b < 1 for b in v),
+         "a list of: console, wandb": lambda v: all(x in ("console", "wandb") for x in v)}
 
 
-def _at_least(low):
-    return lambda v: v >= low, f">= {low}"
+def _spec(node):
+    """(default, accepted or None) of a schema entry."""
+    return node if isinstance(node, tuple) else (node, None)
 
 
-def _in(low, high, closed_high=True):
-    return (lambda v: low <= v <= high) if closed_high else (lambda v: low <= v < high), \
-        f"{low} <= value {'<=' if closed_high else '<'} {high}"
+def _defaults(node: dict) -> dict:
+    return {k: _defaults(v) if isinstance(v, dict) else copy.deepcopy(_spec(v)[0]) for k, v in node.items()}
 
 
-# Accepted values of every numeric key: key -> (test, what is accepted), checked by load_config.
-RANGES = {
-    "model.tiny_seed": _at_least(0),
-    "data.train_batch_size": _at_least(1), "data.gen_batch_size": _at_least(1), "data.max_prompt_length": _at_least(1),
-    "data.max_response_length": _at_least(1), "data.val_max_samples": (lambda v: v == -1 or v >= 1, "-1 (all) or >= 1"),
-    "rollout.n": _at_least(1), "rollout.val_n": _at_least(1),
-    "rollout.temperature": (lambda v: v > 0, "> 0 (the trainer divides logits by it)"),
-    "rollout.val_temperature": _at_least(0), "rollout.top_p": (lambda v: 0 < v <= 1, "0 < value <= 1"),
-    "rollout.val_top_p": (lambda v: 0 < v <= 1, "0 < value <= 1"),
-    "rollout.top_k": (lambda v: v == -1 or v >= 1, "-1 (off) or >= 1"),
-    "rollout.val_top_k": (lambda v: v == -1 or v >= 1, "-1 (off) or >= 1"),
-    "rollout.gpu_memory_utilization": (lambda v: 0 < v <= 1, "0 < value <= 1"),
-    "rollout.tensor_parallel_size": (lambda v: v == 1, "1 (each rank runs its own engine; tensor-parallel rollouts "
-                                     "are not supported)"),
-    # vLLM 0.32 level 2 discards the weights and restores only the named buffers on wake
-    # (vllm/v1/worker/gpu_worker.py:299-309, 338-354); wrong outputs after level-2 sleep + weight reload are an
-    # open vLLM report (#29341): refused until that is settled.
-    "rollout.sleep_level": (lambda v: v == 1, "1 (level 2 discards the weights; wrong outputs after a level-2 sleep "
-                            "and a weight reload are an open vLLM report, #29341)"),
-    "actor.lr": (lambda v: v > 0, "> 0"), "actor.lr_warmup_steps": _at_least(0),
-    "actor.lr_warmup_steps_ratio": _in(0, 1), "actor.min_lr_ratio": _in(0, 1), "actor.weight_decay": _at_least(0),
-    "actor.betas": (lambda v: len(v) == 2 and all(isinstance(b, (int, float)) and 0 <= b < 1 for b in v),
-                    "two numbers in [0, 1)"),
-    "actor.ppo_mini_batch_size": _at_least(1), "actor.ppo_epochs": _at_least(1),
-    "actor.ppo_max_token_len_per_gpu": _at_least(1),
-    "actor.logprob_chunk_size": (lambda v: v >= 0, ">= 0 (response positions per lm_head chunk; 0: no chunking)"),
-    "actor.clip_ratio_low": _in(0, 1, closed_high=False), "actor.clip_ratio_high": _in(0, 1, closed_high=False),
-    "actor.clip_ratio_c": (lambda v: v > 1, "> 1 (the dual-clip bound)"),
-    "actor.entropy_coeff": _at_least(0), "actor.kl_loss_coef": _at_least(0), "actor.grad_clip": (lambda v: v > 0, "> 0"),
-    "algorithm.filter_groups.max_num_gen_batches": (lambda v: v >= 0, ">= 0 (0: no limit)"),
-    "reward.clip_chars": _at_least(1), "reward.overlong_buffer.len": _at_least(0),
-    "reward.overlong_buffer.penalty_factor": _at_least(0),
-    "trainer.total_steps": _at_least(1), "trainer.total_epochs": _at_least(1), "trainer.seed": _at_least(0),
-    "trainer.save_every": _at_least(0), "trainer.keep_checkpoints": _at_least(1), "trainer.val_every": _at_least(0),
-    "trainer.sync_check_every": _at_least(0), "trainer.logprob_diff_warn": (lambda v: v > 0, "> 0"),
-    "trainer.logprob_diff_warn_mean": (lambda v: v > 0, "> 0"),
-    "trainer.logger": (lambda v: all(x in ("console", "wandb") for x in v), "a list of: console, wandb"),
-}
+DEFAULTS = _defaults(SCHEMA)
+
+
+def _passes(rule: str, value) -> bool:
+    """Does value satisfy a schema rule? ">= 1" -> value >= 1; "-1 (off) or >= 1" -> value == -1 or value >= 1."""
+    if rule in RULES:
+        return RULES[rule](value)
+    alternatives = re.sub(r"\s*\([^)]*\)", "", rule).split(" or ")
+    python = " or ".join(a if "value" in a else f"value {a}" if a[0] in "<>=!" else f"value == {a}" for a in alternatives)
+    return eval(python, {}, {"value": value})  # our own schema's text, never user input
 
 
 class ConfigError(ValueError):
@@ -123,8 +109,9 @@ for _tag, _make in (("int", yaml.SafeLoader.construct_yaml_int), ("float", yaml.
                             lambda loader, node, make=_make: node.value if "_" in node.value else make(loader, node))
 
 
-def _default(key: str):
-    node = DEFAULTS
+def _entry(key: str):
+    """The schema entry of a dotted key (a dict for a sub-section), or KeyError."""
+    node = SCHEMA
     for part in key.split("."):
         if not isinstance(node, dict) or part not in node:
             return KeyError
@@ -132,26 +119,28 @@ def _default(key: str):
     return node
 
 
-def _check(key: str, value, default):
-    """Check one value's type (its default's or TYPES'; ints accepted for floats), choices and range."""
-    expected = TYPES.get(key, type(default))
-    expected = expected if isinstance(expected, tuple) else (expected,)
+def _check(key: str, value, entry):
+    """Check one value's type (its default's, or the schema's; ints accepted for floats), choices and rule."""
+    default, accepted = _spec(entry)
+    types = accepted if isinstance(accepted, tuple) and isinstance(accepted[0], type) else \
+        (accepted,) if isinstance(accepted, type) else (TYPES.get(key) or type(default),)
+    rule = accepted if isinstance(accepted, str) else None
     if value is None and default is None:
         return None
-    if float in expected and isinstance(value, (int, str)) and not isinstance(value, bool) and "_" not in str(value):
+    if float in types and isinstance(value, (int, str)) and not isinstance(value, bool) and "_" not in str(value):
         try:  # ints become floats; YAML 1.1 reads "1e-5" as a string (and Python's float() would take "2_1" as 21)
             value = float(value)
         except ValueError:
             pass
-    if not isinstance(value, expected) or (int in expected and isinstance(value, bool)):
-        names = " or ".join(t.__name__ for t in expected)
+    if not isinstance(value, types) or (int in types and isinstance(value, bool)):
+        names = " or ".join(t.__name__ for t in types)
         raise ConfigError(f"config: {key} = {value!r} has type {type(value).__name__}; expected {names}")
-    if CHOICES.get(key) and value not in CHOICES[key]:
-        raise ConfigError(f"config: {key} = {value!r}; accepted: {', '.join(CHOICES[key])}")
+    if isinstance(accepted, tuple) and not isinstance(accepted[0], type) and value not in accepted:
+        raise ConfigError(f"config: {key} = {value!r}; accepted: {', '.join(accepted)}")
     if isinstance(value, float) and not math.isfinite(value):
         raise ConfigError(f"config: {key} = {value!r}; accepted: a finite number")
-    if key in RANGES and not RANGES[key][0](value):
-        raise ConfigError(f"config: {key} = {value!r}; accepted: {RANGES[key][1]}")
+    if rule and not _passes(rule, value):
+        raise ConfigError(f"config: {key} = {value!r}; accepted: {rule}")
     return value
 
 
@@ -160,7 +149,7 @@ def _flatten(values: dict, prefix: str) -> list[tuple[str, object]]:
     out = []
     for k, v in values.items():
         key = f"{prefix}.{k}"
-        out += _flatten(v, key) if isinstance(v, dict) and isinstance(_default(key), dict) else [(key, v)]
+        out += _flatten(v, key) if isinstance(v, dict) and isinstance(_entry(key), dict) else [(key, v)]
     return out
 
 
@@ -189,18 +178,18 @@ def load_config(path: str | None, overrides: list[str]) -> dict:
         key, raw = item.split("=", 1)
         updates.append((key.strip(), yaml.load(raw, Loader=_Loader), "command line"))
     for key, value, source in updates:
-        default = _default(key)
-        if default is KeyError or isinstance(default, dict):
+        entry = _entry(key)
+        if entry is KeyError or isinstance(entry, dict):
             parts = key.split(".")  # name what the deepest known section accepts
             parent = next((".".join(parts[:i]) for i in range(len(parts) - 1, 0, -1)
-                           if isinstance(_default(".".join(parts[:i])), dict)), None)
-            accepted = ", ".join(f"{parent}.{k}" for k in _default(parent)) if parent else ", ".join(cfg)
+                           if isinstance(_entry(".".join(parts[:i])), dict)), None)
+            accepted = ", ".join(f"{parent}.{k}" for k in _entry(parent)) if parent else ", ".join(cfg)
             raise ConfigError(f"config ({source}): unknown key {key!r}; accepted: {accepted}")
         *parents, name = key.split(".")
         node = cfg
         for part in parents:
             node = node[part]
-        node[name] = _check(key, value, default)
+        node[name] = _check(key, value, entry)
     return check_config(cfg)
 
 

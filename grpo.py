@@ -94,7 +94,10 @@ def grpo_step(run: "Run", step: int) -> dict:
     if torch.cuda.is_available():
         torch.cuda.reset_peak_memory_stats()  # perf/max_memory_allocated_gb: this step's peak, not the run's
     with timed(t, "step"):
-        batch, m = (data.load_replay(run, step), {}) if run.cfg["trainer"]["replay_batches"] else sample_batch(run, t)
+        if run.cfg["trainer"]["replay_batches"]:
+            batch, m, run.gen_cursor = data.load_replay(run, step), {}, step
+        else:
+            batch, m = sample_batch(run, t)
         m.update(old_and_ref_logprobs(run, batch, t))
         if "old_logprobs" in batch and not run.capture:
             with timed(t, "rollout_corr"):
@@ -558,18 +561,22 @@ def stop(run: Run, step: int, signum: int):
         path = save(run, step)
     log0(run.rank, f"stopped by {signal.Signals(signum).name} after step {step}: checkpoint {path}; run again with "
                    "trainer.resume=auto to continue")
-    run.llm = None
-    dist.destroy_process_group()
+    close(run)
     sys.exit(128 + signum)
 
 
 def finish(run: Run):
-    """The HF export, the curves, then the engine and the process group closed in that order."""
+    """The HF export, the curves, then the engine and the process group closed."""
     if run.cfg["trainer"]["export_hf"]:
         fsdp_train.export_hf(run.policy, os.path.join(run.cfg["trainer"]["output_dir"], "hf"), run.tokenizer)
     run.logger.close()
+    close(run)
+
+
+def close(run: Run):
+    """The engine, then the process group (vLLM's shutdown may already have destroyed it)."""
     run.llm = None
-    if dist.is_initialized():  # vLLM's shutdown may already have destroyed it
+    if dist.is_initialized():
         dist.destroy_process_group()
 
 
@@ -585,8 +592,7 @@ def evaluate(cfg: dict):
     logger = logs.MetricsLogger(cfg, rank, resume_step=0, file="val_metrics.jsonl")
     logger.log(0, validate(run, 0))
     logger.close()
-    run.llm = None
-    dist.destroy_process_group()
+    close(run)
 
 
 def sample_seed(seed: int, gen_batch: int, rank: int) -> int:
