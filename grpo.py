@@ -19,6 +19,7 @@ project; config, data, logs, metrics and cluster are its plumbing. Read train() 
 """
 
 import argparse
+import functools
 import os
 import random
 import signal
@@ -49,13 +50,8 @@ from logs import log0, timed  # noqa: E402
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(
-        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter,
-        epilog="examples:\n  torchrun --nproc_per_node 8 grpo.py --config gsm8k.yaml\n"
-               "  python grpo.py --config tiny.yaml trainer.total_steps=5 actor.lr=1e-4\n\n"
-               "Every key with its value: python grpo.py --print-config [--config FILE] [key=value ...] prints\n"
-               "the merged YAML (what a run saves as <trainer.output_dir>/config.yaml). A bad value stops the\n"
-               "run with one line naming the key and what it accepts.")
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog=__doc__.split("\n\n")[1],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--config", help="YAML config (gsm8k.yaml, tiny.yaml)")
     ap.add_argument("--print-config", action="store_true", help="print the merged configuration and exit")
     ap.add_argument("overrides", nargs="*", help="section.key=value, e.g. actor.lr=3e-6")
@@ -91,13 +87,13 @@ def grpo_step(run: "Run", step: int) -> dict:
     fills in what the batch lacks: a replayed batch (trainer.replay_batches) arrives with rewards, old and
     reference log-probs, advantages (and IS weights), a sampled one with rewards and vLLM's log-probs."""
     t = {}
-    if torch.cuda.is_available():
-        torch.cuda.reset_peak_memory_stats()  # perf/max_memory_allocated_gb: this step's peak, not the run's
     with timed(t, "step"):
         if run.cfg["trainer"]["replay_batches"]:
             batch, m, run.gen_cursor = data.load_replay(run, step), {}, step
         else:
             batch, m = sample_batch(run, t)
+        if torch.cuda.is_available():  # perf/max_memory_allocated_gb: the trainer's peak from here (vLLM sleeps)
+            torch.cuda.reset_peak_memory_stats()
         m.update(old_and_ref_logprobs(run, batch, t))
         if "old_logprobs" in batch and not run.capture:
             with timed(t, "rollout_corr"):
@@ -197,25 +193,21 @@ def old_and_ref_logprobs(run: "Run", batch: dict, t: dict) -> dict:
     """old_log_prob: the sampling policy's log-probs (the PPO ratio's denominator), with actor/entropy and the
     sync proof; ref: the reference model's, for the KL loss. bypass_mode takes vLLM's log-probs as the old
     ones (no pass); the on-policy shortcut (see setup) takes them from the update's own forward."""
-    ac, temperature = run.cfg["actor"], run.cfg["rollout"]["temperature"]
-    out = {}
+    ac, out = run.cfg["actor"], {}
+    logprobs = functools.partial(fsdp_train.compute_logprobs, batch=batch, temperature=run.cfg["rollout"]["temperature"],
+                                 max_tokens=ac["ppo_max_token_len_per_gpu"], chunk_size=ac["logprob_chunk_size"])
     if run.capture:
         t["old_log_prob"] = 0.0
         if run.cfg["algorithm"]["rollout_correction"]["bypass_mode"]:
             batch.setdefault("old_logprobs", batch["rollout_logprobs"])
     else:
         with timed(t, "old_log_prob"):
-            old, entropy = fsdp_train.compute_logprobs(run.policy, batch, temperature=temperature,
-                                                       max_tokens=ac["ppo_max_token_len_per_gpu"],
-                                                       chunk_size=ac["logprob_chunk_size"],
-                                                       entropy_fn=losses.entropy_from_logits)
+            old, entropy = logprobs(run.policy, entropy_fn=losses.entropy_from_logits)
         out = metrics.old_logprob_metrics(batch, old, entropy, run.cfg)
         batch.setdefault("old_logprobs", old)  # a replayed batch keeps its dumped ones
     if run.ref is not None and "ref_logprobs" not in batch:
         with timed(t, "ref"):
-            batch["ref_logprobs"], _ = fsdp_train.compute_logprobs(run.ref, batch, temperature=temperature,
-                                                                   max_tokens=ac["ppo_max_token_len_per_gpu"],
-                                                                   chunk_size=ac["logprob_chunk_size"])
+            batch["ref_logprobs"], _ = logprobs(run.ref)
     return out
 
 
@@ -233,13 +225,13 @@ def correct_rollout(run: "Run", batch: dict, old: torch.Tensor, apply: bool = Tr
     sampled = batch["attention_mask"][:, -width:].float()  # [B, R]: every sampled token, before rejection
     local = [old, batch["rollout_logprobs"], sampled, batch["response_mask"]]
     (g_old, g_roll, g_sampled, g_mask), mine = cluster.global_rows(local, run.positions, run.cfg["rollout"]["n"])
-    replayed = bool(run.cfg["trainer"]["replay_batches"])
-    if apply and not replayed and rc["rollout_is"]:
+    apply = apply and not run.cfg["trainer"]["replay_batches"]
+    if apply and rc["rollout_is"]:
         weights = losses.rollout_is_weights(g_old, g_roll, g_sampled, level=rc["rollout_is"],
                                             threshold=rc["rollout_is_threshold"],
                                             batch_normalize=rc["rollout_is_batch_normalize"])  # [B_all, R]
         batch["is_weights"] = weights[mine, :width]
-    if apply and not replayed and rc["rollout_rs"]:
+    if apply and rc["rollout_rs"]:
         g_mask = losses.rollout_rejection_mask(g_old, g_roll, g_sampled, modes=rc["rollout_rs"],
                                                thresholds=rc["rollout_rs_threshold"])  # [B_all, R]
         batch["response_mask"] = g_mask[mine, :width]

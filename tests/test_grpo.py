@@ -68,9 +68,11 @@ def test_defaults_yaml_and_overrides(tmp_path):
     ("trainer.resume=/tmp", "trainer.resume = '/tmp' is not a checkpoint"),
     ("algorithm.rollout_correction.rollout_is=seq", "rollout_is = 'seq'; accepted: token, sequence"),
     ("algorithm.rollout_correction.rollout_is=token algorithm.rollout_correction.rollout_is_threshold=2_1",
-     "rollout_is_threshold = '2_1'"),
-    ("algorithm.rollout_correction.rollout_rs=token_k9", "rollout_rs = 'token_k9', rollout_rs_threshold = None"),
-    ("algorithm.rollout_correction.rollout_rs=token_k2", "rollout_rs = 'token_k2', rollout_rs_threshold = None"),
+     "rollout_is = 'token', rollout_is_threshold = '2_1', rollout_is_batch_normalize = False, rollout_rs = None"),
+    ("algorithm.rollout_correction.rollout_rs=token_k9", "rollout_rs = 'token_k9', rollout_rs_threshold = None: "
+                                                         "rollout_rejection_mask: modes='token_k9'; accepted: a comma"),
+    ("algorithm.rollout_correction.rollout_rs=token_k2", "rollout_rs = 'token_k2', rollout_rs_threshold = None: "
+                                                         "rollout_rejection_mask: thresholds=None"),
     ("algorithm.rollout_correction.bypass_mode=true algorithm.rollout_correction.rollout_is=token",
      "rollout_is = 'token' with bypass_mode=true; accepted: null"),
     ("algorithm.rollout_corection.rollout_is=token", "unknown key 'algorithm.rollout_corection.rollout_is'; accepted: "
@@ -560,8 +562,9 @@ def test_sampled_validation_metrics_equal_verls_computation_on_the_samples(tiny_
     from test_val_metrics import reference
     expected = reference([{k: s[k] for k in ("data_source", "uid", "reward", "pred")} for s in samples])
     logged = read_jsonl(out / "val_metrics.jsonl")[0]
-    core = "val-core/openai/gsm8k/reward/"
-    assert {core + k for k in ("mean@4", "best@4/mean", "maj@4/mean", "best@2/mean", "maj@2/mean")} <= set(logged)
+    core, aux = "val-core/openai/gsm8k/reward/", "val-aux/openai/gsm8k/reward/"
+    assert {core + k for k in ("mean@4", "best@4/mean", "maj@4/mean")} | {aux + "best@2/mean", aux + "maj@2/mean"} \
+        <= set(logged)
     assert {k: v for k, v in logged.items() if k != "step"} == pytest.approx(expected, rel=1e-12)
     assert len({s["output"] for s in samples}) > 7  # sampled, not greedy
 
