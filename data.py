@@ -35,8 +35,6 @@ def load_rows(source: str, split: str, tiny_paths: dict | None) -> list[dict]:
       a .parquet or .jsonl path in veRL's layout (prompt, reward_model.ground_truth, data_source, extra_info)
                                 or GSM8K's (question, answer); a comma-separated list of paths is concatenated.
     A row without the needed fields stops the run with the file, row and field."""
-    if source == "tiny":
-        return _rows_from_records(_read_file(tiny_paths[split]), tiny_paths[split])
     if source == GSM8K:
         import datasets
         try:
@@ -45,10 +43,8 @@ def load_rows(source: str, split: str, tiny_paths: dict | None) -> list[dict]:
             raise ValueError(f"data: openai/gsm8k could not be loaded from the hub ({type(e).__name__}); pass "
                              "local files instead, e.g. veRL's data.train=~/data/gsm8k/train.parquet") from None
         return _rows_from_records(records, f"openai/gsm8k[{split}]")
-    rows = []
-    for path in source.split(","):
-        rows += _rows_from_records(_read_file(path.strip()), path.strip())
-    return rows
+    paths = [tiny_paths[split]] if source == "tiny" else [p.strip() for p in source.split(",")]
+    return [row for path in paths for row in _rows_from_records(_read_file(path), path)]
 
 
 def _read_file(path: str) -> list[dict]:
@@ -57,17 +53,17 @@ def _read_file(path: str) -> list[dict]:
     if path.endswith(".parquet"):
         import pyarrow.parquet as pq
         return pq.read_table(path).to_pylist()
-    if path.endswith(".jsonl"):
-        with open(path) as f:
-            records = []
-            for i, line in enumerate(f):
-                if line.strip():
-                    try:
-                        records.append(json.loads(line))
-                    except json.JSONDecodeError as e:
-                        raise ValueError(f"data: {path}: row {i}: not valid JSON ({e})") from None
-            return records
-    raise ValueError(f"data: {path}: unsupported file type; accepted: .parquet, .jsonl")
+    if not path.endswith(".jsonl"):
+        raise ValueError(f"data: {path}: unsupported file type; accepted: .parquet, .jsonl")
+    with open(path) as f:
+        return [_json(line, f"data: {path}: row {i}") for i, line in enumerate(f) if line.strip()]
+
+
+def _json(line: str, where: str):
+    try:
+        return json.loads(line)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{where}: not valid JSON ({e})") from None
 
 
 def _rows_from_records(records: list[dict], where: str) -> list[dict]:

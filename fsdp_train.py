@@ -372,14 +372,8 @@ def train_step(model, optimizer, batch: dict[str, torch.Tensor], loss_fn, *, tem
     if not skipped:
         optimizer.step()
     optimizer.zero_grad(set_to_none=True)  # free the gradients now, not after the next generation
-    reduced = {}
-    for op, keys in ((dist.ReduceOp.SUM, [k for k in sorted(sums) if not k.endswith("_max")]),
-                     (dist.ReduceOp.MAX, [k for k in sorted(sums) if k.endswith("_max")])):
-        if not keys:
-            continue
-        totals = torch.tensor([sums[k] for k in keys], dtype=torch.float64)
-        dist.all_reduce(totals, op=op)
-        reduced.update(zip(keys, totals.tolist()))
+    reduced = {k: all_reduce(v, op=dist.ReduceOp.MAX if k.endswith("_max") else dist.ReduceOp.SUM)
+               for k, v in sorted(sums.items())}  # the same keys, in the same order, on every rank
     if torch.cuda.is_available():
         torch.cuda.synchronize()
     flops = all_reduce(estimate_flops(model.config, batch["attention_mask"].sum(-1).tolist()))

