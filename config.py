@@ -75,11 +75,17 @@ def _spec(node):
     return node if isinstance(node, tuple) else (node, None)
 
 
+def _flat(node: dict, prefix: str = "") -> dict:
+    """Nested sections -> dotted keys: {"model": {"path": x}} -> {"model.path": x}."""
+    return {key: v for k, value in node.items()
+            for key, v in (_flat(value, f"{prefix}{k}.") if isinstance(value, dict) else {f"{prefix}{k}": value}).items()}
+
+
 def _defaults(node: dict) -> dict:
     return {k: _defaults(v) if isinstance(v, dict) else copy.deepcopy(_spec(v)[0]) for k, v in node.items()}
 
 
-DEFAULTS = _defaults(SCHEMA)
+FLAT, DEFAULTS = _flat(SCHEMA), _defaults(SCHEMA)  # "model.path" -> its entry; the nested dicts a run reads
 
 
 def _passes(rule: str, value) -> bool:
@@ -103,16 +109,6 @@ class _Loader(yaml.SafeLoader):
 for _tag, _make in (("int", yaml.SafeLoader.construct_yaml_int), ("float", yaml.SafeLoader.construct_yaml_float)):
     _Loader.add_constructor(f"tag:yaml.org,2002:{_tag}",
                             lambda loader, node, make=_make: node.value if "_" in node.value else make(loader, node))
-
-
-def _entry(key: str):
-    """The schema entry of a dotted key (a dict for a sub-section), or KeyError."""
-    node = SCHEMA
-    for part in key.split("."):
-        if not isinstance(node, dict) or part not in node:
-            return KeyError
-        node = node[part]
-    return node
 
 
 def _check(key: str, value, entry):
@@ -140,15 +136,6 @@ def _check(key: str, value, entry):
     return value
 
 
-def _flatten(values: dict, prefix: str) -> list[tuple[str, object]]:
-    """{"rollout_correction": {"rollout_is": "token"}} -> [("<prefix>.rollout_correction.rollout_is", "token")]."""
-    out = []
-    for k, v in values.items():
-        key = f"{prefix}.{k}"
-        out += _flatten(v, key) if isinstance(v, dict) and isinstance(_entry(key), dict) else [(key, v)]
-    return out
-
-
 def load_config(path: str | None, overrides: list[str]) -> dict:
     """DEFAULTS <- the YAML file <- `section.key=value` overrides (values parsed as YAML). Any unknown
     key or wrong type stops here, before anything heavy is loaded."""
@@ -162,30 +149,24 @@ def load_config(path: str | None, overrides: list[str]) -> dict:
             raise ConfigError(f"config: cannot read {path}: {e.strerror}") from None
         if not isinstance(loaded, dict):
             raise ConfigError(f"config: {path} must be a mapping of sections")
-        for section, values in loaded.items():
-            if section not in cfg:
-                raise ConfigError(f"config: {path}: unknown section {section!r}; accepted: {', '.join(cfg)}")
-            if not isinstance(values, dict):
-                raise ConfigError(f"config: {path}: section {section!r} must be a mapping")
-            updates += [(key, v, path) for key, v in _flatten(values, section)]
+        updates += [(key, v, path) for key, v in _flat(loaded).items()]
     for item in overrides:
         if "=" not in item:
             raise ConfigError(f"config: override {item!r} is not key.sub=value")
         key, raw = item.split("=", 1)
         updates.append((key.strip(), yaml.load(raw, Loader=_Loader), "command line"))
     for key, value, source in updates:
-        entry = _entry(key)
-        if entry is KeyError or isinstance(entry, dict):
-            parts = key.split(".")  # name what the deepest known section accepts
-            parent = next((".".join(parts[:i]) for i in range(len(parts) - 1, 0, -1)
-                           if isinstance(_entry(".".join(parts[:i])), dict)), None)
-            accepted = ", ".join(f"{parent}.{k}" for k in _entry(parent)) if parent else ", ".join(cfg)
-            raise ConfigError(f"config ({source}): unknown key {key!r}; accepted: {accepted}")
+        if key not in FLAT:  # name what the deepest known section accepts
+            section = key.rpartition(".")[0]
+            while section and not any(k.startswith(section + ".") for k in FLAT):
+                section = section.rpartition(".")[0]
+            accepted = [k for k in FLAT if k.startswith(section + ".")] if section else list(SCHEMA)
+            raise ConfigError(f"config ({source}): unknown key {key!r}; accepted: {', '.join(accepted)}")
         *parents, name = key.split(".")
         node = cfg
         for part in parents:
             node = node[part]
-        node[name] = _check(key, value, entry)
+        node[name] = _check(key, value, FLAT[key])
     return check_config(cfg)
 
 

@@ -302,3 +302,11 @@ def test_export_hf_loads_in_transformers_and_vllm(random_models, tmp_path):
     fp32_noise.check(probe["logprobs"][:, :r] * b["response_mask"], ref["probe"], noise["probe"], "trainer")
     for i, s in enumerate(samples):
         fp32_noise.check(torch.tensor(s.logprobs), ref[f"sample{i}"], noise[f"sample{i}"], f"vLLM sample {i}")
+
+
+def test_the_trainers_peak_leaves_out_other_memory_pools():
+    """perf/max_memory_allocated_gb on GPU: torch counts a sleeping vLLM's pool (a MemPool: segment_pool_id other
+    than (0, 0)) as allocated; other_pools_bytes is what is subtracted. A snapshot in torch's format."""
+    snapshot = [{"segment_pool_id": (0, 0), "allocated_size": 5 << 20}, {"segment_pool_id": (1, 7), "allocated_size": 3 << 20},
+                {"segment_pool_id": [1, 7], "allocated_size": 1 << 20}, {"allocated_size": 2 << 20}]
+    assert ft.other_pools_bytes(snapshot) == 4 << 20

