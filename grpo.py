@@ -104,6 +104,9 @@ def grpo_step(run: "Run", step: int) -> dict:
         if run.cfg["trainer"]["dump_batches"]:
             data.dump_batch(run, step, batch)
         m.update(update_actor(run, batch, t))
+        if torch.cuda.is_available():  # vLLM's sleep-mode pool (not in the trainer's peak) and the device's use
+            free, total = torch.cuda.mem_get_info()
+            m.update({"perf/vllm_pool_gb": rollout.pool_bytes() / 2**30, "perf/device_used_gb": (total - free) / 2**30})
         if run.capture:  # the update's own forward stood in for the old pass: the diagnostics come from it
             m.update(correct_rollout(run, batch, batch["update_logprobs"], apply=False))
         metrics.warn_if_out_of_sync(run.cfg, run.rank, step, m, run.exact)

@@ -97,16 +97,16 @@ def test_dynamic_sampling_keeps_groups_with_signal_in_generation_order(straight,
 
 def test_sigterm_checkpoints_the_step_and_a_resumed_run_continues(straight, tmp_path):
     """SIGTERM to torchrun (a scheduler's preemption notice), during step 2: the workers finish the step they are in,
-    checkpoint it (save_every is 2, so for step 3 that is an extra checkpoint), exit; trainer.resume=auto continues
-    with the next step, and the run ends with the metrics of the uninterrupted run."""
+    checkpoint it (no periodic checkpoints in this run), exit 143; trainer.resume=auto continues with the next step,
+    and the run ends with the metrics of the uninterrupted run."""
     out = tmp_path / "run"
-    proc = run_grpo(out, 2, *CLUSTER, background=True)
+    proc = run_grpo(out, 2, *CLUSTER, "trainer.save_every=0", background=True)  # no periodic checkpoint: only the stop's
     wait_for_step(out, 1, proc)
     os.kill(proc.pid, signal.SIGTERM)
     assert proc.wait(timeout=300) != 0
     stopped = max(r["step"] for r in read_metrics(out))
-    assert [os.path.basename(p) for p in fsdp_train.list_checkpoints(str(out / "checkpoints"))][-1] == f"step_{stopped}"
-    resumed = run_grpo(out, 2, *CLUSTER, "trainer.resume=auto")
+    assert [os.path.basename(p) for p in fsdp_train.list_checkpoints(str(out / "checkpoints"))] == [f"step_{stopped}"]
+    resumed = run_grpo(out, 2, *CLUSTER, "trainer.save_every=0", "trainer.resume=auto")
     assert f"resumed from {out / 'checkpoints' / f'step_{stopped}'}" in resumed.stdout
     same_run(read_metrics(out), straight[1])
 
