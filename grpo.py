@@ -104,9 +104,6 @@ def grpo_step(run: "Run", step: int) -> dict:
         if run.cfg["trainer"]["dump_batches"]:
             data.dump_batch(run, step, batch)
         m.update(update_actor(run, batch, t))
-        if torch.cuda.is_available():  # vLLM's sleep-mode pool (not in the trainer's peak) and the device's use
-            free, total = torch.cuda.mem_get_info()
-            m.update({"perf/vllm_pool_gb": rollout.pool_bytes() / 2**30, "perf/device_used_gb": (total - free) / 2**30})
         if run.capture:  # the update's own forward stood in for the old pass: the diagnostics come from it
             m.update(correct_rollout(run, batch, batch["update_logprobs"], apply=False))
         metrics.warn_if_out_of_sync(run.cfg, run.rank, step, m, run.exact)
@@ -277,8 +274,10 @@ def update_actor(run: "Run", batch: dict, t: dict) -> dict:
     out = {k: sum(m[k] for m in results) / len(results) for k in results[0]}
     out["actor/lr"] = run.scheduler.get_last_lr()[0]  # as veRL 0.9.1: read AFTER the schedule step
     out["actor/skipped_steps"] = sum(m["actor/skipped_steps"] for m in results)
-    if "perf/max_memory_allocated_gb" in out:
-        out["perf/max_memory_allocated_gb"] = max(m["perf/max_memory_allocated_gb"] for m in results)
+    if torch.cuda.is_available():  # the trainer's peak; apart: vLLM's sleep-mode pool, the device's use
+        free, total = torch.cuda.mem_get_info()
+        out.update({"perf/max_memory_allocated_gb": max(m["perf/max_memory_allocated_gb"] for m in results),
+                    "perf/vllm_pool_gb": rollout.pool_bytes() / 2**30, "perf/device_used_gb": (total - free) / 2**30})
     out["actor/kl_coef"] = ac["kl_loss_coef"] if run.ref is not None else 0.0
     if captured is not None:
         batch["update_logprobs"] = captured["logp"]  # [B, R]
