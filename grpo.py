@@ -258,8 +258,10 @@ def update_actor(run: "Run", batch: dict, t: dict) -> dict:
     (update_logprobs) and logged as that pass would have logged them."""
     ac, ro = run.cfg["actor"], run.cfg["rollout"]
     rows = ac["ppo_mini_batch_size"] // run.world * ro["n"]  # this rank's rows of one mini-batch
-    batch["row"] = torch.arange(batch["input_ids"].shape[0])  # [B]: where the update's log-probs go
-    captured = {k: torch.zeros_like(batch["response_mask"]) for k in ("logp", "entropy")} if run.capture else None
+    captured = None
+    if run.capture:  # buffers for the update's log-probs and entropy, and each row's place in them
+        captured = {k: torch.zeros_like(batch["response_mask"]) for k in ("logp", "entropy")}
+        batch["row"] = torch.arange(batch["input_ids"].shape[0])  # [B]
     with timed(t, "update_actor"):
         results = []
         for _ in range(ac["ppo_epochs"]):
