@@ -11,7 +11,7 @@ CPU_TORCH_INDEX ?= $(if $(PIP_FIND_LINKS),,--extra-index-url https://download.py
 CUDA_ONLY := torchvision torchaudio torchcodec triton
 NPROC ?= 2
 
-.PHONY: install test demo curves bench clean
+.PHONY: install lint test demo curves bench clean
 
 install: $(STAMP)
 
@@ -26,7 +26,12 @@ endif
 	$(PY) -c "import torch, transformers, vllm; print('installed: torch', torch.__version__, '| vllm', vllm.__version__)"
 	touch $@
 
-test: install
+# Style is ruff's, configured in pyproject.toml; `ruff format .` fixes what `format --check` reports.
+lint: install
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+test: install lint
 	$(PY) -m pytest -q $(PYTEST_ARGS)
 
 # OMP_NUM_THREADS: the cores shared out over the ranks (torchrun would print a banner and pick 1).

@@ -61,9 +61,11 @@ def check_shared_dir(path: str, key: str = "trainer.output_dir", wait_s: float =
     if dist.get_rank() == 0:
         os.remove(marker)
     if any(blind):
-        raise ConfigError(f"config: {key} = {path!r} is not one directory shared by all nodes: "
-                          f"{', '.join(b for b in blind if b)} cannot see what rank 0 writes there; put it on a "
-                          "file system every node mounts")
+        raise ConfigError(
+            f"config: {key} = {path!r} is not one directory shared by all nodes: "
+            f"{', '.join(b for b in blind if b)} cannot see what rank 0 writes there; put it on a "
+            "file system every node mounts"
+        )
 
 
 def broadcast(value, src: int = 0):
@@ -82,8 +84,10 @@ def catch_stop_signals() -> None:
     loop finishes its step, checkpoints it and exits. Repeats are ignored: a terminal's Ctrl-C reaches torchrun
     and its workers, and torchrun then forwards it once more. torchrun SIGKILLs workers that are still running
     --shutdown-timeout seconds (default 30) after forwarding: give it a step and a checkpoint's time."""
+
     def handler(signum, frame):
         _stop["signal"] = _stop["signal"] or signum
+
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, handler)
 
@@ -102,8 +106,12 @@ def seed_everything(seed: int):
 
 
 def rng_state() -> dict:
-    return {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state(),
-            "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None}
+    return {
+        "python": random.getstate(),
+        "numpy": np.random.get_state(),
+        "torch": torch.get_rng_state(),
+        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
+    }
 
 
 def restore_rng(state: dict):

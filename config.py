@@ -25,49 +25,120 @@ import losses
 # shown as written when a value breaks it. --print-config prints the defaults; README: veRL's name of each key.
 GE0, GE1, POS, UNIT, FRAC, OFF = ">= 0", ">= 1", "> 0", "0 < value <= 1", "0 <= value < 1", "-1 (off) or >= 1"
 SCHEMA = {
-    "model": {"path": "tiny", "param_dtype": ("float32", ("float32", "bfloat16")), "activation_checkpointing": False,
-              "compute_dtype": ("float32", ("float32", "bfloat16", "float16")), "tiny_seed": (0, GE0)},
-    "data": {"train": "tiny", "val": "tiny", "train_batch_size": (16, GE1), "gen_batch_size": (None, GE1),
-             "max_prompt_length": (256, GE1), "max_response_length": (64, GE1), "shuffle": False,
-             "filter_overlong_prompts": True, "val_max_samples": (-1, "-1 (all) or >= 1")},
-    "rollout": {"n": (8, GE1), "temperature": (1.0, "> 0 (the trainer divides logits by it)"), "top_p": (1.0, UNIT),
-                "top_k": (-1, OFF), "dtype": ("float32", ("auto", "float32", "bfloat16", "float16")),
-                "gpu_memory_utilization": (0.4, UNIT), "enable_prefix_caching": True, "seed_samples": True,
-                "tensor_parallel_size": (1, "1 (each rank runs its own engine; tensor-parallel rollouts are not supported)"),
-                # vLLM 0.32 level 2 discards the weights and restores only the named buffers on wake
-                # (vllm/v1/worker/gpu_worker.py:299-309, 338-354); wrong outputs after level-2 sleep + weight
-                # reload are an open vLLM report (#29341): refused until that is settled.
-                "sleep_level": (1, "1 (level 2 discards the weights; wrong outputs after a level-2 sleep and a weight "
-                                   "reload are an open vLLM report, #29341)"),
-                "val_n": (1, GE1), "val_temperature": (0.0, GE0), "val_top_p": (1.0, UNIT), "val_top_k": (-1, OFF)},
-    "actor": {"lr": (1e-5, POS), "lr_warmup_steps": (0, GE0), "lr_warmup_steps_ratio": (0.0, "0 <= value <= 1"),
-              "lr_schedule": ("constant", ("constant", "cosine")), "min_lr_ratio": (0.0, "0 <= value <= 1"),
-              "weight_decay": (0.01, GE0), "betas": ([0.9, 0.999], "two numbers in [0, 1)"), "ppo_epochs": (1, GE1),
-              "ppo_mini_batch_size": (16, GE1), "ppo_max_token_len_per_gpu": (16384, GE1),
-              "logprob_chunk_size": (512, ">= 0 (response positions per lm_head chunk; 0: no chunking)"),
-              "clip_ratio_low": (0.2, FRAC), "clip_ratio_high": (0.28, FRAC),
-              "clip_ratio_c": (3.0, "> 1 (the dual-clip bound)"),
-              "loss_agg_mode": ("token-mean", losses.AGG_MODES), "recompute_old_log_prob": False,
-              "entropy_coeff": (0.0, GE0), "use_kl_loss": True, "kl_loss_coef": (0.001, GE0), "grad_clip": (1.0, POS),
-              "kl_loss_type": ("low_var_kl", losses.KL_KINDS + tuple(k + "+" for k in losses.KL_KINDS))},
-    "algorithm": {"norm_adv_by_std_in_grpo": True,
-                  "rollout_correction": {"rollout_is": (None, ("token", "sequence")), "rollout_is_threshold": (2.0, (float, str)),
-                                         "rollout_is_batch_normalize": False, "rollout_rs": (None, str),
-                                         "rollout_rs_threshold": (None, (float, str)), "bypass_mode": False},
-                  "filter_groups": {"enable": False, "max_num_gen_batches": (0, ">= 0 (0: no limit)")}},
-    "reward": {"method": ("strict", ("strict", "flexible")), "format_score": 0.0, "score": 1.0, "clip_chars": (300, GE1),
-               "overlong_buffer": {"enable": False, "len": (0, GE0), "penalty_factor": (0.0, GE0)}},
+    "model": {
+        "path": "tiny",
+        "param_dtype": ("float32", ("float32", "bfloat16")),
+        "activation_checkpointing": False,
+        "compute_dtype": ("float32", ("float32", "bfloat16", "float16")),
+        "tiny_seed": (0, GE0),
+    },
+    "data": {
+        "train": "tiny",
+        "val": "tiny",
+        "train_batch_size": (16, GE1),
+        "gen_batch_size": (None, GE1),
+        "max_prompt_length": (256, GE1),
+        "max_response_length": (64, GE1),
+        "shuffle": False,
+        "filter_overlong_prompts": True,
+        "val_max_samples": (-1, "-1 (all) or >= 1"),
+    },
+    "rollout": {
+        "n": (8, GE1),
+        "temperature": (1.0, "> 0 (the trainer divides logits by it)"),
+        "top_p": (1.0, UNIT),
+        "top_k": (-1, OFF),
+        "dtype": ("float32", ("auto", "float32", "bfloat16", "float16")),
+        "gpu_memory_utilization": (0.4, UNIT),
+        "enable_prefix_caching": True,
+        "seed_samples": True,
+        "tensor_parallel_size": (1, "1 (each rank runs its own engine; tensor-parallel rollouts are not supported)"),
+        # vLLM 0.32 level 2 discards the weights and restores only the named buffers on wake
+        # (vllm/v1/worker/gpu_worker.py:299-309, 338-354); wrong outputs after level-2 sleep + weight
+        # reload are an open vLLM report (#29341): refused until that is settled.
+        "sleep_level": (
+            1,
+            "1 (level 2 discards the weights; wrong outputs after a level-2 sleep and a weight "
+            "reload are an open vLLM report, #29341)",
+        ),
+        "val_n": (1, GE1),
+        "val_temperature": (0.0, GE0),
+        "val_top_p": (1.0, UNIT),
+        "val_top_k": (-1, OFF),
+    },
+    "actor": {
+        "lr": (1e-5, POS),
+        "lr_warmup_steps": (0, GE0),
+        "lr_warmup_steps_ratio": (0.0, "0 <= value <= 1"),
+        "lr_schedule": ("constant", ("constant", "cosine")),
+        "min_lr_ratio": (0.0, "0 <= value <= 1"),
+        "weight_decay": (0.01, GE0),
+        "betas": ([0.9, 0.999], "two numbers in [0, 1)"),
+        "ppo_epochs": (1, GE1),
+        "ppo_mini_batch_size": (16, GE1),
+        "ppo_max_token_len_per_gpu": (16384, GE1),
+        "logprob_chunk_size": (512, ">= 0 (response positions per lm_head chunk; 0: no chunking)"),
+        "clip_ratio_low": (0.2, FRAC),
+        "clip_ratio_high": (0.28, FRAC),
+        "clip_ratio_c": (3.0, "> 1 (the dual-clip bound)"),
+        "loss_agg_mode": ("token-mean", losses.AGG_MODES),
+        "recompute_old_log_prob": False,
+        "entropy_coeff": (0.0, GE0),
+        "use_kl_loss": True,
+        "kl_loss_coef": (0.001, GE0),
+        "grad_clip": (1.0, POS),
+        "kl_loss_type": ("low_var_kl", losses.KL_KINDS + tuple(k + "+" for k in losses.KL_KINDS)),
+    },
+    "algorithm": {
+        "norm_adv_by_std_in_grpo": True,
+        "rollout_correction": {
+            "rollout_is": (None, ("token", "sequence")),
+            "rollout_is_threshold": (2.0, (float, str)),
+            "rollout_is_batch_normalize": False,
+            "rollout_rs": (None, str),
+            "rollout_rs_threshold": (None, (float, str)),
+            "bypass_mode": False,
+        },
+        "filter_groups": {"enable": False, "max_num_gen_batches": (0, ">= 0 (0: no limit)")},
+    },
+    "reward": {
+        "method": ("strict", ("strict", "flexible")),
+        "format_score": 0.0,
+        "score": 1.0,
+        "clip_chars": (300, GE1),
+        "overlong_buffer": {"enable": False, "len": (0, GE0), "penalty_factor": (0.0, GE0)},
+    },
     "custom_reward_function": {"path": (None, str), "name": "compute_score"},
-    "trainer": {"total_steps": (None, GE1), "total_epochs": (1, GE1), "seed": (0, GE0), "output_dir": "runs/tiny",
-                "resume": "off", "save_every": (0, GE0), "keep_checkpoints": (2, GE1), "val_every": (10, GE0),
-                "val_before_train": True, "val_only": False, "validation_data_dir": (None, str), "dump_batches": (None, str),
-                "replay_batches": (None, str), "logger": (["console"], "a list of: console, wandb"), "project": "flatgrpo",
-                "experiment": "run", "sync_check_every": (10, GE0), "logprob_diff_warn": (0.05, POS),
-                "logprob_diff_warn_mean": (0.1, POS), "export_hf": True, "plot": True, "verbose": False},
+    "trainer": {
+        "total_steps": (None, GE1),
+        "total_epochs": (1, GE1),
+        "seed": (0, GE0),
+        "output_dir": "runs/tiny",
+        "resume": "off",
+        "save_every": (0, GE0),
+        "keep_checkpoints": (2, GE1),
+        "val_every": (10, GE0),
+        "val_before_train": True,
+        "val_only": False,
+        "validation_data_dir": (None, str),
+        "dump_batches": (None, str),
+        "replay_batches": (None, str),
+        "logger": (["console"], "a list of: console, wandb"),
+        "project": "flatgrpo",
+        "experiment": "run",
+        "sync_check_every": (10, GE0),
+        "logprob_diff_warn": (0.05, POS),
+        "logprob_diff_warn_mean": (0.1, POS),
+        "export_hf": True,
+        "plot": True,
+        "verbose": False,
+    },
 }
 TYPES = {"data.gen_batch_size": int, "trainer.total_steps": int, "algorithm.rollout_correction.rollout_is": str}
-RULES = {"two numbers in [0, 1)": lambda v: len(v) == 2 and all(isinstance(b, (int, float)) and 0 <= b < 1 for b in v),
-         "a list of: console, wandb": lambda v: all(x in ("console", "wandb") for x in v)}
+RULES = {
+    "two numbers in [0, 1)": lambda v: len(v) == 2 and all(isinstance(b, (int, float)) and 0 <= b < 1 for b in v),
+    "a list of: console, wandb": lambda v: all(x in ("console", "wandb") for x in v),
+}
 
 
 def _spec(node):
@@ -77,8 +148,11 @@ def _spec(node):
 
 def _flat(node: dict, prefix: str = "") -> dict:
     """Nested sections -> dotted keys: {"model": {"path": x}} -> {"model.path": x}."""
-    return {key: v for k, value in node.items()
-            for key, v in (_flat(value, f"{prefix}{k}.") if isinstance(value, dict) else {f"{prefix}{k}": value}).items()}
+    return {
+        key: v
+        for k, value in node.items()
+        for key, v in (_flat(value, f"{prefix}{k}.") if isinstance(value, dict) else {f"{prefix}{k}": value}).items()
+    }
 
 
 def _defaults(node: dict) -> dict:
@@ -93,7 +167,9 @@ def _passes(rule: str, value) -> bool:
     if rule in RULES:
         return RULES[rule](value)
     alternatives = re.sub(r"\s*\([^)]*\)", "", rule).split(" or ")
-    python = " or ".join(a if "value" in a else f"value {a}" if a[0] in "<>=!" else f"value == {a}" for a in alternatives)
+    python = " or ".join(
+        a if "value" in a else f"value {a}" if a[0] in "<>=!" else f"value == {a}" for a in alternatives
+    )
     return eval(python, {}, {"value": value})  # our own schema's text, never user input
 
 
@@ -107,15 +183,22 @@ class _Loader(yaml.SafeLoader):
 
 
 for _tag, _make in (("int", yaml.SafeLoader.construct_yaml_int), ("float", yaml.SafeLoader.construct_yaml_float)):
-    _Loader.add_constructor(f"tag:yaml.org,2002:{_tag}",
-                            lambda loader, node, make=_make: node.value if "_" in node.value else make(loader, node))
+    _Loader.add_constructor(
+        f"tag:yaml.org,2002:{_tag}",
+        lambda loader, node, make=_make: node.value if "_" in node.value else make(loader, node),
+    )
 
 
 def _check(key: str, value, entry):
     """Check one value's type (its default's, or the schema's; ints accepted for floats), choices and rule."""
     default, accepted = _spec(entry)
-    types = accepted if isinstance(accepted, tuple) and isinstance(accepted[0], type) else \
-        (accepted,) if isinstance(accepted, type) else (TYPES.get(key) or type(default),)
+    types = (
+        accepted
+        if isinstance(accepted, tuple) and isinstance(accepted[0], type)
+        else (accepted,)
+        if isinstance(accepted, type)
+        else (TYPES.get(key) or type(default),)
+    )
     rule = accepted if isinstance(accepted, str) else None
     if value is None and default is None:
         return None
@@ -175,30 +258,44 @@ def check_config(cfg: dict) -> dict:
     d, a, tr, ro = cfg["data"], cfg["actor"], cfg["trainer"], cfg["rollout"]
     rc, ob = cfg["algorithm"]["rollout_correction"], cfg["reward"]["overlong_buffer"]
     if d["train_batch_size"] % a["ppo_mini_batch_size"]:
-        raise ConfigError(f"config: data.train_batch_size ({d['train_batch_size']}) must be a multiple of "
-                          f"actor.ppo_mini_batch_size ({a['ppo_mini_batch_size']})")
+        raise ConfigError(
+            f"config: data.train_batch_size ({d['train_batch_size']}) must be a multiple of "
+            f"actor.ppo_mini_batch_size ({a['ppo_mini_batch_size']})"
+        )
     if tr["resume"] not in ("off", "auto") and not os.path.isfile(os.path.join(tr["resume"], "COMPLETE")):
-        raise ConfigError(f"config: trainer.resume = {tr['resume']!r} is not a checkpoint; accepted: off, auto, or "
-                          "a complete checkpoint directory (with a COMPLETE file, e.g. <output_dir>/checkpoints/step_20)")
+        raise ConfigError(
+            f"config: trainer.resume = {tr['resume']!r} is not a checkpoint; accepted: off, auto, or "
+            "a complete checkpoint directory (with a COMPLETE file, e.g. <output_dir>/checkpoints/step_20)"
+        )
     if tr["dump_batches"] and tr["replay_batches"]:
         raise ConfigError("config: trainer.dump_batches and trainer.replay_batches are exclusive")
     if d["gen_batch_size"] not in (None, d["train_batch_size"]) and not cfg["algorithm"]["filter_groups"]["enable"]:
-        raise ConfigError(f"config: data.gen_batch_size = {d['gen_batch_size']}; accepted: null or "
-                          "data.train_batch_size, unless algorithm.filter_groups.enable=true")
+        raise ConfigError(
+            f"config: data.gen_batch_size = {d['gen_batch_size']}; accepted: null or "
+            "data.train_batch_size, unless algorithm.filter_groups.enable=true"
+        )
     if ro["val_n"] > 1 and ro["val_temperature"] == 0:
-        raise ConfigError(f"config: rollout.val_n = {ro['val_n']} needs rollout.val_temperature > 0 "
-                          "(greedy samples are all the same)")
+        raise ConfigError(
+            f"config: rollout.val_n = {ro['val_n']} needs rollout.val_temperature > 0 (greedy samples are all the same)"
+        )
     if ob["enable"] and not 0 < ob["len"] <= d["max_response_length"]:
-        raise ConfigError(f"config: reward.overlong_buffer.len = {ob['len']}; accepted: 0 < value <= "
-                          f"data.max_response_length ({d['max_response_length']}) when the buffer is enabled")
+        raise ConfigError(
+            f"config: reward.overlong_buffer.len = {ob['len']}; accepted: 0 < value <= "
+            f"data.max_response_length ({d['max_response_length']}) when the buffer is enabled"
+        )
     if rc["bypass_mode"] and rc["rollout_is"]:
-        raise ConfigError(f"config: algorithm.rollout_correction.rollout_is = {rc['rollout_is']!r} with bypass_mode=true; "
-                          "accepted: null (the PPO ratio is then pi / pi_rollout: veRL's bypass applies no weights)")
+        raise ConfigError(
+            f"config: algorithm.rollout_correction.rollout_is = {rc['rollout_is']!r} with bypass_mode=true; "
+            "accepted: null (the PPO ratio is then pi / pi_rollout: veRL's bypass applies no weights)"
+        )
     one = torch.zeros(1, 1), torch.zeros(1, 1), torch.ones(1, 1)  # the specs, parsed by the code that uses them
     try:
-        _ = rc["rollout_is"] and losses.rollout_is_weights(*one, level=rc["rollout_is"], threshold=rc["rollout_is_threshold"])
-        _ = rc["rollout_rs"] and losses.rollout_rejection_mask(*one, modes=rc["rollout_rs"],
-                                                               thresholds=rc["rollout_rs_threshold"])
+        _ = rc["rollout_is"] and losses.rollout_is_weights(
+            *one, level=rc["rollout_is"], threshold=rc["rollout_is_threshold"]
+        )
+        _ = rc["rollout_rs"] and losses.rollout_rejection_mask(
+            *one, modes=rc["rollout_rs"], thresholds=rc["rollout_rs_threshold"]
+        )
     except ValueError as e:
         specs = ", ".join(f"{k} = {rc[k]!r}" for k in rc if k.startswith("rollout_"))
         raise ConfigError(f"config: algorithm.rollout_correction.{specs}: {e}") from None

@@ -37,11 +37,14 @@ def load_rows(source: str, split: str, tiny_paths: dict | None) -> list[dict]:
     A row without the needed fields stops the run with the file, row and field."""
     if source == GSM8K:
         import datasets
+
         try:
             records = datasets.load_dataset(GSM8K, "main", split=split).to_list()
         except Exception as e:  # offline, no network: one line, and the way out
-            raise ValueError(f"data: openai/gsm8k could not be loaded from the hub ({type(e).__name__}); pass "
-                             "local files instead, e.g. veRL's data.train=~/data/gsm8k/train.parquet") from None
+            raise ValueError(
+                f"data: openai/gsm8k could not be loaded from the hub ({type(e).__name__}); pass "
+                "local files instead, e.g. veRL's data.train=~/data/gsm8k/train.parquet"
+            ) from None
         return _rows_from_records(records, f"openai/gsm8k[{split}]")
     paths = [tiny_paths[split]] if source == "tiny" else [p.strip() for p in source.split(",")]
     return [row for path in paths for row in _rows_from_records(_read_file(path), path)]
@@ -52,6 +55,7 @@ def _read_file(path: str) -> list[dict]:
         raise FileNotFoundError(f"data: {path} does not exist (accepted: openai/gsm8k, tiny, *.parquet, *.jsonl)")
     if path.endswith(".parquet"):
         import pyarrow.parquet as pq
+
         return pq.read_table(path).to_pylist()
     if not path.endswith(".jsonl"):
         raise ValueError(f"data: {path}: unsupported file type; accepted: .parquet, .jsonl")
@@ -73,24 +77,38 @@ def _rows_from_records(records: list[dict], where: str) -> list[dict]:
             raise ValueError(f"data: {where}: row {i}: expected an object, got {type(r).__name__}")
         if "prompt" in r or "reward_model" in r:  # veRL's preprocessed layout
             prompt, rm = r.get("prompt"), r.get("reward_model")
-            if not isinstance(prompt, list) or not prompt or not all(isinstance(m, dict) and "content" in m for m in prompt):
+            if (
+                not isinstance(prompt, list)
+                or not prompt
+                or not all(isinstance(m, dict) and "content" in m for m in prompt)
+            ):
                 raise ValueError(f"data: {where}: row {i}: field 'prompt' must be a non-empty list of chat messages")
             if not isinstance(rm, dict) or rm.get("ground_truth") in (None, ""):
                 raise ValueError(f"data: {where}: row {i}: missing field 'reward_model.ground_truth'")
-            row = {"prompt": [dict(m) for m in prompt], "ground_truth": rm["ground_truth"],
-                   "data_source": str(r.get("data_source") or GSM8K), "extra_info": r.get("extra_info") or {}}
+            row = {
+                "prompt": [dict(m) for m in prompt],
+                "ground_truth": rm["ground_truth"],
+                "data_source": str(r.get("data_source") or GSM8K),
+                "extra_info": r.get("extra_info") or {},
+            }
             row["ground_truth"] = str(row["ground_truth"]) if row["data_source"] == GSM8K else row["ground_truth"]
         else:  # GSM8K's layout
             for field in ("question", "answer"):
                 if not isinstance(r.get(field), str) or not r[field]:
-                    raise ValueError(f"data: {where}: row {i}: missing field {field!r} "
-                                     "(accepted layouts: question/answer, or prompt/reward_model.ground_truth)")
+                    raise ValueError(
+                        f"data: {where}: row {i}: missing field {field!r} "
+                        "(accepted layouts: question/answer, or prompt/reward_model.ground_truth)"
+                    )
             try:
                 truth = reward.extract_ground_truth(r["answer"])
             except ValueError as e:
                 raise ValueError(f"data: {where}: row {i}: field 'answer': {e}") from None
-            row = {"prompt": reward.make_prompt(r["question"]), "ground_truth": truth, "data_source": GSM8K,
-                   "extra_info": {"index": i, "question": r["question"], "answer": r["answer"]}}
+            row = {
+                "prompt": reward.make_prompt(r["question"]),
+                "ground_truth": truth,
+                "data_source": GSM8K,
+                "extra_info": {"index": i, "question": r["question"], "answer": r["answer"]},
+            }
         rows.append(row | {"where": f"{where} row {i}"})
     return rows
 
@@ -100,8 +118,10 @@ def filter_overlong(rows: list[dict], tokenizer, d: dict) -> tuple[list[dict], i
     tokens is kept); returns (kept, dropped)."""
     kept = [r for r in rows if len(rollout.render_prompt(tokenizer, r["prompt"])) <= d["max_prompt_length"]]
     if not d["filter_overlong_prompts"] and len(kept) < len(rows):
-        raise ValueError(f"data: {len(rows) - len(kept)} prompts exceed data.max_prompt_length="
-                         f"{d['max_prompt_length']} tokens; raise it or set data.filter_overlong_prompts=true")
+        raise ValueError(
+            f"data: {len(rows) - len(kept)} prompts exceed data.max_prompt_length="
+            f"{d['max_prompt_length']} tokens; raise it or set data.filter_overlong_prompts=true"
+        )
     return kept, len(rows) - len(kept)
 
 
@@ -113,7 +133,7 @@ def step_prompts(rows: list[dict], step: int, batch: int, shuffle: bool, seed: i
     order = list(range(len(rows)))
     if shuffle:
         random.Random(seed * 100_003 + epoch).shuffle(order)
-    return [rows[i] for i in order[index * batch:(index + 1) * batch]]
+    return [rows[i] for i in order[index * batch : (index + 1) * batch]]
 
 
 def local_positions(batch: int, mini: int, world: int, rank: int) -> list[int]:
@@ -132,22 +152,38 @@ def make_scorer(cfg: dict):
     (majority voting in validation). The file is loaded once per process; a bad return stops the run."""
     path, name, rw = cfg["custom_reward_function"]["path"], cfg["custom_reward_function"]["name"], cfg["reward"]
     if path is None:
+
         def gsm8k(row, text):
             pred = reward.extract_solution(text, method=rw["method"], clip_chars=rw["clip_chars"])
-            return reward.compute_score(text, row["ground_truth"], method=rw["method"], format_score=rw["format_score"],
-                                        score=rw["score"], clip_chars=rw["clip_chars"]), {"pred": pred or "[no answer]"}
+            return reward.compute_score(
+                text,
+                row["ground_truth"],
+                method=rw["method"],
+                format_score=rw["format_score"],
+                score=rw["score"],
+                clip_chars=rw["clip_chars"],
+            ), {"pred": pred or "[no answer]"}
+
         return gsm8k
     fn = load_reward_function(path, name)
 
     def custom(row, text):
-        out = fn(data_source=row["data_source"], solution_str=text, ground_truth=row["ground_truth"],
-                 extra_info=row["extra_info"])
-        value, extras = (out.get("score"), {k: v for k, v in out.items() if k != "score"}) if isinstance(out, dict) \
-            else (out, {})
+        out = fn(
+            data_source=row["data_source"],
+            solution_str=text,
+            ground_truth=row["ground_truth"],
+            extra_info=row["extra_info"],
+        )
+        value, extras = (
+            (out.get("score"), {k: v for k, v in out.items() if k != "score"}) if isinstance(out, dict) else (out, {})
+        )
         if not isinstance(value, numbers.Real) or not math.isfinite(value):
-            raise ConfigError(f"custom_reward_function: {path}:{name} returned {out!r} for {row['where']}; accepted: "
-                              "a finite number, or a dict with a numeric 'score'")
+            raise ConfigError(
+                f"custom_reward_function: {path}:{name} returned {out!r} for {row['where']}; accepted: "
+                "a finite number, or a dict with a numeric 'score'"
+            )
         return float(value), extras
+
     return custom
 
 
@@ -160,8 +196,9 @@ def load_reward_function(path: str, name: str):
     try:
         spec.loader.exec_module(module)
     except Exception as e:
-        raise ConfigError(f"config: custom_reward_function.path = {path!r}: importing it failed "
-                          f"({type(e).__name__}: {e})") from None
+        raise ConfigError(
+            f"config: custom_reward_function.path = {path!r}: importing it failed ({type(e).__name__}: {e})"
+        ) from None
     if not callable(getattr(module, name, None)):
         raise ConfigError(f"config: custom_reward_function.name = {name!r}: {path} defines no function {name}")
     return getattr(module, name)
@@ -171,8 +208,10 @@ def check_scorer(rows: list[dict], cfg: dict) -> None:
     """Without a reward file only GSM8K rows can be scored: say so before anything trains."""
     other = next((r for r in rows if r["data_source"] != GSM8K), None)
     if other and cfg["custom_reward_function"]["path"] is None:
-        raise ConfigError(f"data: {other['where']}: data_source {other['data_source']!r} has no built-in scorer; "
-                          f"accepted: {GSM8K}, or a reward file in custom_reward_function.path")
+        raise ConfigError(
+            f"data: {other['where']}: data_source {other['data_source']!r} has no built-in scorer; "
+            f"accepted: {GSM8K}, or a reward file in custom_reward_function.path"
+        )
 
 
 # ------------------------------------------------------------------------------------- the model
@@ -190,15 +229,20 @@ def resolve_model(path: str, download: bool) -> str:
             raise ConfigError(f"config: model.path = {path!r}: the directory has no {' and no '.join(missing)}")
         return path
     if path.count("/") != 1 or path.startswith((".", "/", "~")):
-        raise ConfigError(f"config: model.path = {path!r}: no such directory; accepted: a local model directory "
-                          "(config.json, *.safetensors) or a hub id such as Qwen/Qwen2.5-1.5B-Instruct")
+        raise ConfigError(
+            f"config: model.path = {path!r}: no such directory; accepted: a local model directory "
+            "(config.json, *.safetensors) or a hub id such as Qwen/Qwen2.5-1.5B-Instruct"
+        )
     from huggingface_hub import snapshot_download
+
     try:
         return snapshot_download(path, allow_patterns=HUB_FILES, local_files_only=not download)
     except Exception as e:  # offline, no network, unknown or gated repo: all end the run the same way
-        raise ConfigError(f"config: model.path = {path!r}: not a local directory, and the hub copy could not be "
-                          f"fetched ({type(e).__name__}); download it where the hub is reachable and pass the local "
-                          "directory") from None
+        raise ConfigError(
+            f"config: model.path = {path!r}: not a local directory, and the hub copy could not be "
+            f"fetched ({type(e).__name__}); download it where the hub is reachable and pass the local "
+            "directory"
+        ) from None
 
 
 # ------------------------------------------------------------------------------- dump / replay
@@ -211,20 +255,29 @@ def dump_batch(run, step: int, batch: dict):
     mask the loss uses (after rejection sampling), rewards, advantages, old, reference and vLLM log-probs,
     and the IS weights (the seed's Experiment 1: replay them elsewhere with trainer.replay_batches)."""
     n, root = run.cfg["rollout"]["n"], run.cfg["trainer"]["dump_batches"]
-    rows = [{k: v[i] for k, v in batch.items()} | {"position": run.positions[i // n]}
-            for i in range(batch["input_ids"].shape[0])]
+    rows = [
+        {k: v[i] for k, v in batch.items()} | {"position": run.positions[i // n]}
+        for i in range(batch["input_ids"].shape[0])
+    ]
     gathered = [None] * run.world
     dist.all_gather_object(gathered, rows)
     if run.rank == 0:
-        rows = sorted((r for part in gathered for r in part), key=lambda r: r["position"])  # stable: samples stay in order
+        rows = sorted(
+            (r for part in gathered for r in part), key=lambda r: r["position"]
+        )  # stable: samples stay in order
         width = [len(r["response_mask"]) for r in rows]  # each rank's rows have their own padded width
-        prompts = [r["input_ids"][:-w][r["attention_mask"][:-w].bool()].tolist() for r, w in zip(rows, width)]
-        responses = [r["input_ids"][-w:][r["attention_mask"][-w:].bool()].tolist() for r, w in zip(rows, width)]
+        prompts = [
+            r["input_ids"][:-w][r["attention_mask"][:-w].bool()].tolist() for r, w in zip(rows, width, strict=True)
+        ]
+        responses = [
+            r["input_ids"][-w:][r["attention_mask"][-w:].bool()].tolist() for r, w in zip(rows, width, strict=True)
+        ]
         full = fsdp_train.make_batch(prompts, responses, pad_id=0)
         r_width = full["response_mask"].shape[1]
         for key in (k for k in DUMPED if k in rows[0]):
-            full[key] = torch.stack([torch.nn.functional.pad(r[key], (0, r_width - r[key].shape[0]))[:r_width]
-                                     for r in rows])
+            full[key] = torch.stack(
+                [torch.nn.functional.pad(r[key], (0, r_width - r[key].shape[0]))[:r_width] for r in rows]
+            )
         full["rewards"] = torch.stack([r["rewards"] for r in rows])
         os.makedirs(root, exist_ok=True)
         torch.save(full, os.path.join(root, f"step_{step}.pt.tmp"))

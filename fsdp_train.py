@@ -35,8 +35,13 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from accelerate import init_empty_weights
-from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_state_dict,
-                                                     set_model_state_dict, set_state_dict)
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_state_dict,
+    set_model_state_dict,
+    set_state_dict,
+)
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
 from torch.utils.checkpoint import checkpoint
 from transformers import AutoConfig, AutoModelForCausalLM
@@ -64,8 +69,9 @@ def init_distributed() -> tuple[int, int, torch.device]:
             # pytorch#135712). Every attempt's ranks join once: the join count numbers the attempts, alike on
             # every node (torchrun's TORCHELASTIC_RESTART_COUNT is not: a node with healthy workers keeps it).
             attempt = (store.add("flatgrpo/joined", 1) - 1) // world
-            dist.init_process_group(backend, store=dist.PrefixStore(f"attempt_{attempt}/default_pg", store),
-                                    rank=rank, world_size=world)
+            dist.init_process_group(
+                backend, store=dist.PrefixStore(f"attempt_{attempt}/default_pg", store), rank=rank, world_size=world
+            )
         else:
             dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
     if not cuda:
@@ -82,9 +88,15 @@ def all_reduce(value: float | torch.Tensor, op=dist.ReduceOp.SUM) -> float:
 
 
 # ------------------------------------------------------------------------------------ models
-def load_model(path: str, *, device: torch.device, param_dtype: torch.dtype = torch.float32,
-               compute_dtype: torch.dtype | None = None, activation_checkpointing: bool = False,
-               trainable: bool = True) -> torch.nn.Module:
+def load_model(
+    path: str,
+    *,
+    device: torch.device,
+    param_dtype: torch.dtype = torch.float32,
+    compute_dtype: torch.dtype | None = None,
+    activation_checkpointing: bool = False,
+    trainable: bool = True,
+) -> torch.nn.Module:
     """An HF causal LM sharded with FSDP2: fully_shard on each decoder layer, then on the root
     (at world size 1 without mixed precision, a plain module: the same code path otherwise).
 
@@ -130,17 +142,27 @@ def _read_hf_weights(path: str, dtype: torch.dtype, config) -> dict[str, torch.T
     return weights
 
 
-def make_optimizer(model, *, lr: float, betas=(0.9, 0.999), weight_decay: float = 0.01, warmup_steps: int = 0,
-                   total_steps: int = 1, schedule: str = "constant", min_lr_ratio: float = 0.0):
+def make_optimizer(
+    model,
+    *,
+    lr: float,
+    betas=(0.9, 0.999),
+    weight_decay: float = 0.01,
+    warmup_steps: int = 0,
+    total_steps: int = 1,
+    schedule: str = "constant",
+    min_lr_ratio: float = 0.0,
+):
     """AdamW (veRL's defaults) and veRL 0.9.1's per-global-step LR schedule (lr_factor); call
     scheduler.step() once per global step, after its optimizer steps."""
     if schedule not in ("constant", "cosine"):
         raise ValueError(f"make_optimizer: schedule={schedule!r}; accepted: constant, cosine")
     if hasattr(model, "reshard"):  # FSDP2: after a forward the root is unsharded, and parameters() would list
-        model.reshard()             # its temporary full tensors, freed at the next reshard (AdamW: a crash)
+        model.reshard()  # its temporary full tensors, freed at the next reshard (AdamW: a crash)
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, betas=betas, weight_decay=weight_decay)
     return optimizer, torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda step: lr_factor(step, warmup_steps, total_steps, schedule, min_lr_ratio))
+        optimizer, lambda step: lr_factor(step, warmup_steps, total_steps, schedule, min_lr_ratio)
+    )
 
 
 def lr_factor(step: int, warmup_steps: int, total_steps: int, schedule: str, min_lr_ratio: float = 0.0) -> float:
@@ -167,13 +189,16 @@ def make_batch(prompts: list[list[int]], responses: list[list[int]], pad_id: int
     prompts [[5, 6], [7]], responses [[8], [9, 10]] -> input_ids [[5, 6, 8, pad], [pad, 7, 9, 10]]."""
     p_width, r_width = max(map(len, prompts)), max(1, max(map(len, responses)))
     ids, attn, rmask = [], [], []
-    for p, r in zip(prompts, responses):
+    for p, r in zip(prompts, responses, strict=True):
         left, right = p_width - len(p), r_width - len(r)
         ids.append([pad_id] * left + p + r + [pad_id] * right)
         attn.append([0] * left + [1] * (len(p) + len(r)) + [0] * right)
         rmask.append([1] * len(r) + [0] * right)
-    return {"input_ids": torch.tensor(ids), "attention_mask": torch.tensor(attn),  # [B, P + R]
-            "response_mask": torch.tensor(rmask, dtype=torch.float32)}  # [B, R]
+    return {
+        "input_ids": torch.tensor(ids),
+        "attention_mask": torch.tensor(attn),  # [B, P + R]
+        "response_mask": torch.tensor(rmask, dtype=torch.float32),
+    }  # [B, R]
 
 
 def select(batch: dict[str, torch.Tensor], rows: list[int]) -> dict[str, torch.Tensor]:
@@ -185,7 +210,7 @@ def select(batch: dict[str, torch.Tensor], rows: list[int]) -> dict[str, torch.T
     r_len = max(1, int(sub["attention_mask"][:, p_width:].sum(-1).max()))  # not response_mask: it may have holes
     for k, v in sub.items():
         if k in SEQ_KEYS:
-            sub[k] = v[:, p_width - p_len:p_width + r_len]
+            sub[k] = v[:, p_width - p_len : p_width + r_len]
         elif v.dim() == 2:
             sub[k] = v[:, :r_len]
     return sub
@@ -211,7 +236,7 @@ def micro_batches(batch: dict[str, torch.Tensor], max_tokens: int, num_groups: i
     while len(groups) < num_groups and max(map(len, groups), default=0) > 1:
         big = max(groups, key=len)
         groups.remove(big)
-        groups += [big[: len(big) // 2], big[len(big) // 2:]]
+        groups += [big[: len(big) // 2], big[len(big) // 2 :]]
     return groups + [[] for _ in range(num_groups - len(groups))]
 
 
@@ -225,8 +250,9 @@ def _synced_micro_batches(batch, max_tokens: int) -> list[list[int]]:
 LOGPROB_CHUNK = 512  # response positions per lm_head chunk (veRL's FusedLinearForPPO default): [512, V] fp32 is 0.3 GB
 
 
-def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: float, entropy_fn=None,
-                   entropy_grad: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
+def token_logprobs(
+    logits: torch.Tensor, targets: torch.Tensor, temperature: float, entropy_fn=None, entropy_grad: bool = True
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """THE DEFINITION: log-softmax of logits / temperature, in fp32, at the targets; and entropy_fn of the
     same scaled logits (veRL's logprobs_from_logits and entropy_from_logits). logits [n, V], targets [n]
     -> logp [n], entropy [n] or None. entropy_grad=False: entropy without autograd graph (a metric)."""
@@ -238,8 +264,15 @@ def token_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: flo
         return logp, entropy_fn(logits)  # [n]
 
 
-def chunked_logprobs(hidden: torch.Tensor, targets: torch.Tensor, lm_head, temperature: float, chunk_size: int,
-                     entropy_fn=None, entropy_grad: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
+def chunked_logprobs(
+    hidden: torch.Tensor,
+    targets: torch.Tensor,
+    lm_head,
+    temperature: float,
+    chunk_size: int,
+    entropy_fn=None,
+    entropy_grad: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """token_logprobs(lm_head(hidden), targets, ...) without ever holding a [n, V] tensor.
 
     hidden [n, h] (final hidden states, after the last norm), targets [n] -> logp [n], entropy [n] or None.
@@ -257,6 +290,7 @@ def chunked_logprobs(hidden: torch.Tensor, targets: torch.Tensor, lm_head, tempe
     the CPU's BLAS sum the backward's V-long products (grad_logits [c, V] @ W [V, h]) less accurately: about
     1e-5 relative for c < 16, against 1e-7 for the plain path.
     """
+
     def piece(h, t):  # [c, h], [c] -> [c], [c]
         return token_logprobs(lm_head(h), t, temperature, entropy_fn, entropy_grad)
 
@@ -264,16 +298,26 @@ def chunked_logprobs(hidden: torch.Tensor, targets: torch.Tensor, lm_head, tempe
         return piece(hidden, targets)
     chunks = math.ceil(hidden.shape[0] / chunk_size)  # of equal size: no tiny last chunk (see above)
     logps, entropies = [], []
-    for h, t in zip(hidden.tensor_split(chunks), targets.tensor_split(chunks)):  # [c, h], [c], c <= chunk_size
+    for h, t in zip(
+        hidden.tensor_split(chunks), targets.tensor_split(chunks), strict=True
+    ):  # [c, h], [c], c <= chunk_size
         logp, entropy = checkpoint(piece, h, t, use_reentrant=False) if torch.is_grad_enabled() else piece(h, t)
         logps.append(logp)
         entropies.append(entropy)
     return torch.cat(logps), (torch.cat(entropies) if entropy_fn is not None else None)
 
 
-def response_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, position_ids: torch.Tensor,
-                      r_width: int, temperature: float, entropy_fn=None, entropy_grad: bool = True,
-                      chunk_size: int = LOGPROB_CHUNK) -> tuple[torch.Tensor, torch.Tensor | None]:
+def response_logprobs(
+    model,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    position_ids: torch.Tensor,
+    r_width: int,
+    temperature: float,
+    entropy_fn=None,
+    entropy_grad: bool = True,
+    chunk_size: int = LOGPROB_CHUNK,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-probs [b, R] of the last r_width tokens (the response) and their entropy [b, R] or None:
     the decoder's final hidden states, then chunked_logprobs over the b * R response positions (no lm_head
     on the prompt; position t predicts token t + 1).
@@ -284,12 +328,20 @@ def response_logprobs(model, input_ids: torch.Tensor, attention_mask: torch.Tens
     it a method of the model on first use, registered with FSDP2 (add_logprob_forward); call it as
     model.response_logprobs(...).
     """
-    hidden = model.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                         use_cache=False).last_hidden_state  # [b, P + R, h]
-    hidden = hidden[:, -r_width - 1:-1]  # [b, R, h]: the positions that predict the response tokens
+    hidden = model.model(
+        input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
+    ).last_hidden_state  # [b, P + R, h]
+    hidden = hidden[:, -r_width - 1 : -1]  # [b, R, h]: the positions that predict the response tokens
     b, h = hidden.shape[0], hidden.shape[-1]
-    logp, entropy = chunked_logprobs(hidden.reshape(b * r_width, h), input_ids[:, -r_width:].reshape(-1),
-                                     model.lm_head, temperature, chunk_size, entropy_fn, entropy_grad)  # [b * R]
+    logp, entropy = chunked_logprobs(
+        hidden.reshape(b * r_width, h),
+        input_ids[:, -r_width:].reshape(-1),
+        model.lm_head,
+        temperature,
+        chunk_size,
+        entropy_fn,
+        entropy_grad,
+    )  # [b * R]
     # [b, R]; copies, not views: FSDP2 hooks the outputs for its backward, and a view invites in-place edits
     return logp.view(b, r_width).clone(), (entropy.view(b, r_width).clone() if entropy is not None else None)
 
@@ -301,14 +353,28 @@ def add_logprob_forward(model) -> None:
     register_fsdp_forward_method(model, "response_logprobs")
 
 
-def _forward(model, mb: dict[str, torch.Tensor], temperature: float, entropy_fn=None, entropy_grad: bool = True,
-             chunk_size: int = LOGPROB_CHUNK):
+def _forward(
+    model,
+    mb: dict[str, torch.Tensor],
+    temperature: float,
+    entropy_fn=None,
+    entropy_grad: bool = True,
+    chunk_size: int = LOGPROB_CHUNK,
+):
     """Response log-probs [b, R] (and entropy [b, R] or None) of a micro-batch."""
     if not hasattr(model, "response_logprobs"):  # first use: attach it, FSDP2-registered
         add_logprob_forward(model)
     position_ids = (mb["attention_mask"].cumsum(-1) - 1).clamp(min=0)  # [b, P + R], as vLLM counts
-    return model.response_logprobs(mb["input_ids"], mb["attention_mask"], position_ids, mb["response_mask"].shape[1],
-                                   temperature, entropy_fn, entropy_grad, chunk_size)
+    return model.response_logprobs(
+        mb["input_ids"],
+        mb["attention_mask"],
+        position_ids,
+        mb["response_mask"].shape[1],
+        temperature,
+        entropy_fn,
+        entropy_grad,
+        chunk_size,
+    )
 
 
 def _device_batch(batch, rows, device):
@@ -318,8 +384,15 @@ def _device_batch(batch, rows, device):
 
 
 @torch.no_grad()
-def compute_logprobs(model, batch: dict[str, torch.Tensor], *, temperature: float, max_tokens: int,
-                     entropy_fn=None, chunk_size: int = LOGPROB_CHUNK) -> tuple[torch.Tensor, torch.Tensor | None]:
+def compute_logprobs(
+    model,
+    batch: dict[str, torch.Tensor],
+    *,
+    temperature: float,
+    max_tokens: int,
+    entropy_fn=None,
+    chunk_size: int = LOGPROB_CHUNK,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Per-token log-probs [B, R] (and entropy [B, R] if entropy_fn) of the batch's responses, in
     token-budgeted micro-batches. Used for the old (policy) and reference log-probs."""
     device = next(model.parameters()).device
@@ -338,9 +411,19 @@ def compute_logprobs(model, batch: dict[str, torch.Tensor], *, temperature: floa
     return logp_all, ent_all
 
 
-def train_step(model, optimizer, batch: dict[str, torch.Tensor], loss_fn, *, temperature: float,
-               max_tokens: int, grad_clip: float = 1.0, entropy_fn=None, entropy_grad: bool = True,
-               chunk_size: int = LOGPROB_CHUNK) -> dict[str, float]:
+def train_step(
+    model,
+    optimizer,
+    batch: dict[str, torch.Tensor],
+    loss_fn,
+    *,
+    temperature: float,
+    max_tokens: int,
+    grad_clip: float = 1.0,
+    entropy_fn=None,
+    entropy_grad: bool = True,
+    chunk_size: int = LOGPROB_CHUNK,
+) -> dict[str, float]:
     """One optimizer step on this rank's share of ONE mini-batch (veRL's update_policy inner loop).
 
     loss_fn(logp [b, R], entropy [b, R] | None, mb, counts) -> (loss, metrics), where counts are the
@@ -353,8 +436,10 @@ def train_step(model, optimizer, batch: dict[str, torch.Tensor], loss_fn, *, tem
     device = next(model.parameters()).device
     world = dist.get_world_size()
     start = time.perf_counter()
-    counts = {"num_tokens": all_reduce(batch["response_mask"].sum()),  # veRL's batch_num_tokens
-              "num_seqs": all_reduce(batch["response_mask"].shape[0])}  # veRL's global_batch_size: ALL rows
+    counts = {
+        "num_tokens": all_reduce(batch["response_mask"].sum()),  # veRL's batch_num_tokens
+        "num_seqs": all_reduce(batch["response_mask"].shape[0]),
+    }  # veRL's global_batch_size: ALL rows
     sums: dict[str, float] = {}
     optimizer.zero_grad(set_to_none=True)
     for rows in _synced_micro_batches(batch, max_tokens):
@@ -372,14 +457,19 @@ def train_step(model, optimizer, batch: dict[str, torch.Tensor], loss_fn, *, tem
     if not skipped:
         optimizer.step()
     optimizer.zero_grad(set_to_none=True)  # free the gradients now, not after the next generation
-    reduced = {k: all_reduce(v, op=dist.ReduceOp.MAX if k.endswith("_max") else dist.ReduceOp.SUM)
-               for k, v in sorted(sums.items())}  # the same keys, in the same order, on every rank
+    reduced = {
+        k: all_reduce(v, op=dist.ReduceOp.MAX if k.endswith("_max") else dist.ReduceOp.SUM)
+        for k, v in sorted(sums.items())
+    }  # the same keys, in the same order, on every rank
     if torch.cuda.is_available():
         torch.cuda.synchronize()
     flops = all_reduce(estimate_flops(model.config, batch["attention_mask"].sum(-1).tolist()))
-    out = {**reduced, "actor/grad_norm": grad_norm,
-           "actor/skipped_steps": float(skipped),
-           "perf/mfu/actor": mfu(flops, time.perf_counter() - start, world, peak_flops())}
+    out = {
+        **reduced,
+        "actor/grad_norm": grad_norm,
+        "actor/skipped_steps": float(skipped),
+        "perf/mfu/actor": mfu(flops, time.perf_counter() - start, world, peak_flops()),
+    }
     if torch.cuda.is_available():  # the trainer's own peak: without other memory pools (a sleeping vLLM's)
         out["perf/max_memory_allocated_gb"] = (torch.cuda.max_memory_allocated() - other_pools_bytes()) / 1024**3
     return out
@@ -420,8 +510,7 @@ def mfu(flops: float, seconds: float, world_size: int, peak: float) -> float:
 
 
 # ------------------------------------------------------------------------------- checkpoints
-def save_checkpoint(root: str, step: int, model, optimizer, scheduler, extra: dict | None = None,
-                    keep: int = 2) -> str:
+def save_checkpoint(root: str, step: int, model, optimizer, scheduler, extra: dict | None = None, keep: int = 2) -> str:
     """Write <root>/step_<N> atomically: DCP shards (model + optimizer) and the loop's state go into
     step_<N>.tmp, a COMPLETE marker is written last, then the directory is renamed. A crash at any
     point leaves either the previous checkpoints or a *.tmp that nothing loads. `extra` is saved per
@@ -434,8 +523,10 @@ def save_checkpoint(root: str, step: int, model, optimizer, scheduler, extra: di
     dist.barrier()
     model_sd, optim_sd = get_state_dict(model, optimizer)
     dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=tmp)
-    torch.save({"scheduler": scheduler.state_dict(), "extra": extra or {}, "world_size": dist.get_world_size()},
-               os.path.join(tmp, f"state_rank{rank}.pt"))
+    torch.save(
+        {"scheduler": scheduler.state_dict(), "extra": extra or {}, "world_size": dist.get_world_size()},
+        os.path.join(tmp, f"state_rank{rank}.pt"),
+    )
     dist.barrier()
     if rank == 0:
         with open(os.path.join(tmp, "COMPLETE"), "w") as f:
@@ -453,8 +544,11 @@ def save_checkpoint(root: str, step: int, model, optimizer, scheduler, extra: di
 def list_checkpoints(root: str) -> list[str]:
     """Complete checkpoints under root, oldest first (step_<N> only: a step_<N>.tmp left by a crash between
     its COMPLETE marker and the rename is not one)."""
-    found = [p for p in glob.glob(os.path.join(root, "step_*")) if os.path.basename(p)[5:].isdigit()
-             and os.path.exists(os.path.join(p, "COMPLETE"))]
+    found = [
+        p
+        for p in glob.glob(os.path.join(root, "step_*"))
+        if os.path.basename(p)[5:].isdigit() and os.path.exists(os.path.join(p, "COMPLETE"))
+    ]
     return sorted(found, key=lambda p: int(os.path.basename(p).split("_")[1]))
 
 
@@ -490,4 +584,3 @@ def export_hf(model, out_dir: str, tokenizer=None) -> str:
         os.rename(tmp, out_dir)
     dist.barrier()
     return out_dir
-

@@ -50,8 +50,11 @@ from logs import log0, timed  # noqa: E402
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog=__doc__.split("\n\n")[1],
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0],
+        epilog=__doc__.split("\n\n")[1],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     ap.add_argument("--config", help="YAML config (gsm8k.yaml, tiny.yaml)")
     ap.add_argument("--print-config", action="store_true", help="print the merged configuration and exit")
     ap.add_argument("overrides", nargs="*", help="section.key=value, e.g. actor.lr=3e-6")
@@ -130,12 +133,15 @@ def sample_batch(run: "Run", t: dict) -> tuple[dict, dict]:
     kept, gen_batches = [], 0  # kept: groups of n scored samples, in generation order
     while len(kept) < d["train_batch_size"]:
         if fg["max_num_gen_batches"] and gen_batches == fg["max_num_gen_batches"]:
-            raise ConfigError(f"algorithm.filter_groups: {gen_batches} generation batches (max_num_gen_batches) gave "
-                              f"{len(kept)} of {d['train_batch_size']} prompts whose rewards differ; raise it (0: no "
-                              "limit), or use data the policy neither always solves nor always fails")
+            raise ConfigError(
+                f"algorithm.filter_groups: {gen_batches} generation batches (max_num_gen_batches) gave "
+                f"{len(kept)} of {d['train_batch_size']} prompts whose rewards differ; raise it (0: no "
+                "limit), or use data the policy neither always solves nor always fails"
+            )
         run.gen_cursor, gen_batches = run.gen_cursor + 1, gen_batches + 1
-        prompts = data.step_prompts(run.train_rows, run.gen_cursor, run.gen_batch_size, d["shuffle"],
-                                    run.cfg["trainer"]["seed"])
+        prompts = data.step_prompts(
+            run.train_rows, run.gen_cursor, run.gen_batch_size, d["shuffle"], run.cfg["trainer"]["seed"]
+        )
         share = list(range(run.rank, run.gen_batch_size, run.world)) if fg["enable"] else run.positions
         groups = sample_groups(run, [prompts[i] for i in share], t)
         if not fg["enable"]:  # every group kept: this rank's own prompts
@@ -145,7 +151,7 @@ def sample_batch(run: "Run", t: dict) -> tuple[dict, dict]:
         dist.all_gather_object(parts, groups)
         ordered = [parts[i % run.world][i // run.world] for i in range(run.gen_batch_size)]  # generation order
         keep = losses.nonzero_std_groups(torch.cat([g["rewards"] for g in ordered]), n)
-        kept += [g for g, k in zip(ordered, keep) if k]
+        kept += [g for g, k in zip(ordered, keep, strict=True) if k]
     rollout.sleep(run.llm, run.cfg["rollout"]["sleep_level"])
     mine = [kept[p] for p in run.positions] if fg["enable"] else kept
     samples = [s for g in mine for s in g["samples"]]
@@ -153,7 +159,7 @@ def sample_batch(run: "Run", t: dict) -> tuple[dict, dict]:
     batch["rewards"] = torch.cat([g["rewards"] for g in mine])  # [B]
     batch["rollout_logprobs"] = torch.zeros_like(batch["response_mask"])  # [B, R]
     for k, s in enumerate(samples):
-        batch["rollout_logprobs"][k, :len(s.logprobs)] = torch.tensor(s.logprobs)
+        batch["rollout_logprobs"][k, : len(s.logprobs)] = torch.tensor(s.logprobs)
     extras = [e for g in mine for e in g["extras"]]
     for key in (k for k, v in extras[0].items() if isinstance(v, (int, float))):  # a reward file's extra outputs
         batch[f"extra/{key}"] = torch.tensor([float(e[key]) for e in extras])  # [B]
@@ -166,13 +172,26 @@ def sample_groups(run: "Run", prompts: list[dict], t: dict) -> list[dict]:
     ro, n = run.cfg["rollout"], run.cfg["rollout"]["n"]
     with timed(t, "gen"):
         seed = sample_seed(run.cfg["trainer"]["seed"], run.gen_cursor, run.rank) if ro["seed_samples"] else None
-        samples = rollout.generate(run.llm, [p["prompt"] for p in prompts], n=n, temperature=ro["temperature"],
-                                   top_p=ro["top_p"], top_k=ro["top_k"], max_tokens=run.cfg["data"]["max_response_length"],
-                                   seed=seed)
+        samples = rollout.generate(
+            run.llm,
+            [p["prompt"] for p in prompts],
+            n=n,
+            temperature=ro["temperature"],
+            top_p=ro["top_p"],
+            top_k=ro["top_k"],
+            max_tokens=run.cfg["data"]["max_response_length"],
+            seed=seed,
+        )
     with timed(t, "reward"):
         rewards, extras = score_samples(run, samples, prompts)
-    return [{"samples": samples[i * n:(i + 1) * n], "rewards": rewards[i * n:(i + 1) * n],
-             "extras": extras[i * n:(i + 1) * n]} for i in range(len(prompts))]
+    return [
+        {
+            "samples": samples[i * n : (i + 1) * n],
+            "rewards": rewards[i * n : (i + 1) * n],
+            "extras": extras[i * n : (i + 1) * n],
+        }
+        for i in range(len(prompts))
+    ]
 
 
 def score_samples(run: "Run", samples: list, prompts: list[dict]) -> tuple[torch.Tensor, list[dict]]:
@@ -184,8 +203,10 @@ def score_samples(run: "Run", samples: list, prompts: list[dict]) -> tuple[torch
     rewards = torch.tensor([r for r, _ in scored], dtype=torch.float32)  # [N]
     ob, max_len = run.cfg["reward"]["overlong_buffer"], run.cfg["data"]["max_response_length"]
     if ob["enable"]:
-        rewards += torch.tensor([reward.overlong_penalty(len(s.response_ids), max_len, ob["len"], ob["penalty_factor"])
-                                 for s in samples], dtype=torch.float32)
+        rewards += torch.tensor(
+            [reward.overlong_penalty(len(s.response_ids), max_len, ob["len"], ob["penalty_factor"]) for s in samples],
+            dtype=torch.float32,
+        )
     return rewards, [e for _, e in scored]
 
 
@@ -194,8 +215,13 @@ def old_and_ref_logprobs(run: "Run", batch: dict, t: dict) -> dict:
     sync proof; ref: the reference model's, for the KL loss. bypass_mode takes vLLM's log-probs as the old
     ones (no pass); the on-policy shortcut (see setup) takes them from the update's own forward."""
     ac, out = run.cfg["actor"], {}
-    logprobs = functools.partial(fsdp_train.compute_logprobs, batch=batch, temperature=run.cfg["rollout"]["temperature"],
-                                 max_tokens=ac["ppo_max_token_len_per_gpu"], chunk_size=ac["logprob_chunk_size"])
+    logprobs = functools.partial(
+        fsdp_train.compute_logprobs,
+        batch=batch,
+        temperature=run.cfg["rollout"]["temperature"],
+        max_tokens=ac["ppo_max_token_len_per_gpu"],
+        chunk_size=ac["logprob_chunk_size"],
+    )
     if run.capture:
         t["old_log_prob"] = 0.0
         if run.cfg["algorithm"]["rollout_correction"]["bypass_mode"]:
@@ -227,18 +253,31 @@ def correct_rollout(run: "Run", batch: dict, old: torch.Tensor, apply: bool = Tr
     (g_old, g_roll, g_sampled, g_mask), mine = cluster.global_rows(local, run.positions, run.cfg["rollout"]["n"])
     apply = apply and not run.cfg["trainer"]["replay_batches"]
     if apply and rc["rollout_is"]:
-        weights = losses.rollout_is_weights(g_old, g_roll, g_sampled, level=rc["rollout_is"],
-                                            threshold=rc["rollout_is_threshold"],
-                                            batch_normalize=rc["rollout_is_batch_normalize"])  # [B_all, R]
+        weights = losses.rollout_is_weights(
+            g_old,
+            g_roll,
+            g_sampled,
+            level=rc["rollout_is"],
+            threshold=rc["rollout_is_threshold"],
+            batch_normalize=rc["rollout_is_batch_normalize"],
+        )  # [B_all, R]
         batch["is_weights"] = weights[mine, :width]
     if apply and rc["rollout_rs"]:
-        g_mask = losses.rollout_rejection_mask(g_old, g_roll, g_sampled, modes=rc["rollout_rs"],
-                                               thresholds=rc["rollout_rs_threshold"])  # [B_all, R]
+        g_mask = losses.rollout_rejection_mask(
+            g_old, g_roll, g_sampled, modes=rc["rollout_rs"], thresholds=rc["rollout_rs_threshold"]
+        )  # [B_all, R]
         batch["response_mask"] = g_mask[mine, :width]
     out = losses.offpolicy_metrics(g_old, g_roll, g_sampled)
-    out.update(losses.rollout_correction_metrics(g_old, g_roll, g_sampled, level=rc["rollout_is"],
-                                                 threshold=rc["rollout_is_threshold"],
-                                                 new_mask=g_mask if rc["rollout_rs"] else None))
+    out.update(
+        losses.rollout_correction_metrics(
+            g_old,
+            g_roll,
+            g_sampled,
+            level=rc["rollout_is"],
+            threshold=rc["rollout_is_threshold"],
+            new_mask=g_mask if rc["rollout_rs"] else None,
+        )
+    )
     return {f"rollout_corr/{k}": v for k, v in out.items()}
 
 
@@ -246,8 +285,9 @@ def group_advantages(rewards: torch.Tensor, response_mask: torch.Tensor, cfg: di
     """adv: GRPO advantages [B, R]: each reward normalised within its prompt's group of n consecutive
     samples (losses.grpo_advantages), broadcast over the response tokens (after rejection)."""
     n = cfg["rollout"]["n"]
-    adv = losses.grpo_advantages(rewards, [k // n for k in range(len(rewards))],
-                                 norm_by_std=cfg["algorithm"]["norm_adv_by_std_in_grpo"])  # [B]
+    adv = losses.grpo_advantages(
+        rewards, [k // n for k in range(len(rewards))], norm_by_std=cfg["algorithm"]["norm_adv_by_std_in_grpo"]
+    )  # [B]
     return adv[:, None] * response_mask  # [B, R]
 
 
@@ -266,20 +306,33 @@ def update_actor(run: "Run", batch: dict, t: dict) -> dict:
         results = []
         for _ in range(ac["ppo_epochs"]):
             for j in range(0, batch["input_ids"].shape[0], rows):
-                results.append(fsdp_train.train_step(
-                    run.policy, run.optimizer, fsdp_train.select(batch, list(range(j, j + rows))),
-                    grpo_loss_fn(run.cfg, captured), temperature=ro["temperature"],
-                    max_tokens=ac["ppo_max_token_len_per_gpu"], grad_clip=ac["grad_clip"],
-                    chunk_size=ac["logprob_chunk_size"], entropy_grad=bool(ac["entropy_coeff"]),
-                    entropy_fn=losses.entropy_from_logits if ac["entropy_coeff"] or run.capture else None))
+                results.append(
+                    fsdp_train.train_step(
+                        run.policy,
+                        run.optimizer,
+                        fsdp_train.select(batch, list(range(j, j + rows))),
+                        grpo_loss_fn(run.cfg, captured),
+                        temperature=ro["temperature"],
+                        max_tokens=ac["ppo_max_token_len_per_gpu"],
+                        grad_clip=ac["grad_clip"],
+                        chunk_size=ac["logprob_chunk_size"],
+                        entropy_grad=bool(ac["entropy_coeff"]),
+                        entropy_fn=losses.entropy_from_logits if ac["entropy_coeff"] or run.capture else None,
+                    )
+                )
         run.scheduler.step()
     out = {k: sum(m[k] for m in results) / len(results) for k in results[0]}
     out["actor/lr"] = run.scheduler.get_last_lr()[0]  # as veRL 0.9.1: read AFTER the schedule step
     out["actor/skipped_steps"] = sum(m["actor/skipped_steps"] for m in results)
     if torch.cuda.is_available():  # the trainer's peak; apart: vLLM's sleep-mode pool, the device's use
         free, total = torch.cuda.mem_get_info()
-        out.update({"perf/max_memory_allocated_gb": max(m["perf/max_memory_allocated_gb"] for m in results),
-                    "perf/vllm_pool_gb": rollout.pool_bytes() / 2**30, "perf/device_used_gb": (total - free) / 2**30})
+        out.update(
+            {
+                "perf/max_memory_allocated_gb": max(m["perf/max_memory_allocated_gb"] for m in results),
+                "perf/vllm_pool_gb": rollout.pool_bytes() / 2**30,
+                "perf/device_used_gb": (total - free) / 2**30,
+            }
+        )
     out["actor/kl_coef"] = ac["kl_loss_coef"] if run.ref is not None else 0.0
     if captured is not None:
         batch["update_logprobs"] = captured["logp"]  # [B, R]
@@ -327,20 +380,37 @@ def grpo_loss_fn(cfg: dict, captured: dict | None = None):
 
     def loss_fn(logp, entropy, mb, counts):
         mask, mode = mb["response_mask"], ac["loss_agg_mode"]
-        agg = dict(num_tokens=counts["num_tokens"], num_seqs=counts["num_seqs"],
-                   scale_factor=cfg["data"]["max_response_length"])
+        agg = dict(
+            num_tokens=counts["num_tokens"],
+            num_seqs=counts["num_seqs"],
+            scale_factor=cfg["data"]["max_response_length"],
+        )
         old = mb["old_logprobs"] if "old_logprobs" in mb else logp.detach()  # on-policy shortcut: ratio = 1
         pg_mask = mask
         if rc["bypass_mode"] and rc["rollout_rs"]:  # veRL's bypass: rejection against the CURRENT policy, pg only
-            pg_mask = losses.rollout_rejection_mask(logp.detach(), mb["rollout_logprobs"], mask, rc["rollout_rs"],
-                                                    rc["rollout_rs_threshold"])
-        pg, m = losses.policy_loss(logp, old, mb["advantages"], pg_mask, clip_low=ac["clip_ratio_low"],
-                                   clip_high=ac["clip_ratio_high"], clip_c=ac["clip_ratio_c"], agg_mode=mode,
-                                   is_weights=mb.get("is_weights"), **agg)
+            pg_mask = losses.rollout_rejection_mask(
+                logp.detach(), mb["rollout_logprobs"], mask, rc["rollout_rs"], rc["rollout_rs_threshold"]
+            )
+        pg, m = losses.policy_loss(
+            logp,
+            old,
+            mb["advantages"],
+            pg_mask,
+            clip_low=ac["clip_ratio_low"],
+            clip_high=ac["clip_ratio_high"],
+            clip_c=ac["clip_ratio_c"],
+            agg_mode=mode,
+            is_weights=mb.get("is_weights"),
+            **agg,
+        )
         share = mask.sum().item() / counts["num_tokens"]  # this micro-batch's share of the mini-batch tokens
         loss = pg
-        out = {"actor/pg_loss": pg.item(), "actor/pg_clipfrac": m["pg_clipfrac"] * share,
-               "actor/pg_clipfrac_lower": m["pg_clipfrac_lower"] * share, "actor/ppo_kl": m["ppo_kl"] * share}
+        out = {
+            "actor/pg_loss": pg.item(),
+            "actor/pg_clipfrac": m["pg_clipfrac"] * share,
+            "actor/pg_clipfrac_lower": m["pg_clipfrac_lower"] * share,
+            "actor/ppo_kl": m["ppo_kl"] * share,
+        }
         if captured is not None and mask.any():
             rows, width = mb["row"].cpu(), logp.shape[1]
             captured["logp"][rows, :width] = (logp.detach() * mask).cpu()
@@ -365,13 +435,28 @@ def validate(run: "Run", step: int) -> dict:
     ro, rows, n = run.cfg["rollout"], run.val_rows, run.cfg["rollout"]["val_n"]
     lo, hi = len(rows) * run.rank // run.world, len(rows) * (run.rank + 1) // run.world
     mine = rows[lo:hi]
-    samples = rollout.generate(run.llm, [r["prompt"] for r in mine], n=n, temperature=ro["val_temperature"],
-                               top_p=ro["val_top_p"], top_k=ro["val_top_k"], max_tokens=run.cfg["data"]["max_response_length"],
-                               seed=run.cfg["trainer"]["seed"] + lo * n if ro["val_temperature"] > 0 else None) if mine else []
+    samples = (
+        rollout.generate(
+            run.llm,
+            [r["prompt"] for r in mine],
+            n=n,
+            temperature=ro["val_temperature"],
+            top_p=ro["val_top_p"],
+            top_k=ro["val_top_k"],
+            max_tokens=run.cfg["data"]["max_response_length"],
+            seed=run.cfg["trainer"]["seed"] + lo * n if ro["val_temperature"] > 0 else None,
+        )
+        if mine
+        else []
+    )
     rewards, extras = score_samples(run, samples, mine)
-    results = [({"data_source": mine[k // n]["data_source"], "uid": lo + k // n, "reward": rewards[k].item(), **extras[k]},
-                {"input": mine[k // n]["prompt"][-1]["content"], "output": s.text, "gts": mine[k // n]["ground_truth"]})
-               for k, s in enumerate(samples)]
+    results = [
+        (
+            {"data_source": mine[k // n]["data_source"], "uid": lo + k // n, "reward": rewards[k].item(), **extras[k]},
+            {"input": mine[k // n]["prompt"][-1]["content"], "output": s.text, "gts": mine[k // n]["ground_truth"]},
+        )
+        for k, s in enumerate(samples)
+    ]
     parts = [None] * run.world
     dist.all_gather_object(parts, results)
     results = [r for part in parts for r in part]
@@ -401,22 +486,43 @@ def setup(cfg: dict) -> Run:
     score = data.make_scorer(cfg)  # a bad reward file stops here, before anything loads
     cluster.check_shared_dir(tr["output_dir"])  # every rank writes checkpoint shards there
     engine_log = logs.route_library_logs(tr["output_dir"], rank, tr["verbose"])
-    log0(rank, f"flatgrpo: model {cfg['model']['path']} on {world} rank(s); output in {tr['output_dir']} "
-               f"(library and engine logs: {engine_log})")
+    log0(
+        rank,
+        f"flatgrpo: model {cfg['model']['path']} on {world} rank(s); output in {tr['output_dir']} "
+        f"(library and engine logs: {engine_log})",
+    )
     if ac["ppo_mini_batch_size"] % world:
-        raise ConfigError(f"config: actor.ppo_mini_batch_size ({ac['ppo_mini_batch_size']}) must be a multiple of "
-                          f"the world size ({world})")
+        raise ConfigError(
+            f"config: actor.ppo_mini_batch_size ({ac['ppo_mini_batch_size']}) must be a multiple of "
+            f"the world size ({world})"
+        )
     cluster.seed_everything(tr["seed"] + rank)
     model_path, tokenizer, train_rows, val_rows, total_steps = load_data(cfg, rank, world)
     policy, ref = load_models(cfg, model_path, device)
     optimizer, scheduler = build_optimizer(cfg, policy, total_steps)
     start, extra = resume(cfg, policy, optimizer, scheduler, rank, world)
-    run = Run(cfg=cfg, rank=rank, world=world, score=score, train_rows=train_rows, val_rows=val_rows, llm=None,
-              positions=data.local_positions(d["train_batch_size"], ac["ppo_mini_batch_size"], world, rank),
-              pad_id=tokenizer.eos_token_id if tokenizer.pad_token_id is None else tokenizer.pad_token_id,
-              tokenizer=tokenizer, total_steps=total_steps, start=start, policy=policy, ref=ref, optimizer=optimizer,
-              scheduler=scheduler, logger=logs.MetricsLogger(cfg, rank, resume_step=start - 1), saved=start - 1,
-              gen_batch_size=d["gen_batch_size"] or d["train_batch_size"], gen_cursor=extra.get("gen_batches", start - 1))
+    run = Run(
+        cfg=cfg,
+        rank=rank,
+        world=world,
+        score=score,
+        train_rows=train_rows,
+        val_rows=val_rows,
+        llm=None,
+        positions=data.local_positions(d["train_batch_size"], ac["ppo_mini_batch_size"], world, rank),
+        pad_id=tokenizer.eos_token_id if tokenizer.pad_token_id is None else tokenizer.pad_token_id,
+        tokenizer=tokenizer,
+        total_steps=total_steps,
+        start=start,
+        policy=policy,
+        ref=ref,
+        optimizer=optimizer,
+        scheduler=scheduler,
+        logger=logs.MetricsLogger(cfg, rank, resume_step=start - 1),
+        saved=start - 1,
+        gen_batch_size=d["gen_batch_size"] or d["train_batch_size"],
+        gen_cursor=extra.get("gen_batches", start - 1),
+    )
     # On-policy shortcut (TRL's, and veRL's legacy dp_actor.py): with ONE mini-batch and one epoch the policy
     # that sampled IS the one being updated, so the update's own forward gives the old log-probs (ratio = 1,
     # pg_clipfrac and ppo_kl exactly 0) and the separate old-log-prob pass is skipped. With several
@@ -424,14 +530,21 @@ def setup(cfg: dict) -> Run:
     # runs that pass (actor.recompute_old_log_prob=true); so does a rollout correction (it needs the old
     # log-probs before the update); dumps carry explicit old log-probs, replays bring them.
     run.capture = rc["bypass_mode"] or (
-        ac["ppo_epochs"] == 1 and ac["ppo_mini_batch_size"] == d["train_batch_size"] and not ac["recompute_old_log_prob"]
-        and not tr["dump_batches"] and not tr["replay_batches"] and not rc["rollout_is"] and not rc["rollout_rs"])
+        ac["ppo_epochs"] == 1
+        and ac["ppo_mini_batch_size"] == d["train_batch_size"]
+        and not ac["recompute_old_log_prob"]
+        and not tr["dump_batches"]
+        and not tr["replay_batches"]
+        and not rc["rollout_is"]
+        and not rc["rollout_rs"]
+    )
     if not tr["replay_batches"]:  # the engine, one per rank, AFTER torch.distributed (replay needs none)
         run.llm = start_engine(cfg, model_path, rank)
         if start > 1:
             sync.push_weights(run.llm, sync.full_params(policy, sync.engine_dtype(run.llm)))
     run.exact = cfg["model"]["compute_dtype"] == "float32" and (
-        run.llm is None or sync.engine_dtype(run.llm) == torch.float32)
+        run.llm is None or sync.engine_dtype(run.llm) == torch.float32
+    )
     if "rng" in extra:
         cluster.restore_rng(extra["rng"])  # AFTER the engine: vLLM re-seeds Python's, NumPy's and torch's RNGs
     if run.llm is not None and tr["val_before_train"] and tr["val_every"] > 0 and start == 1:
@@ -448,29 +561,51 @@ def load_data(cfg: dict, rank: int, world: int, train: bool = True) -> tuple:
     d, tr = cfg["data"], cfg["trainer"]
     tiny_paths = None
     if "tiny" in (cfg["model"]["path"], d["train"], d["val"]):
-        tiny_paths = cluster.node_first(lambda first: tiny.build(os.path.join(".cache", "tiny"), seed=cfg["model"]["tiny_seed"]))
-    model_path = tiny_paths["model"] if cfg["model"]["path"] == "tiny" else \
-        cluster.node_first(lambda first: data.resolve_model(cfg["model"]["path"], download=first))
+        tiny_paths = cluster.node_first(
+            lambda first: tiny.build(os.path.join(".cache", "tiny"), seed=cfg["model"]["tiny_seed"])
+        )
+    model_path = (
+        tiny_paths["model"]
+        if cfg["model"]["path"] == "tiny"
+        else cluster.node_first(lambda first: data.resolve_model(cfg["model"]["path"], download=first))
+    )
     from transformers import AutoConfig, AutoTokenizer
+
     positions = getattr(AutoConfig.from_pretrained(model_path), "max_position_embeddings", None)
     if positions and d["max_prompt_length"] + d["max_response_length"] > positions:
-        raise ConfigError(f"config: data.max_prompt_length + data.max_response_length = "
-                          f"{d['max_prompt_length'] + d['max_response_length']} exceeds the model's "
-                          f"max_position_embeddings ({positions}) in {model_path}")
+        raise ConfigError(
+            f"config: data.max_prompt_length + data.max_response_length = "
+            f"{d['max_prompt_length'] + d['max_response_length']} exceeds the model's "
+            f"max_position_embeddings ({positions}) in {model_path}"
+        )
     tokenizer = AutoTokenizer.from_pretrained(model_path)
-    rows = {split: cluster.node_first(lambda first: data.filter_overlong(data.load_rows(source, split, tiny_paths),
-                                                                         tokenizer, d))
-            for split, source in (("train", d["train"] if train else None), ("test", d["val"])) if source}
-    train_rows, n_dropped = rows.get("train", ([], 0))
-    val_rows = rows["test"][0][:d["val_max_samples"]] if d["val_max_samples"] > 0 else rows["test"][0]
+    train_rows, n_dropped = read_split(d["train"], "train", tiny_paths, tokenizer, d) if train else ([], 0)
+    val_rows, _ = read_split(d["val"], "test", tiny_paths, tokenizer, d)
+    if d["val_max_samples"] > 0:
+        val_rows = val_rows[: d["val_max_samples"]]
     data.check_scorer(train_rows + val_rows, cfg)
     if train and len(train_rows) < (d["gen_batch_size"] or d["train_batch_size"]):
-        raise ConfigError(f"data: {len(train_rows)} training prompts, fewer than one batch (data.train_batch_size, "
-                          "data.gen_batch_size)")
+        raise ConfigError(
+            f"data: {len(train_rows)} training prompts, fewer than one batch (data.train_batch_size, "
+            "data.gen_batch_size)"
+        )
     total_steps = tr["total_steps"] or tr["total_epochs"] * (len(train_rows) // d["train_batch_size"])
-    log0(rank, f"data: {len(train_rows)} train prompts ({n_dropped} longer than {d['max_prompt_length']} tokens "
-               f"filtered out), {len(val_rows)} validation prompts; {total_steps} steps on {world} rank(s)")
+    log0(
+        rank,
+        f"data: {len(train_rows)} train prompts ({n_dropped} longer than {d['max_prompt_length']} tokens "
+        f"filtered out), {len(val_rows)} validation prompts; {total_steps} steps on {world} rank(s)",
+    )
     return model_path, tokenizer, train_rows, val_rows, total_steps
+
+
+def read_split(source: str, split: str, tiny_paths: dict | None, tokenizer, data_cfg: dict) -> tuple[list[dict], int]:
+    """(rows, how many were filtered out as overlong) of one split; each node's first rank reads first (it may
+    download), the node's other ranks then read the same files."""
+
+    def read(first: bool):
+        return data.filter_overlong(data.load_rows(source, split, tiny_paths), tokenizer, data_cfg)
+
+    return cluster.node_first(read)
 
 
 def load_models(cfg: dict, model_path: str, device) -> tuple:
@@ -481,8 +616,17 @@ def load_models(cfg: dict, model_path: str, device) -> tuple:
     policy = fsdp_train.load_model(model_path, activation_checkpointing=m["activation_checkpointing"], **common)
     use_ref = ac["use_kl_loss"] and ac["kl_loss_coef"] != 0
     # The reference is never trained: held in the compute dtype (bf16 on GPU, as veRL computes it), no fp32 copy.
-    ref = fsdp_train.load_model(model_path, trainable=False, device=device, param_dtype=common["compute_dtype"],
-                                compute_dtype=common["compute_dtype"]) if use_ref else None
+    ref = (
+        fsdp_train.load_model(
+            model_path,
+            trainable=False,
+            device=device,
+            param_dtype=common["compute_dtype"],
+            compute_dtype=common["compute_dtype"],
+        )
+        if use_ref
+        else None
+    )
     return policy, ref
 
 
@@ -491,9 +635,16 @@ def build_optimizer(cfg: dict, policy, total_steps: int) -> tuple:
     actor.lr_warmup_steps if > 0, else int(actor.lr_warmup_steps_ratio * total steps)."""
     ac = cfg["actor"]
     warmup = ac["lr_warmup_steps"] if ac["lr_warmup_steps"] > 0 else int(ac["lr_warmup_steps_ratio"] * total_steps)
-    return fsdp_train.make_optimizer(policy, lr=ac["lr"], betas=tuple(ac["betas"]), weight_decay=ac["weight_decay"],
-                                     warmup_steps=warmup, total_steps=total_steps, schedule=ac["lr_schedule"],
-                                     min_lr_ratio=ac["min_lr_ratio"])
+    return fsdp_train.make_optimizer(
+        policy,
+        lr=ac["lr"],
+        betas=tuple(ac["betas"]),
+        weight_decay=ac["weight_decay"],
+        warmup_steps=warmup,
+        total_steps=total_steps,
+        schedule=ac["lr_schedule"],
+        min_lr_ratio=ac["min_lr_ratio"],
+    )
 
 
 def resume(cfg: dict, policy, optimizer, scheduler, rank: int, world: int) -> tuple[int, dict]:
@@ -503,8 +654,11 @@ def resume(cfg: dict, policy, optimizer, scheduler, rank: int, world: int) -> tu
     tr = cfg["trainer"]
     path = tr["resume"] if tr["resume"] not in ("off", "auto") else None
     if tr["resume"] == "auto":
-        path = cluster.broadcast((fsdp_train.list_checkpoints(os.path.join(tr["output_dir"], "checkpoints"))
-                                  or [None])[-1] if rank == 0 else None)
+        path = cluster.broadcast(
+            (fsdp_train.list_checkpoints(os.path.join(tr["output_dir"], "checkpoints")) or [None])[-1]
+            if rank == 0
+            else None
+        )
     if not path:
         return 1, {}
     extra = fsdp_train.load_checkpoint(path, policy, optimizer, scheduler)
@@ -516,11 +670,16 @@ def resume(cfg: dict, policy, optimizer, scheduler, rank: int, world: int) -> tu
 
 def start_engine(cfg: dict, model_path: str, rank: int):
     d, ro = cfg["data"], cfg["rollout"]
-    return rollout.make_engine(model_path, dtype=ro["dtype"], max_model_len=d["max_prompt_length"] + d["max_response_length"],
-                               gpu_memory_utilization=ro["gpu_memory_utilization"],
-                               tensor_parallel_size=ro["tensor_parallel_size"], seed=cfg["trainer"]["seed"] + rank,
-                               enable_prefix_caching=ro["enable_prefix_caching"],
-                               use_tqdm_on_load=cfg["trainer"]["verbose"])
+    return rollout.make_engine(
+        model_path,
+        dtype=ro["dtype"],
+        max_model_len=d["max_prompt_length"] + d["max_response_length"],
+        gpu_memory_utilization=ro["gpu_memory_utilization"],
+        tensor_parallel_size=ro["tensor_parallel_size"],
+        seed=cfg["trainer"]["seed"] + rank,
+        enable_prefix_caching=ro["enable_prefix_caching"],
+        use_tqdm_on_load=cfg["trainer"]["verbose"],
+    )
 
 
 def save(run: Run, step: int) -> str:
@@ -528,10 +687,15 @@ def save(run: Run, step: int) -> str:
     cursor, RNG states), atomically (fsdp_train.save_checkpoint)."""
     tr = run.cfg["trainer"]
     run.saved = step
-    return fsdp_train.save_checkpoint(os.path.join(tr["output_dir"], "checkpoints"), step, run.policy, run.optimizer,
-                                      run.scheduler, extra={"step": step, "rng": cluster.rng_state(),
-                                                            "gen_batches": run.gen_cursor},
-                                      keep=tr["keep_checkpoints"])
+    return fsdp_train.save_checkpoint(
+        os.path.join(tr["output_dir"], "checkpoints"),
+        step,
+        run.policy,
+        run.optimizer,
+        run.scheduler,
+        extra={"step": step, "rng": cluster.rng_state(), "gen_batches": run.gen_cursor},
+        keep=tr["keep_checkpoints"],
+    )
 
 
 def stop(run: Run, step: int, signum: int):
@@ -540,8 +704,11 @@ def stop(run: Run, step: int, signum: int):
     path = os.path.join(run.cfg["trainer"]["output_dir"], "checkpoints", f"step_{step}")
     if run.saved != step:
         path = save(run, step)
-    log0(run.rank, f"stopped by {signal.Signals(signum).name} after step {step}: checkpoint {path}; run again with "
-                   "trainer.resume=auto to continue")
+    log0(
+        run.rank,
+        f"stopped by {signal.Signals(signum).name} after step {step}: checkpoint {path}; run again with "
+        "trainer.resume=auto to continue",
+    )
     close(run)
     sys.exit(128 + signum)
 

@@ -59,8 +59,10 @@ class MetricsLogger:
                 yaml.safe_dump(cfg, f, sort_keys=False)
         if "wandb" in cfg["trainer"]["logger"]:
             import wandb  # optional dependency: pip install wandb
-            self.wandb = wandb.init(project=cfg["trainer"]["project"], name=cfg["trainer"]["experiment"], config=cfg,
-                                    resume="allow")
+
+            self.wandb = wandb.init(
+                project=cfg["trainer"]["project"], name=cfg["trainer"]["experiment"], config=cfg, resume="allow"
+            )
 
     def log(self, step: int, metrics: dict):
         if self.rank != 0:
@@ -81,8 +83,11 @@ class MetricsLogger:
         key = next((k for r in rows for k in r if k.startswith(VAL_CORE)), None)
         vals = [(r["step"], r[key]) for r in rows if key in r]
         if len(vals) > 1:
-            print(f"{key}: {vals[0][1]:.3f} at step {vals[0][0]} -> {vals[-1][1]:.3f} at step {vals[-1][0]} "
-                  f"(best {max(v for _, v in vals):.3f})", flush=True)
+            print(
+                f"{key}: {vals[0][1]:.3f} at step {vals[0][0]} -> {vals[-1][1]:.3f} at step {vals[-1][0]} "
+                f"(best {max(v for _, v in vals):.3f})",
+                flush=True,
+            )
         if self.cfg["trainer"]["plot"] and not self.cfg["trainer"]["val_only"]:
             png = plot_curves(rows, key, os.path.join(self.cfg["trainer"]["output_dir"], "curves.png"))
             print(f"metrics: {self.path}\ncurves:  {png}", flush=True)
@@ -96,13 +101,15 @@ CURVES = ["critic/score/mean", None, "response_length/mean", "actor/entropy", "a
 def plot_curves(rows: list[dict], val_key: str | None, png_path: str) -> str:
     """Six panels over the steps: score, the headline validation metric, length, entropy, KL loss, grad norm."""
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+
     fig, axes = plt.subplots(2, 3, figsize=(13, 6.5))
-    for ax, key in zip(axes.flat, [k or val_key for k in CURVES]):
+    for ax, key in zip(axes.flat, [k or val_key for k in CURVES], strict=True):
         points = [(r["step"], r[key]) for r in rows if key in r]
         if points:
-            ax.plot(*zip(*points), marker="o" if len(points) < 30 else None, markersize=3)
+            ax.plot(*zip(*points, strict=True), marker="o" if len(points) < 30 else None, markersize=3)
         ax.set_title(key, fontsize=9)
         ax.set_xlabel("step", fontsize=8)
         ax.grid(alpha=0.3)
@@ -125,6 +132,7 @@ def write_generations(folder: str, step: int, samples: list[dict]) -> str:
 def write_line(message: str):
     """A console line that does not break the progress bar (tqdm.write in a terminal, print otherwise)."""
     from tqdm import tqdm
+
     tqdm.write(message) if sys.stderr.isatty() else print(message, flush=True)
 
 
@@ -134,22 +142,30 @@ class Progress:
 
     def __init__(self, rank: int, start: int, total: int):
         from tqdm import tqdm
-        self.bar = tqdm(total=total, initial=start - 1, desc="grpo", dynamic_ncols=True) \
-            if rank == 0 and sys.stderr.isatty() else None
+
+        self.bar = (
+            tqdm(total=total, initial=start - 1, desc="grpo", dynamic_ncols=True)
+            if rank == 0 and sys.stderr.isatty()
+            else None
+        )
         self.rank = rank
 
     def update(self, m: dict):
         if self.rank != 0:
             return
         kl = f"  kl {m['actor/kl_loss']:.2e}" if "actor/kl_loss" in m else ""
-        write_line(f"step {m['training/global_step']:>4}  score {m['critic/score/mean']:.3f}  "
-                   f"len {m['response_length/mean']:.0f}  entropy {m['actor/entropy']:.3f}{kl}  "
-                   f"grad_norm {m['actor/grad_norm']:.3f}  logprob_diff_max {m['rollout/logprob_diff_max']:.1e}  "
-                   f"{m['perf/time_per_step']:.2f} s/step")
+        write_line(
+            f"step {m['training/global_step']:>4}  score {m['critic/score/mean']:.3f}  "
+            f"len {m['response_length/mean']:.0f}  entropy {m['actor/entropy']:.3f}{kl}  "
+            f"grad_norm {m['actor/grad_norm']:.3f}  logprob_diff_max {m['rollout/logprob_diff_max']:.1e}  "
+            f"{m['perf/time_per_step']:.2f} s/step"
+        )
         if self.bar is not None:
             self.bar.update(1)
-            self.bar.set_postfix_str(f"score {m['critic/score/mean']:.3f} len {m['response_length/mean']:.0f} "
-                                     f"{m['perf/time_per_step']:.2f}s/step")
+            self.bar.set_postfix_str(
+                f"score {m['critic/score/mean']:.3f} len {m['response_length/mean']:.0f} "
+                f"{m['perf/time_per_step']:.2f}s/step"
+            )
 
     def close(self):
         if self.bar is not None:
@@ -181,6 +197,7 @@ def route_library_logs(out_dir: str, rank: int, verbose: bool) -> str:
     if not verbose:
         import huggingface_hub
         import transformers
+
         transformers.utils.logging.disable_progress_bar()  # "Loading weights", "Writing model shards"
         huggingface_hub.utils.disable_progress_bars()
     return path
@@ -192,4 +209,6 @@ def expected_reload_warning(record: logging.LogRecord) -> bool:
     config, not a checkpoint tensor, so nothing is sent for it; "ParallelLMHead: Failed to load weights":
     with tied embeddings the head IS embed_tokens, so no lm_head tensor is sent (vLLM skips it too)."""
     return "Failed to load weights" in record.getMessage() and record.getMessage().split(":")[0] in (
-        "RotaryEmbedding", "ParallelLMHead")
+        "RotaryEmbedding",
+        "ParallelLMHead",
+    )

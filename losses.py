@@ -37,12 +37,26 @@ import torch
 AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 KL_KINDS = ("kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3")  # each also with a "+" suffix
 SAFETY_BOUND = 20.0  # veRL clamps log-ratios to [-20, 20] before exp
-RS_OPTIONS = ("token_k1", "token_k2", "token_k3", "seq_sum_k1", "seq_sum_k2", "seq_sum_k3",
-              "seq_mean_k1", "seq_mean_k2", "seq_mean_k3", "seq_max_k2", "seq_max_k3")  # veRL's rollout_rs options
-IS_THRESHOLD_FORMS = ('a number > 0 (TIS cap, e.g. 2.0 or "2.0") or a string "lo_hi" with 0 < lo <= hi '
-                      '(IcePop, e.g. "0.5_5.0")')
-RS_THRESHOLD_FORMS = ('one spec for all options or one per option (comma-separated); k1: "lo_hi" with 0 < lo <= hi '
-                      'or a number hi > 0 (lo = 1/hi); k2, k3: a number > 0 (no "_")')
+RS_OPTIONS = (
+    "token_k1",
+    "token_k2",
+    "token_k3",
+    "seq_sum_k1",
+    "seq_sum_k2",
+    "seq_sum_k3",
+    "seq_mean_k1",
+    "seq_mean_k2",
+    "seq_mean_k3",
+    "seq_max_k2",
+    "seq_max_k3",
+)  # veRL's rollout_rs options
+IS_THRESHOLD_FORMS = (
+    'a number > 0 (TIS cap, e.g. 2.0 or "2.0") or a string "lo_hi" with 0 < lo <= hi (IcePop, e.g. "0.5_5.0")'
+)
+RS_THRESHOLD_FORMS = (
+    'one spec for all options or one per option (comma-separated); k1: "lo_hi" with 0 < lo <= hi '
+    'or a number hi > 0 (lo = 1/hi); k2, k3: a number > 0 (no "_")'
+)
 
 
 def _check_same_shape(where: str, **tensors: torch.Tensor) -> None:
@@ -191,9 +205,7 @@ def policy_loss(
     with torch.no_grad():
         metrics = {
             "pg_clipfrac": masked_mean(torch.gt(loss2, loss1).float(), mask).item(),
-            "pg_clipfrac_lower": masked_mean(
-                torch.gt(clipped, loss3).float() * (advantages < 0).float(), mask
-            ).item(),
+            "pg_clipfrac_lower": masked_mean(torch.gt(clipped, loss3).float() * (advantages < 0).float(), mask).item(),
             "ppo_kl": masked_mean(-neg_approx_kl, mask).item(),
         }
     return loss, metrics
@@ -293,8 +305,11 @@ def rollout_is_weights(old_logp, rollout_logp, mask, level="token", threshold=2.
         w = w.clamp(max=hi) if lo is None else torch.where((w >= lo) & (w <= hi), w, 0.0)  # [B, R]
         if batch_normalize:
             rows = (mask.sum(-1) > 0).to(w.dtype)  # [B]
-            mean = (masked_mean(w, mask) if level == "token"
-                    else (masked_mean(w, mask, -1) * rows).sum() / rows.sum().clamp_min(1e-8))
+            mean = (
+                masked_mean(w, mask)
+                if level == "token"
+                else (masked_mean(w, mask, -1) * rows).sum() / rows.sum().clamp_min(1e-8)
+            )
             w = w / mean if mean > 1e-8 else w  # [B, R]
     return w
 
@@ -319,11 +334,13 @@ def rollout_rejection_mask(old_logp, rollout_logp, mask, modes="token_k1", thres
     specs = [p.strip() for p in str(thresholds).split(",") if p.strip()] if thresholds is not None else []
     if len(specs) not in (1, len(options)):
         raise ValueError(error)
-    bounds = [_bounds(spec, o[-1] == "1", o[-1] == "1", error) for o, spec in zip(options, specs * len(options))]
+    if len(specs) == 1:  # one threshold for every option
+        specs = specs * len(options)
+    bounds = [_bounds(spec, o[-1] == "1", o[-1] == "1", error) for o, spec in zip(options, specs, strict=True)]
     _check_same_shape("rollout_rejection_mask", old_logp=old_logp, rollout_logp=rollout_logp, mask=mask)
     x = torch.clamp(old_logp - rollout_logp, -SAFETY_BOUND, SAFETY_BOUND)  # [B, R]
     keep = torch.ones_like(x)  # [B, R]
-    for option, (lo, hi) in zip(options, bounds):
+    for option, (lo, hi) in zip(options, bounds, strict=True):
         k = {"1": -x, "2": 0.5 * x**2, "3": torch.exp(x) - 1.0 - x}[option[-1]]  # [B, R]
         if option.startswith("seq_max"):  # an empty row's -inf (veRL: 0) is harmless: no token to reject
             k = k.masked_fill(~mask.bool(), -math.inf).amax(-1, keepdim=True)  # [B, 1]
@@ -352,13 +369,21 @@ def offpolicy_metrics(old_logp, rollout_logp, mask) -> dict[str, float]:
         delta = old_logp - rollout_logp  # [B, R]
         diff = roll_mean - old_mean  # [B]
         seq = _masked_sum(delta, mask).clamp(-SAFETY_BOUND, SAFETY_BOUND)  # [B]
-        m = {"training_ppl": torch.exp(-old_mean).mean(), "training_log_ppl": (-old_mean).mean(),
-             "kl": masked_mean(rollout_logp - old_logp, mask), "k3_kl": masked_mean(torch.exp(delta) - delta - 1, mask),
-             "rollout_ppl": torch.exp(-roll_mean).mean(), "rollout_log_ppl": (-roll_mean).mean(),
-             "log_ppl_diff": diff.mean(), "log_ppl_abs_diff": diff.abs().mean(),
-             "log_ppl_diff_max": diff.max(), "log_ppl_diff_min": diff.min(), "ppl_ratio": torch.exp(diff).mean(),
-             "chi2_token": masked_mean(torch.exp(delta.clamp(-SAFETY_BOUND, SAFETY_BOUND)).square(), mask) - 1.0,
-             "chi2_seq": torch.exp(2.0 * seq).mean() - 1.0}
+        m = {
+            "training_ppl": torch.exp(-old_mean).mean(),
+            "training_log_ppl": (-old_mean).mean(),
+            "kl": masked_mean(rollout_logp - old_logp, mask),
+            "k3_kl": masked_mean(torch.exp(delta) - delta - 1, mask),
+            "rollout_ppl": torch.exp(-roll_mean).mean(),
+            "rollout_log_ppl": (-roll_mean).mean(),
+            "log_ppl_diff": diff.mean(),
+            "log_ppl_abs_diff": diff.abs().mean(),
+            "log_ppl_diff_max": diff.max(),
+            "log_ppl_diff_min": diff.min(),
+            "ppl_ratio": torch.exp(diff).mean(),
+            "chi2_token": masked_mean(torch.exp(delta.clamp(-SAFETY_BOUND, SAFETY_BOUND)).square(), mask) - 1.0,
+            "chi2_seq": torch.exp(2.0 * seq).mean() - 1.0,
+        }
     return {key: value.item() for key, value in m.items()}
 
 
@@ -395,9 +420,14 @@ def rollout_correction_metrics(old_logp, rollout_logp, mask, level=None, thresho
                 high, low = masked_mean((raw > hi).float(), mask), masked_mean((raw < lo).float(), mask)
             ess = masked_mean((w / (masked_mean(w, mask) + 1e-8)).square(), mask).item()
             ess = 1.0 / ess if ess else math.inf  # veRL raises ZeroDivisionError when every weight is 0
-            out.update(rollout_is_mean=masked_mean(w, mask), rollout_is_max=top, rollout_is_min=bottom,
-                       rollout_is_ratio_fraction_high=high, rollout_is_ratio_fraction_low=low,
-                       rollout_is_eff_sample_size=ess)
+            out.update(
+                rollout_is_mean=masked_mean(w, mask),
+                rollout_is_max=top,
+                rollout_is_min=bottom,
+                rollout_is_ratio_fraction_high=high,
+                rollout_is_ratio_fraction_low=low,
+                rollout_is_eff_sample_size=ess,
+            )
         if new_mask is not None:
             kept = new_mask.to(old_logp.dtype)  # [B, R]
             out["rollout_rs_masked_fraction"] = masked_mean(1.0 - kept, mask)
@@ -441,4 +471,4 @@ def nonzero_std_groups(rewards, n: int) -> list[bool]:
     values = [float(v) for v in (rewards.double().tolist() if torch.is_tensor(rewards) else rewards)]
     if isinstance(n, bool) or not isinstance(n, int) or n < 1 or len(values) % n:
         raise ValueError(f"nonzero_std_groups: n={n!r}; accepted: an int >= 1 dividing len(rewards) = {len(values)}")
-    return [n == 1 or _np_std(values[i:i + n]) != 0.0 for i in range(0, len(values), n)]
+    return [n == 1 or _np_std(values[i : i + n]) != 0.0 for i in range(0, len(values), n)]

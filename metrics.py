@@ -14,7 +14,7 @@ import fsdp_train
 import losses
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _bootstrap_idx(n: int, k: int) -> np.ndarray:
     """veRL's np.random.seed(42); np.random.choice(n, size=(1000, k), replace=True): the same MT19937
     stream from a private RandomState, so the global numpy RNG is left alone. (1000, k), read-only use."""
@@ -87,7 +87,7 @@ def validation_metrics(samples: list[dict]) -> dict[str, float]:
                     rows[var, len(vals), vote].append((vals, [preds.index(p) for p in preds] if vote else []))
         per = defaultdict(lambda: defaultdict(list))  # var -> metric -> one value per prompt
         for (var, n, vote), batch in rows.items():  # chunks: arrays of <= 2**14 * 1000 values
-            for chunk in (batch[i:i + step] for step in [max(1, 2**14 // n)] for i in range(0, len(batch), step)):
+            for chunk in (batch[i : i + step] for step in [max(1, 2**14 // n)] for i in range(0, len(batch), step)):
                 vals, codes = np.array([v for v, _ in chunk], dtype=np.float64), np.array([c for _, c in chunk])
                 for name, x in _prompt_metrics(vals, codes if vote else None).items():
                     per[var][name].extend(x.tolist())
@@ -111,9 +111,12 @@ def batch_metrics(batch: dict, d: dict, timings: dict, world: int) -> dict:
     reward_extra_info/<key>/mean. Lengths count every sampled token (the attention mask), advantages the
     tokens of the response mask (after rejection sampling), as veRL's compute_data_metrics."""
     mask, width = batch["response_mask"], batch["response_mask"].shape[1]
-    local = {"scores": batch["rewards"].tolist(), "resp": batch["attention_mask"][:, -width:].sum(-1).tolist(),
-             "prompt": batch["attention_mask"][:, :-width].sum(-1).tolist(),
-             "adv": batch["advantages"][mask.bool()].tolist()}
+    local = {
+        "scores": batch["rewards"].tolist(),
+        "resp": batch["attention_mask"][:, -width:].sum(-1).tolist(),
+        "prompt": batch["attention_mask"][:, :-width].sum(-1).tolist(),
+        "adv": batch["advantages"][mask.bool()].tolist(),
+    }
     local.update({k: v.tolist() for k, v in batch.items() if k.startswith("extra/")})
     parts = [None] * world
     dist.all_gather_object(parts, local)
@@ -146,11 +149,19 @@ def old_logprob_metrics(batch: dict, old_logp, entropy, cfg: dict) -> dict:
     seqs = fsdp_train.all_reduce((mask.sum(-1) > 0).sum())
     expected = batch["old_logprobs"] if "old_logprobs" in batch else batch["rollout_logprobs"]  # [B, R]
     diff = (old_logp - expected).abs() * mask  # [B, R]
-    entropy = losses.agg_loss(entropy, mask, cfg["actor"]["loss_agg_mode"], num_tokens=tokens, num_seqs=seqs,
-                              scale_factor=cfg["data"]["max_response_length"])
-    return {"actor/entropy": fsdp_train.all_reduce(entropy),
-            "rollout/logprob_diff_max": fsdp_train.all_reduce(diff.max(), op=dist.ReduceOp.MAX),
-            "rollout/logprob_diff_mean": fsdp_train.all_reduce(diff.sum()) / tokens}
+    entropy = losses.agg_loss(
+        entropy,
+        mask,
+        cfg["actor"]["loss_agg_mode"],
+        num_tokens=tokens,
+        num_seqs=seqs,
+        scale_factor=cfg["data"]["max_response_length"],
+    )
+    return {
+        "actor/entropy": fsdp_train.all_reduce(entropy),
+        "rollout/logprob_diff_max": fsdp_train.all_reduce(diff.max(), op=dist.ReduceOp.MAX),
+        "rollout/logprob_diff_mean": fsdp_train.all_reduce(diff.sum()) / tokens,
+    }
 
 
 def warn_if_out_of_sync(cfg: dict, rank: int, step: int, metrics: dict, exact: bool) -> None:
@@ -159,10 +170,15 @@ def warn_if_out_of_sync(cfg: dict, rank: int, step: int, metrics: dict, exact: b
     if rank != 0 or not out_of_sync(mean, worst, exact, tr["logprob_diff_warn"], tr["logprob_diff_warn_mean"]):
         return
     what = "dumped and recomputed old" if tr["replay_batches"] else "vLLM's and the trainer's"
-    cause = "this run does not start from the dumped run's state" if tr["replay_batches"] else \
-        "the engine may not serve the trained weights (missing push / prefix-cache reset / dtype mismatch)"
-    print(f"\nWARNING step {step}: {what} log-probs differ by {mean:.2g} nats on average, {worst:.2g} at most: "
-          f"{cause}.", flush=True)
+    cause = (
+        "this run does not start from the dumped run's state"
+        if tr["replay_batches"]
+        else "the engine may not serve the trained weights (missing push / prefix-cache reset / dtype mismatch)"
+    )
+    print(
+        f"\nWARNING step {step}: {what} log-probs differ by {mean:.2g} nats on average, {worst:.2g} at most: {cause}.",
+        flush=True,
+    )
 
 
 def out_of_sync(mean: float, worst: float, exact: bool, warn_max: float, warn_mean: float) -> bool:

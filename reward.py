@@ -121,8 +121,10 @@ def overlong_penalty(
     Lmax = 20, Lb = 10, f = 0.1:  L = 13 -> -0.030000001192092896 (float32), not -0.03.
     """
     if not buffer_length > 0 or max_response_length < buffer_length:
-        raise ValueError(f"overlong_penalty: buffer_length={buffer_length!r} must be > 0 and max_response_length="
-                         f"{max_response_length!r} must be >= buffer_length (veRL's overlong_buffer checks)")
+        raise ValueError(
+            f"overlong_penalty: buffer_length={buffer_length!r} must be > 0 and max_response_length="
+            f"{max_response_length!r} must be >= buffer_length (veRL's overlong_buffer checks)"
+        )
     exceed = response_length - (max_response_length - buffer_length)
     penalty = _f32(_f32(_f32(-exceed) / _f32(buffer_length)) * _f32(penalty_factor))
     return 0.0 if penalty > 0 else penalty

@@ -23,11 +23,11 @@ from vllm.platforms import current_platform
 
 @dataclass
 class Sample:
-    prompt_ids: list[int]    # the rendered chat prompt, tokenised
+    prompt_ids: list[int]  # the rendered chat prompt, tokenised
     response_ids: list[int]  # sampled tokens, EOS included when the model stopped by itself
-    logprobs: list[float]    # vLLM's log-prob of each sampled token (len == len(response_ids))
-    text: str                # the response decoded with skip_special_tokens=True (what is scored)
-    truncated: bool          # stopped at max_tokens
+    logprobs: list[float]  # vLLM's log-prob of each sampled token (len == len(response_ids))
+    text: str  # the response decoded with skip_special_tokens=True (what is scored)
+    truncated: bool  # stopped at max_tokens
 
 
 def is_cpu() -> bool:
@@ -117,23 +117,33 @@ def generate(
     if len(prompt_ids) != len(prompts):
         raise ValueError(f"generate: {len(prompts)} prompts but {len(prompt_ids)} prompt_ids")
     params = [
-        SamplingParams(n=n, temperature=temperature, top_p=top_p, top_k=top_k, max_tokens=max_tokens,
-                       logprobs=0, detokenize=False, seed=None if seed is None else seed + i * n)
+        SamplingParams(
+            n=n,
+            temperature=temperature,
+            top_p=top_p,
+            top_k=top_k,
+            max_tokens=max_tokens,
+            logprobs=0,
+            detokenize=False,
+            seed=None if seed is None else seed + i * n,
+        )
         for i in range(len(prompt_ids))
     ]
     outputs = llm.generate([TokensPrompt(prompt_token_ids=ids) for ids in prompt_ids], params, use_tqdm=False)
     check_outputs(outputs, len(prompt_ids), n)
     samples = []
-    for ids, out in zip(prompt_ids, outputs):
+    for ids, out in zip(prompt_ids, outputs, strict=True):
         for c in out.outputs:  # the n completions of this prompt, in order
             response = list(c.token_ids)
-            samples.append(Sample(
-                prompt_ids=list(ids),
-                response_ids=response,
-                logprobs=[lp[t].logprob for t, lp in zip(response, c.logprobs)],
-                text=tokenizer.decode(response, skip_special_tokens=True),
-                truncated=c.finish_reason == "length",
-            ))
+            samples.append(
+                Sample(
+                    prompt_ids=list(ids),
+                    response_ids=response,
+                    logprobs=[lp[t].logprob for t, lp in zip(response, c.logprobs, strict=True)],
+                    text=tokenizer.decode(response, skip_special_tokens=True),
+                    truncated=c.finish_reason == "length",
+                )
+            )
     return samples
 
 
@@ -145,8 +155,10 @@ def check_outputs(outputs, num_prompts: int, n: int) -> None:
     for i, out in enumerate(outputs):
         indices = [c.index for c in out.outputs]
         if indices != list(range(n)):
-            raise RuntimeError(f"generate: prompt {i}: vLLM returned completions {indices}, expected 0..{n - 1} in "
-                               "order (tested with vllm 0.32.0; this release orders RequestOutput.outputs differently)")
+            raise RuntimeError(
+                f"generate: prompt {i}: vLLM returned completions {indices}, expected 0..{n - 1} in "
+                "order (tested with vllm 0.32.0; this release orders RequestOutput.outputs differently)"
+            )
 
 
 def sleep(llm: LLM, level: int = 1) -> None:
@@ -171,4 +183,5 @@ def pool_bytes() -> int:
     (vllm/device_allocator/cumem.py: the pool is a torch MemPool; get_current_usage sums its allocations,
     slept ones included), so a trainer reports its own peak without them and this number apart."""
     from vllm.device_allocator.cumem import CuMemAllocator
+
     return CuMemAllocator.instance.get_current_usage() if getattr(CuMemAllocator, "instance", None) else 0

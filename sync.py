@@ -86,8 +86,10 @@ def push_weights(llm: LLM, named_tensors: Iterable[tuple[str, torch.Tensor]]) ->
     # requests still hold blocks (vllm/v1/core/block_pool.py, reset_prefix_cache): never true between two
     # generate() calls of an in-process LLM, so a False here is a bug to stop on, not to retry.
     if not llm.reset_prefix_cache():
-        raise RuntimeError("push_weights: vLLM did not reset its prefix cache (requests still hold KV blocks); "
-                           "samples would reuse KV computed with the old weights")
+        raise RuntimeError(
+            "push_weights: vLLM did not reset its prefix cache (requests still hold KV blocks); "
+            "samples would reuse KV computed with the old weights"
+        )
     return count
 
 
@@ -95,6 +97,7 @@ def _repack_tied_lm_head(model: torch.nn.Module) -> None:
     """CPU-only: rebuild the packed GEMM copy that vLLM-cpu keeps for the tied lm_head (the same
     module as embed_tokens) from its freshly loaded weight."""
     from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
+
     dispatch_cpu_unquantized_gemm(model.lm_head, remove_weight=False)
 
 
@@ -108,8 +111,9 @@ def default_probe(llm: LLM, max_tokens: int) -> list[int]:
 
 
 @torch.no_grad()
-def check_sync(llm: LLM, model: torch.nn.Module, probe_ids: list[int] | None = None, max_tokens: int = 16,
-               temperature: float = 1.0) -> float:
+def check_sync(
+    llm: LLM, model: torch.nn.Module, probe_ids: list[int] | None = None, max_tokens: int = 16, temperature: float = 1.0
+) -> float:
     """Max |log-prob difference| between vLLM and the trainer's forward on the tokens vLLM samples
     after a fixed probe prompt: the run-time proof that the engine serves the trained weights.
 
@@ -119,19 +123,20 @@ def check_sync(llm: LLM, model: torch.nn.Module, probe_ids: list[int] | None = N
     """
     if probe_ids is None:
         probe_ids = default_probe(llm, max_tokens)
-    params = SamplingParams(n=1, temperature=temperature, max_tokens=max_tokens, logprobs=0, seed=0,
-                            ignore_eos=True, detokenize=False)
+    params = SamplingParams(
+        n=1, temperature=temperature, max_tokens=max_tokens, logprobs=0, seed=0, ignore_eos=True, detokenize=False
+    )
     completion = llm.generate([TokensPrompt(prompt_token_ids=probe_ids)], params, use_tqdm=False)[0].outputs[0]
     sampled = list(completion.token_ids)
-    vllm_logprobs = torch.tensor([lp[t].logprob for t, lp in zip(sampled, completion.logprobs)])  # [K]
+    vllm_logprobs = torch.tensor([lp[t].logprob for t, lp in zip(sampled, completion.logprobs, strict=True)])  # [K]
 
     device = next(model.parameters()).device
     ids = torch.tensor([probe_ids + sampled], device=device)  # [1, P + K]
     was_training = model.training
     model.eval()
-    logits = model(input_ids=ids).logits[0, len(probe_ids) - 1:-1].float() / temperature  # [K, V]
+    logits = model(input_ids=ids).logits[0, len(probe_ids) - 1 : -1].float() / temperature  # [K, V]
     model.train(was_training)
     if hasattr(model, "reshard"):
         model.reshard()
-    trainer_logprobs = torch.log_softmax(logits, dim=-1).gather(-1, ids[0, len(probe_ids):, None])[:, 0]  # [K]
+    trainer_logprobs = torch.log_softmax(logits, dim=-1).gather(-1, ids[0, len(probe_ids) :, None])[:, 0]  # [K]
     return (trainer_logprobs.cpu() - vllm_logprobs).abs().max().item()

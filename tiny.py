@@ -41,14 +41,27 @@ CHAT_TEMPLATE = (
     "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
 )
 # Qwen2's pre-tokenizer (transformers' tokenization_qwen2.py): digits split one by one.
-QWEN2_SPLIT = r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""
+QWEN2_SPLIT = r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""  # noqa: E501 (verbatim)
 INSTRUCTION = 'Let\'s think step by step and output the final answer after "####".'  # = reward.py's
 
-TINY = dict(hidden_size=128, intermediate_size=512, num_hidden_layers=4, num_attention_heads=4,
-            num_key_value_heads=2, max_position_embeddings=1024)
-QWEN25_05B = dict(hidden_size=896, intermediate_size=4864, num_hidden_layers=24, num_attention_heads=14,
-                  num_key_value_heads=2, max_position_embeddings=32768, vocab_size=151936)
-FORMAT_SHARE = 0.3        # share of warm-start targets that end with "#### N"
+TINY = dict(
+    hidden_size=128,
+    intermediate_size=512,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=1024,
+)
+QWEN25_05B = dict(
+    hidden_size=896,
+    intermediate_size=4864,
+    num_hidden_layers=24,
+    num_attention_heads=14,
+    num_key_value_heads=2,
+    max_position_embeddings=32768,
+    vocab_size=151936,
+)
+FORMAT_SHARE = 0.3  # share of warm-start targets that end with "#### N"
 VOCAB_SIZE = 512
 N_TRAIN, N_TEST = 4000, 200
 SFT_STEPS, SFT_BATCH, SFT_LR = 600, 32, 2e-3
@@ -112,29 +125,52 @@ def chat_response(answer: str, use_hashes: bool) -> str:
 # ------------------------------------------------------------------------------- tokenizer
 def build_tokenizer(texts: list[str]) -> PreTrainedTokenizerFast:
     """Byte-level BPE trained on `texts` with Qwen2's normaliser, pre-tokenizer and decoder."""
-    tok = Tokenizer(models.BPE(unk_token=None, continuing_subword_prefix="", end_of_word_suffix="", fuse_unk=False, byte_fallback=False))
+    tok = Tokenizer(
+        models.BPE(
+            unk_token=None, continuing_subword_prefix="", end_of_word_suffix="", fuse_unk=False, byte_fallback=False
+        )
+    )
     tok.normalizer = normalizers.NFC()
-    tok.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Split(Regex(QWEN2_SPLIT), behavior="isolated", invert=False),
-        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-    ])
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(QWEN2_SPLIT), behavior="isolated", invert=False),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=VOCAB_SIZE, special_tokens=SPECIALS, show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    trainer = trainers.BpeTrainer(
+        vocab_size=VOCAB_SIZE,
+        special_tokens=SPECIALS,
+        show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
     tok.train_from_iterator(texts, trainer)
     return PreTrainedTokenizerFast(
-        tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>", unk_token="<|endoftext|>",
-        additional_special_tokens=["<|im_start|>"], chat_template=CHAT_TEMPLATE, model_max_length=TINY["max_position_embeddings"],
+        tokenizer_object=tok,
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        unk_token="<|endoftext|>",
+        additional_special_tokens=["<|im_start|>"],
+        chat_template=CHAT_TEMPLATE,
+        model_max_length=TINY["max_position_embeddings"],
     )
 
 
-def save_random_model(path: str, tokenizer, seed: int = 0, tie_word_embeddings: bool = True,
-                      dtype: torch.dtype = torch.float32, **shape) -> str:
+def save_random_model(
+    path: str, tokenizer, seed: int = 0, tie_word_embeddings: bool = True, dtype: torch.dtype = torch.float32, **shape
+) -> str:
     """Write a randomly initialised Qwen2ForCausalLM (HF safetensors) + `tokenizer` to `path`."""
     shape = {**TINY, "vocab_size": len(tokenizer), **shape}
-    config = Qwen2Config(**shape, tie_word_embeddings=tie_word_embeddings, torch_dtype=dtype,
-                         bos_token_id=None, eos_token_id=tokenizer.convert_tokens_to_ids("<|im_end|>"),
-                         pad_token_id=tokenizer.pad_token_id, rope_theta=10000.0, use_sliding_window=False)
+    config = Qwen2Config(
+        **shape,
+        tie_word_embeddings=tie_word_embeddings,
+        torch_dtype=dtype,
+        bos_token_id=None,
+        eos_token_id=tokenizer.convert_tokens_to_ids("<|im_end|>"),
+        pad_token_id=tokenizer.pad_token_id,
+        rope_theta=10000.0,
+        use_sliding_window=False,
+    )
     torch.manual_seed(seed)
     model = Qwen2ForCausalLM(config).to(dtype)
     _save(model, tokenizer, path)
@@ -157,14 +193,17 @@ def warm_start(model, tokenizer, rows: list[dict], seed: int, steps: int | None 
     examples = []
     for row in rows:
         prompt = tokenizer.apply_chat_template(
-            [{"role": "user", "content": row["question"] + " " + INSTRUCTION}], add_generation_prompt=True, tokenize=False)
+            [{"role": "user", "content": row["question"] + " " + INSTRUCTION}],
+            add_generation_prompt=True,
+            tokenize=False,
+        )
         response = chat_response(row["answer"], use_hashes=rng.random() < FORMAT_SHARE) + "<|im_end|>"
         p, r = tokenizer(prompt)["input_ids"], tokenizer(response)["input_ids"]
         examples.append((p + r, [0] * len(p) + [1] * len(r)))
     opt = torch.optim.AdamW(model.parameters(), lr=SFT_LR, weight_decay=0.0)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 50) * max(0.05, 1 - s / steps))
     model.train()
-    for step in range(steps):
+    for _ in range(steps):
         batch = [examples[i] for i in torch.randint(len(examples), (SFT_BATCH,), generator=gen).tolist()]
         width = max(len(ids) for ids, _ in batch)
         ids = torch.tensor([x + [tokenizer.pad_token_id] * (width - len(x)) for x, _ in batch])  # [B, L]
@@ -184,11 +223,34 @@ def warm_start(model, tokenizer, rows: list[dict], seed: int, steps: int | None 
 # ------------------------------------------------------------------------------------ build
 def build(out_dir: str = ".cache/tiny", seed: int = 0) -> dict[str, str]:
     """Build (or reuse) everything; returns paths: model, base, train, test, dir."""
-    key = hashlib.sha256(json.dumps([VERSION, seed, TINY, FORMAT_SHARE, VOCAB_SIZE, N_TRAIN, N_TEST,
-                                     SFT_STEPS, SFT_BATCH, SFT_LR, KINDS, LO, HI, MUL_HI]).encode()).hexdigest()[:10]
+    key = hashlib.sha256(
+        json.dumps(
+            [
+                VERSION,
+                seed,
+                TINY,
+                FORMAT_SHARE,
+                VOCAB_SIZE,
+                N_TRAIN,
+                N_TEST,
+                SFT_STEPS,
+                SFT_BATCH,
+                SFT_LR,
+                KINDS,
+                LO,
+                HI,
+                MUL_HI,
+            ]
+        ).encode()
+    ).hexdigest()[:10]
     root = os.path.join(out_dir, f"seed{seed}-{key}")
-    paths = {"dir": root, "model": os.path.join(root, "model"), "base": os.path.join(root, "base"),
-             "train": os.path.join(root, "train.jsonl"), "test": os.path.join(root, "test.jsonl")}
+    paths = {
+        "dir": root,
+        "model": os.path.join(root, "model"),
+        "base": os.path.join(root, "base"),
+        "train": os.path.join(root, "train.jsonl"),
+        "test": os.path.join(root, "test.jsonl"),
+    }
     if os.path.exists(os.path.join(root, "COMPLETE")):
         return paths
     tmp = f"{root}.tmp-{os.getpid()}"
@@ -214,6 +276,7 @@ def build(out_dir: str = ".cache/tiny", seed: int = 0) -> dict[str, str]:
         os.rename(tmp, root)  # atomic: a half-built directory is never mistaken for a cache hit
     except OSError:  # another process finished first: use theirs
         import shutil
+
         shutil.rmtree(tmp, ignore_errors=True)
     return paths
 

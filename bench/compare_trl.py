@@ -47,24 +47,53 @@ LR, KL = 1e-4, 0.001
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def flatgrpo_round(model_path: str, prompts: int, max_tokens: int, steps: int, seed: int,
-                   ranks: int) -> list[tuple[float, float]]:
+def flatgrpo_round(
+    model_path: str, prompts: int, max_tokens: int, steps: int, seed: int, ranks: int
+) -> list[tuple[float, float]]:
     """(seconds, generated tokens) per optimizer step of grpo.py on the tiny set-up: in this process
     (ranks=1), or under torchrun with one thread per rank."""
     with tempfile.TemporaryDirectory() as out:
         overrides = [
-            f"model.path={model_path}", f"data.train_batch_size={prompts}", f"actor.ppo_mini_batch_size={prompts}",
-            f"data.max_response_length={max_tokens}", f"trainer.total_steps={steps}", f"actor.lr={LR}",
-            f"actor.kl_loss_coef={KL}", "actor.entropy_coeff=0", "trainer.val_every=0", "trainer.save_every=0",
-            "trainer.export_hf=false", "trainer.plot=false", "trainer.sync_check_every=0", "trainer.logger=[]",
-            f"trainer.seed={seed}", f"trainer.output_dir={out}"]
+            f"model.path={model_path}",
+            f"data.train_batch_size={prompts}",
+            f"actor.ppo_mini_batch_size={prompts}",
+            f"data.max_response_length={max_tokens}",
+            f"trainer.total_steps={steps}",
+            f"actor.lr={LR}",
+            f"actor.kl_loss_coef={KL}",
+            "actor.entropy_coeff=0",
+            "trainer.val_every=0",
+            "trainer.save_every=0",
+            "trainer.export_hf=false",
+            "trainer.plot=false",
+            "trainer.sync_check_every=0",
+            "trainer.logger=[]",
+            f"trainer.seed={seed}",
+            f"trainer.output_dir={out}",
+        ]
         if ranks == 1:
             grpo.train(config.load_config(os.path.join(ROOT, "tiny.yaml"), overrides))
         else:
             env = {**os.environ, "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // ranks))}
-            proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(ranks),
-                                   "--master_port", "29731", "grpo.py", "--config", "tiny.yaml", *overrides],
-                                  cwd=ROOT, env=env, capture_output=True, text=True)
+            proc = subprocess.run(
+                [
+                    sys.executable,
+                    "-m",
+                    "torch.distributed.run",
+                    "--nproc_per_node",
+                    str(ranks),
+                    "--master_port",
+                    "29731",
+                    "grpo.py",
+                    "--config",
+                    "tiny.yaml",
+                    *overrides,
+                ],
+                cwd=ROOT,
+                env=env,
+                capture_output=True,
+                text=True,
+            )
             if proc.returncode:
                 sys.exit(f"torchrun grpo.py failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
         with open(os.path.join(out, "metrics.jsonl")) as f:
@@ -78,7 +107,7 @@ def trl_round(model_path: str, rows: list[dict], prompts: int, max_tokens: int, 
     from trl import GRPOConfig, GRPOTrainer
 
     def gsm8k_reward(prompts, completions, ground_truth, **kwargs):
-        return [reward.compute_score(c[0]["content"], t) for c, t in zip(completions, ground_truth)]
+        return [reward.compute_score(c[0]["content"], t) for c, t in zip(completions, ground_truth, strict=True)]
 
     class StepClock(TrainerCallback):
         def __init__(self):
@@ -96,18 +125,45 @@ def trl_round(model_path: str, rows: list[dict], prompts: int, max_tokens: int, 
 
     with tempfile.TemporaryDirectory() as out:
         args = GRPOConfig(
-            output_dir=out, per_device_train_batch_size=prompts * 8, num_generations=8,
-            max_completion_length=max_tokens, learning_rate=LR, lr_scheduler_type="constant", warmup_steps=0,
-            weight_decay=0.01, max_grad_norm=1.0, loss_type="dapo", beta=KL, epsilon=0.2, epsilon_high=0.28,
-            temperature=1.0, top_p=1.0, num_iterations=1, max_steps=steps, logging_steps=1, report_to=[],
-            save_strategy="no", use_cpu=True, bf16=False, disable_tqdm=True, shuffle_dataset=False, seed=seed,
-            log_completions=False)
+            output_dir=out,
+            per_device_train_batch_size=prompts * 8,
+            num_generations=8,
+            max_completion_length=max_tokens,
+            learning_rate=LR,
+            lr_scheduler_type="constant",
+            warmup_steps=0,
+            weight_decay=0.01,
+            max_grad_norm=1.0,
+            loss_type="dapo",
+            beta=KL,
+            epsilon=0.2,
+            epsilon_high=0.28,
+            temperature=1.0,
+            top_p=1.0,
+            num_iterations=1,
+            max_steps=steps,
+            logging_steps=1,
+            report_to=[],
+            save_strategy="no",
+            use_cpu=True,
+            bf16=False,
+            disable_tqdm=True,
+            shuffle_dataset=False,
+            seed=seed,
+            log_completions=False,
+        )
         clock = StepClock()
         dataset = Dataset.from_list([{"prompt": r["prompt"], "ground_truth": r["ground_truth"]} for r in rows])
-        trainer = GRPOTrainer(model=model_path, reward_funcs=[gsm8k_reward], args=args, train_dataset=dataset,
-                              processing_class=AutoTokenizer.from_pretrained(model_path), callbacks=[clock])
+        trainer = GRPOTrainer(
+            model=model_path,
+            reward_funcs=[gsm8k_reward],
+            args=args,
+            train_dataset=dataset,
+            processing_class=AutoTokenizer.from_pretrained(model_path),
+            callbacks=[clock],
+        )
         trainer.train()
-    return [(t, n * prompts * 8) for t, n in zip(clock.times, clock.lengths)]
+    return [(t, n * prompts * 8) for t, n in zip(clock.times, clock.lengths, strict=True)]
 
 
 def report(name: str, results: dict[str, list[tuple[float, float]]], samples: int) -> None:
@@ -118,8 +174,10 @@ def report(name: str, results: dict[str, list[tuple[float, float]]], samples: in
         med[who] = statistics.median(secs)
         tok_s = sum(n for _, n in steps) / sum(secs)
         mean_len = sum(n for _, n in steps) / len(steps) / samples
-        print(f"  {who:<14} {len(secs):3d} steps  s/step median {med[who]:6.3f}  min {min(secs):6.3f}  "
-              f"max {max(secs):6.3f}   generated tokens/s {tok_s:6.0f}   mean response {mean_len:5.1f} tokens")
+        print(
+            f"  {who:<14} {len(secs):3d} steps  s/step median {med[who]:6.3f}  min {min(secs):6.3f}  "
+            f"max {max(secs):6.3f}   generated tokens/s {tok_s:6.0f}   mean response {mean_len:5.1f} tokens"
+        )
     for who in results:
         if who != "TRL":
             print(f"  {who} / TRL seconds per step: {med[who] / med['TRL']:.2f}x")
@@ -130,17 +188,23 @@ def main():
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--only", choices=list(WORKLOADS))
-    ap.add_argument("--model", choices=["base", "warm"], default="base",
-                    help="base: tiny.py's random initialisation, whose responses run to the length limit "
-                         "(the workloads as named); warm: the demo's warm-started model (stops after ~17 tokens)")
+    ap.add_argument(
+        "--model",
+        choices=["base", "warm"],
+        default="base",
+        help="base: tiny.py's random initialisation, whose responses run to the length limit "
+        "(the workloads as named); warm: the demo's warm-started model (stops after ~17 tokens)",
+    )
     args = ap.parse_args()
     torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
     paths = tiny.build(os.path.join(ROOT, ".cache", "tiny"), seed=0)
     with open(paths["train"]) as f:
         rows = data._rows_from_records([json.loads(line) for line in f], paths["train"])
     model = paths["model" if args.model == "warm" else "base"]
-    print(f"machine: {os.cpu_count()} CPU cores, torch {torch.__version__}, {torch.get_num_threads()} threads; "
-          f"model {model}")
+    print(
+        f"machine: {os.cpu_count()} CPU cores, torch {torch.__version__}, {torch.get_num_threads()} threads; "
+        f"model {model}"
+    )
     for name in [args.only] if args.only else list(WORKLOADS):
         prompts, max_tokens = WORKLOADS[name]
         # each rank owns whole prompts: 1 prompt per step cannot be split over 2 ranks

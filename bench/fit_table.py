@@ -57,7 +57,9 @@ def steady_marginal(points: list[dict]) -> float:
 def activations_gb(m: dict, measured: dict, tokens: int, chunk: int, chunked: bool) -> float:
     """(a) saved layer inputs + max((b) one layer's recompute, (c) the head), GB; see the docstring."""
     s, p = measured["shape"], measured["points"]
-    saved = steady_marginal(p["train/chunked"]) * (m["h"] * m["layers"]) / (s["hidden_size"] * s["num_hidden_layers"]) / 2
+    saved = (
+        steady_marginal(p["train/chunked"]) * (m["h"] * m["layers"]) / (s["hidden_size"] * s["num_hidden_layers"]) / 2
+    )
     layer = steady_marginal(p["layer/one decoder layer"]) * m["inter"] / s["intermediate_size"] / 2
     if chunked:
         head = (HEAD_COPIES * min(chunk, tokens) * m["vocab"] * 4 + 4 * m["vocab"] * m["h"]) / MB
@@ -80,9 +82,23 @@ def fit_rows(cfg: dict, measured: dict, gpu_gb: float) -> list[dict]:
             update = params + grads + adam + ref + root + act + VLLM_ASLEEP_GB + OVERHEAD_GB
             update_plain = update - act + act_plain
             generation = params + adam + ref + util * gpu_gb + OVERHEAD_GB
-            rows.append(dict(model=name, params_b=P / 1e9, gpus=n, states=params + grads + adam, ref=ref, root=root,
-                             act=act, act_plain=act_plain, update=update, update_plain=update_plain,
-                             vllm=util * gpu_gb, generation=generation, fits=max(update, generation) <= gpu_gb))
+            rows.append(
+                dict(
+                    model=name,
+                    params_b=P / 1e9,
+                    gpus=n,
+                    states=params + grads + adam,
+                    ref=ref,
+                    root=root,
+                    act=act,
+                    act_plain=act_plain,
+                    update=update,
+                    update_plain=update_plain,
+                    vllm=util * gpu_gb,
+                    generation=generation,
+                    fits=max(update, generation) <= gpu_gb,
+                )
+            )
     return rows
 
 
@@ -97,14 +113,19 @@ def knob(r: dict, gpu_gb: float) -> str:
 
 
 def table(rows: list[dict], gpu_gb: float, tokens: int, util: float) -> str:
-    out = [f"| model | GPUs | model states (fp32 params + grads + AdamW) | reference (bf16) | activations at "
-           f"{tokens} tokens: chunked / plain | update peak: chunked / plain | generation (vLLM {util:g} x "
-           f"{gpu_gb:g} GB = {util * gpu_gb:g} GB) | fits in {gpu_gb:g} GB |", "|" + "---|" * 8]
+    out = [
+        f"| model | GPUs | model states (fp32 params + grads + AdamW) | reference (bf16) | activations at "
+        f"{tokens} tokens: chunked / plain | update peak: chunked / plain | generation (vLLM {util:g} x "
+        f"{gpu_gb:g} GB = {util * gpu_gb:g} GB) | fits in {gpu_gb:g} GB |",
+        "|" + "---|" * 8,
+    ]
     for r in rows:
         plain_fits = "" if r["update_plain"] <= gpu_gb else " (plain: no)"
-        out.append(f"| {r['model']} ({r['params_b']:.2f}B) | {r['gpus']} | {r['states']:.1f} | {r['ref']:.1f} | "
-                   f"{r['act']:.1f} / {r['act_plain']:.1f} | {r['update']:.1f} / {r['update_plain']:.1f} | "
-                   f"{r['generation']:.1f} | {knob(r, gpu_gb)}{plain_fits if r['fits'] else ''} |")
+        out.append(
+            f"| {r['model']} ({r['params_b']:.2f}B) | {r['gpus']} | {r['states']:.1f} | {r['ref']:.1f} | "
+            f"{r['act']:.1f} / {r['act_plain']:.1f} | {r['update']:.1f} / {r['update_plain']:.1f} | "
+            f"{r['generation']:.1f} | {knob(r, gpu_gb)}{plain_fits if r['fits'] else ''} |"
+        )
     return "\n".join(out)
 
 
@@ -126,8 +147,10 @@ def main():
         measured = json.load(f)
     rows = fit_rows(cfg, measured, args.gpu_gb)
     print(table(rows, args.gpu_gb, cfg["actor"]["ppo_max_token_len_per_gpu"], cfg["rollout"]["gpu_memory_utilization"]))
-    print(f"\nGB per GPU; measured figures from {os.path.relpath(args.measured)} ({measured['device']}, "
-          f"`{measured['command'].strip()}`); the sums and scalings are in bench/fit_table.py's docstring.")
+    print(
+        f"\nGB per GPU; measured figures from {os.path.relpath(args.measured)} ({measured['device']}, "
+        f"`{measured['command'].strip()}`); the sums and scalings are in bench/fit_table.py's docstring."
+    )
 
 
 if __name__ == "__main__":

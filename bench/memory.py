@@ -32,15 +32,19 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
-import fsdp_train as ft  # noqa: E402
 import config  # noqa: E402
+import fsdp_train as ft  # noqa: E402
 import grpo  # noqa: E402
 import losses  # noqa: E402
 import tiny  # noqa: E402
 
 PROMPT, RESPONSE = 100, 512  # tokens per row: whole chunks of 512 or 1024 response positions at any row count
-CONFIG = ["rollout.temperature=1.0", "actor.entropy_coeff=0.003", "actor.kl_loss_coef=0.001",
-          "data.max_response_length=400"]
+CONFIG = [
+    "rollout.temperature=1.0",
+    "actor.entropy_coeff=0.003",
+    "actor.kl_loss_coef=0.001",
+    "data.max_response_length=400",
+]
 
 
 def build_model(root: str) -> str:
@@ -54,8 +58,11 @@ def build_model(root: str) -> str:
 
 def micro_batch(rows: int, vocab: int, prompt: int = PROMPT, response: int = RESPONSE) -> dict:
     g = torch.Generator().manual_seed(rows)
-    b = ft.make_batch([torch.randint(3, vocab, (prompt,), generator=g).tolist() for _ in range(rows)],
-                      [torch.randint(3, vocab, (response,), generator=g).tolist() for _ in range(rows)], pad_id=0)
+    b = ft.make_batch(
+        [torch.randint(3, vocab, (prompt,), generator=g).tolist() for _ in range(rows)],
+        [torch.randint(3, vocab, (response,), generator=g).tolist() for _ in range(rows)],
+        pad_id=0,
+    )
     shape = b["response_mask"].shape  # [rows, R]
     b["old_logprobs"] = -torch.rand(shape, generator=g) * 3 - 10
     b["ref_logprobs"] = -torch.rand(shape, generator=g) * 3 - 10
@@ -93,8 +100,9 @@ def point(args) -> dict:
     _, _, device = ft.init_distributed()
     if args.point == "layer":
         return layer_point(args.model, int(args.rows), device)
-    model = ft.load_model(args.model, device=device, activation_checkpointing=args.point == "train",
-                          trainable=args.point == "train")
+    model = ft.load_model(
+        args.model, device=device, activation_checkpointing=args.point == "train", trainable=args.point == "train"
+    )
     batch = micro_batch(int(args.rows), model.config.vocab_size)
     tokens, kw = int(batch["attention_mask"].sum()), dict(temperature=1.0, max_tokens=10**9, chunk_size=args.chunk)
     if args.point == "train":
@@ -113,6 +121,7 @@ def point(args) -> dict:
 def layer_point(model_path: str, rows: int, device) -> dict:
     from transformers import AutoConfig
     from transformers.models.qwen2.modeling_qwen2 import Qwen2DecoderLayer, Qwen2RotaryEmbedding
+
     config = AutoConfig.from_pretrained(model_path)
     layer, rope = Qwen2DecoderLayer(config, 0).to(device), Qwen2RotaryEmbedding(config).to(device)
     x = torch.randn(rows, PROMPT + RESPONSE, config.hidden_size, device=device, requires_grad=True)  # [b, S, h]
@@ -128,22 +137,36 @@ def layer_point(model_path: str, rows: int, device) -> dict:
 def memory_table(model: str, rows: dict, chunk: int) -> dict:
     """Every point in a fresh process; returns {(pass, path): [points]} and prints the table."""
     env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536"}
-    print(f"peak memory above the resident model, one micro-batch of rows x ({PROMPT} + {RESPONSE}) tokens, "
-          f"AC on, a fresh process per point")
+    print(
+        f"peak memory above the resident model, one micro-batch of rows x ({PROMPT} + {RESPONSE}) tokens, "
+        f"AC on, a fresh process per point"
+    )
     print(f"{'pass':<10} {'path':<22} {'tokens':>7} {'peak MB':>9} {'s':>7} {'marginal MB/token':>18}")
     results = {}
-    for kind, paths in (("train", {"plain": 0, "chunked": chunk}), ("logprobs", {"plain": 0, "chunked": chunk}),
-                        ("layer", {"one decoder layer": 0})):
+    for kind, paths in (
+        ("train", {"plain": 0, "chunked": chunk}),
+        ("logprobs", {"plain": 0, "chunked": chunk}),
+        ("layer", {"one decoder layer": 0}),
+    ):
         for name, c in paths.items():
             points = results.setdefault(f"{kind}/{name}", [])
             for r in rows[name]:
                 cmd = [sys.executable, __file__, "--point", kind, "--chunk", str(c), "--rows", str(r), "--model", model]
-                out = json.loads(subprocess.run(cmd, env=env, capture_output=True, text=True, check=True).stdout.splitlines()[-1])
-                marginal = (out["peak_mb"] - points[-1]["peak_mb"]) / (out["tokens"] - points[-1]["tokens"]) if points else None
+                out = json.loads(
+                    subprocess.run(cmd, env=env, capture_output=True, text=True, check=True).stdout.splitlines()[-1]
+                )
+                marginal = (
+                    (out["peak_mb"] - points[-1]["peak_mb"]) / (out["tokens"] - points[-1]["tokens"])
+                    if points
+                    else None
+                )
                 points.append({**out, "marginal_mb_per_token": marginal})
                 label = name + (f" ({c})" if c else "")
-                print(f"{kind:<10} {label:<22} {out['tokens']:>7} {out['peak_mb']:>9.0f} {out['seconds']:>7.1f} "
-                      f"{'' if marginal is None else f'{marginal:.3f}':>18}", flush=True)
+                print(
+                    f"{kind:<10} {label:<22} {out['tokens']:>7} {out['peak_mb']:>9.0f} {out['seconds']:>7.1f} "
+                    f"{'' if marginal is None else f'{marginal:.3f}':>18}",
+                    flush=True,
+                )
     return results
 
 
@@ -159,14 +182,26 @@ def time_table(model: str, rows: int, chunk: int, rounds: int) -> None:
     for i in range(rounds + 1):  # round 0: warm-up
         for name, c in paths.items():
             t0 = time.perf_counter()
-            ft.train_step(policy, optimizer, batch, loss_fn, temperature=1.0, max_tokens=10**9, chunk_size=c,
-                          entropy_fn=losses.entropy_from_logits)
+            ft.train_step(
+                policy,
+                optimizer,
+                batch,
+                loss_fn,
+                temperature=1.0,
+                max_tokens=10**9,
+                chunk_size=c,
+                entropy_fn=losses.entropy_from_logits,
+            )
             if i:
                 times[name].append(time.perf_counter() - t0)
-    print(f"train step time, {rows} rows x ({PROMPT} + {RESPONSE}) = {tokens} tokens, AC on, {rounds} rounds alternating")
+    print(
+        f"train step time, {rows} rows x ({PROMPT} + {RESPONSE}) = {tokens} tokens, AC on, {rounds} rounds alternating"
+    )
     for name, ts in times.items():
-        print(f"  {name:<20} median {statistics.median(ts):7.2f} s  ({min(ts):.2f}-{max(ts):.2f})  "
-              f"{statistics.median(ts) / tokens * 1000:.2f} ms/token")
+        print(
+            f"  {name:<20} median {statistics.median(ts):7.2f} s  ({min(ts):.2f}-{max(ts):.2f})  "
+            f"{statistics.median(ts) / tokens * 1000:.2f} ms/token"
+        )
     plain, chunked = (statistics.median(times[k]) for k in paths)
     print(f"  chunked / plain time: {chunked / plain:.3f}  (target <= 1.10)")
 
@@ -174,12 +209,28 @@ def time_table(model: str, rows: int, chunk: int, rounds: int) -> None:
 def save_results(results: dict, model: str, chunk: int) -> None:
     """bench/results/memory.json: what bench/fit_table.py scales to the real models."""
     from transformers import AutoConfig
+
     c = AutoConfig.from_pretrained(model)
-    out = {"device": torch.cuda.get_device_name() if torch.cuda.is_available() else f"CPU, {os.cpu_count()} cores",
-           "dtype": "float32", "chunk_size": chunk, "prompt": PROMPT, "response": RESPONSE,
-           "shape": {k: getattr(c, k) for k in ("hidden_size", "intermediate_size", "num_hidden_layers",
-                                                 "num_attention_heads", "num_key_value_heads", "vocab_size")},
-           "points": results, "command": "python bench/memory.py " + " ".join(sys.argv[1:])}
+    out = {
+        "device": torch.cuda.get_device_name() if torch.cuda.is_available() else f"CPU, {os.cpu_count()} cores",
+        "dtype": "float32",
+        "chunk_size": chunk,
+        "prompt": PROMPT,
+        "response": RESPONSE,
+        "shape": {
+            k: getattr(c, k)
+            for k in (
+                "hidden_size",
+                "intermediate_size",
+                "num_hidden_layers",
+                "num_attention_heads",
+                "num_key_value_heads",
+                "vocab_size",
+            )
+        },
+        "points": results,
+        "command": "python bench/memory.py " + " ".join(sys.argv[1:]),
+    }
     path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "memory.json")
     os.makedirs(os.path.dirname(path), exist_ok=True)
     with open(path, "w") as f:
@@ -203,8 +254,11 @@ def main():
         return print(json.dumps(point(args)))
     model = build_model(os.path.join(".cache", "bench"))
     if args.only in (None, "memory"):
-        rows = {"plain": [int(r) for r in args.rows_plain.split(",")],
-                "chunked": [int(r) for r in args.rows_chunked.split(",")], "one decoder layer": [2, 4]}
+        rows = {
+            "plain": [int(r) for r in args.rows_plain.split(",")],
+            "chunked": [int(r) for r in args.rows_chunked.split(",")],
+            "one decoder layer": [2, 4],
+        }
         results = memory_table(model, rows, args.chunk)
         save_results(results, model, args.chunk)
     if args.only in (None, "time"):

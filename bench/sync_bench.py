@@ -51,11 +51,16 @@ def bench(name: str, path: str, reps: int) -> None:
     diff = sync.check_sync(llm, model)
     gb = nbytes / 1e9
     print(f"{name}: {sum(p.numel() for p in model.parameters()) / 1e6:.1f}M params, {gb:.3f} GB fp32")
-    for label, times in (("state-dict copy (baseline)", copy_s), ("push_weights + reset", push_s),
-                         ("check_sync", check_s)):
+    for label, times in (
+        ("state-dict copy (baseline)", copy_s),
+        ("push_weights + reset", push_s),
+        ("check_sync", check_s),
+    ):
         med = statistics.median(times)
-        print(f"  {label:<28} median {med * 1000:9.1f} ms  min {min(times) * 1000:9.1f} ms  "
-              f"{gb / med:7.2f} GB/s  ({med / statistics.median(copy_s):.1f}x baseline)")
+        print(
+            f"  {label:<28} median {med * 1000:9.1f} ms  min {min(times) * 1000:9.1f} ms  "
+            f"{gb / med:7.2f} GB/s  ({med / statistics.median(copy_s):.1f}x baseline)"
+        )
     print(f"  check_sync after push: {diff:.2e} nats")
 
 

@@ -49,8 +49,9 @@ def make_grpo_batch(lengths, vocab: int, seed: int = 0) -> dict:
 
 
 def grpo_loss(logp, entropy, mb, counts):
-    pg, _ = losses.policy_loss(logp, mb["old_logprobs"], mb["advantages"], mb["response_mask"],
-                               clip_high=0.28, num_tokens=counts["num_tokens"])
+    pg, _ = losses.policy_loss(
+        logp, mb["old_logprobs"], mb["advantages"], mb["response_mask"], clip_high=0.28, num_tokens=counts["num_tokens"]
+    )
     return pg, {"actor/pg_loss": pg.item()}
 
 
@@ -61,8 +62,9 @@ def bare_step(model, optimizer, batch, groups):
     for rows in groups:
         mb = ft.select(batch, rows)
         r = mb["response_mask"].shape[1]
-        logits = model(input_ids=mb["input_ids"], attention_mask=mb["attention_mask"], use_cache=False,
-                       logits_to_keep=r + 1).logits  # the lm_head on the response positions only, as ours
+        logits = model(
+            input_ids=mb["input_ids"], attention_mask=mb["attention_mask"], use_cache=False, logits_to_keep=r + 1
+        ).logits  # the lm_head on the response positions only, as ours
         logp = torch.log_softmax(logits[:, :-1].float(), -1).gather(-1, mb["input_ids"][:, -r:, None])[..., 0]
         loss = -(logp * mb["advantages"] * mb["response_mask"]).sum() / n_tokens
         loss.backward()
@@ -79,9 +81,12 @@ def throughput(name: str, path: str, lengths, max_tokens: int, rounds: int) -> N
     bare_opt = torch.optim.AdamW(bare.parameters(), lr=1e-6)
     ours = ft.load_model(path, device=device)
     ours_opt, _ = ft.make_optimizer(ours, lr=1e-6)
-    run = {"bare PyTorch": lambda: bare_step(bare, bare_opt, batch, groups),
-           "fsdp_train.train_step": lambda: ft.train_step(ours, ours_opt, batch, grpo_loss, temperature=1.0,
-                                                          max_tokens=max_tokens)}
+    run = {
+        "bare PyTorch": lambda: bare_step(bare, bare_opt, batch, groups),
+        "fsdp_train.train_step": lambda: ft.train_step(
+            ours, ours_opt, batch, grpo_loss, temperature=1.0, max_tokens=max_tokens
+        ),
+    }
     times = {k: [] for k in run}
     for i in range(rounds + 1):  # round 0 is the warm-up
         for k, fn in run.items():
@@ -126,8 +131,9 @@ def main():
     with tempfile.TemporaryDirectory() as tmp:
         if args.only in (None, "tiny"):
             lengths = gsm8k_like_lengths(64, random.Random(1), scale=0.25)
-            throughput("tiny (1.0M params)", tiny.save_random_model(os.path.join(tmp, "tiny"), tok), lengths, 4096,
-                       args.rounds)
+            throughput(
+                "tiny (1.0M params)", tiny.save_random_model(os.path.join(tmp, "tiny"), tok), lengths, 4096, args.rounds
+            )
         if args.only in (None, "0.5b"):
             lengths = gsm8k_like_lengths(4, random.Random(2), scale=0.5)
             path = tiny.save_random_model(os.path.join(tmp, "q05b"), tok, **tiny.QWEN25_05B)

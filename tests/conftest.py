@@ -19,6 +19,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 @pytest.fixture(scope="session")
 def tiny_tokenizer():
     import tiny
+
     data = tiny.make_dataset(seed=0, n_train=400, n_test=10)
     corpus = [r["question"] + " " + tiny.INSTRUCTION for r in data["train"]]
     corpus += [tiny.chat_response(r["answer"], h) for r in data["train"] for h in (True, False)]
@@ -29,15 +30,19 @@ def tiny_tokenizer():
 def random_models(tiny_tokenizer, tmp_path_factory):
     """{"tied": path, "untied": path}: random tiny Qwen2 models (fp32) with the tiny tokenizer."""
     import tiny
+
     root = tmp_path_factory.mktemp("random-models")
-    return {name: tiny.save_random_model(str(root / name), tiny_tokenizer, seed=1, tie_word_embeddings=tied)
-            for name, tied in (("tied", True), ("untied", False))}
+    return {
+        name: tiny.save_random_model(str(root / name), tiny_tokenizer, seed=1, tie_word_embeddings=tied)
+        for name, tied in (("tied", True), ("untied", False))
+    }
 
 
 @pytest.fixture(scope="session")
 def tiny_build():
     """The full tiny set-up (data, warm-started model): built once, cached in .cache/tiny."""
     import tiny
+
     return tiny.build(os.path.join(ROOT, ".cache", "tiny"), seed=0)
 
 
@@ -46,14 +51,25 @@ def run_torchrun(script: str, nproc: int, *args: str, timeout: int = 600, killed
     killed=True: the script is expected to die (SIGKILL) part-way; returns [] after checking it did."""
     results_dir = tempfile.mkdtemp(prefix="torchrun-results-")
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT, "TEST_RESULTS": results_dir}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
-           "--master_port", str(29500 + os.getpid() % 1000), os.path.join(ROOT, "tests", script), *args]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node",
+        str(nproc),
+        "--master_port",
+        str(29500 + os.getpid() % 1000),
+        os.path.join(ROOT, "tests", script),
+        *args,
+    ]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
     if killed:
         assert proc.returncode != 0, f"{script} was expected to be killed:\n{proc.stdout[-2000:]}"
         return []
     if proc.returncode != 0:
-        raise AssertionError(f"torchrun {script} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}")
+        raise AssertionError(
+            f"torchrun {script} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+        )
     results = []
     for rank in range(nproc):
         with open(os.path.join(results_dir, f"rank{rank}.json")) as f:
@@ -63,12 +79,15 @@ def run_torchrun(script: str, nproc: int, *args: str, timeout: int = 600, killed
 
 def free_port() -> int:
     import socket
+
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
 
-def run_nodes(script: list[str], nproc: int, nodes: list[dict], timeout: int = 600) -> list[subprocess.CompletedProcess]:
+def run_nodes(
+    script: list[str], nproc: int, nodes: list[dict], timeout: int = 600
+) -> list[subprocess.CompletedProcess]:
     """Several torchrun "nodes" on this machine (--nnodes len(nodes) --node_rank k, rendezvous on 127.0.0.1),
     started together; nodes[k] may give "args" (appended to script), "env" and "wrap" (a command prefix, e.g.
     a private mount namespace). Returns each node's finished process (stdout, stderr, returncode)."""
@@ -76,10 +95,27 @@ def run_nodes(script: list[str], nproc: int, nodes: list[dict], timeout: int = 6
     procs = []
     for k, node in enumerate(nodes):
         env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT, **node.get("env", {})}
-        cmd = [*node.get("wrap", []), sys.executable, "-m", "torch.distributed.run", "--nnodes", str(len(nodes)),
-               "--node_rank", str(k), "--nproc_per_node", str(nproc), "--master_addr", "127.0.0.1",
-               "--master_port", str(port), *script, *node.get("args", [])]
-        procs.append(subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+        cmd = [
+            *node.get("wrap", []),
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nnodes",
+            str(len(nodes)),
+            "--node_rank",
+            str(k),
+            "--nproc_per_node",
+            str(nproc),
+            "--master_addr",
+            "127.0.0.1",
+            "--master_port",
+            str(port),
+            *script,
+            *node.get("args", []),
+        ]
+        procs.append(
+            subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        )
     out = []
     for p in procs:
         stdout, stderr = p.communicate(timeout=timeout)

@@ -1,6 +1,6 @@
 """torchrun worker for test_rollout_sync: FSDP2 model + one vLLM engine per rank, push and check.
 
-    torchrun --nproc_per_node 2 tests/engine_worker.py MODEL_PATH
+torchrun --nproc_per_node 2 tests/engine_worker.py MODEL_PATH
 """
 
 import sys
@@ -11,8 +11,8 @@ from torch.distributed.fsdp import fully_shard
 from transformers import AutoModelForCausalLM
 
 import rollout
-from reporting import report
 import sync
+from reporting import report
 
 torch.set_num_threads(1)
 dist.init_process_group("gloo")  # BEFORE the engine: each rank then owns one engine
@@ -26,8 +26,10 @@ for layer in model.model.layers:
 fully_shard(model)
 state = reference.state_dict()
 full_params_equal = all(torch.equal(t, state[n]) for n, t in sync.full_params(model))
-bf16_full_params_equal = all(t.dtype == torch.bfloat16 and torch.equal(t, state[n].to(torch.bfloat16))
-                             for n, t in sync.full_params(model, torch.bfloat16))
+bf16_full_params_equal = all(
+    t.dtype == torch.bfloat16 and torch.equal(t, state[n].to(torch.bfloat16))
+    for n, t in sync.full_params(model, torch.bfloat16)
+)
 
 llm = rollout.make_engine(path, dtype="float32", max_model_len=512, gpu_memory_utilization=0.3, seed=rank)
 g = torch.Generator().manual_seed(100 + rank)
@@ -38,18 +40,27 @@ diff_before = sync.check_sync(llm, model)
 sync.push_weights(llm, sync.full_params(model))
 diff_after = sync.check_sync(llm, model)
 
-samples = rollout.generate(llm, [[{"role": "user", "content": "Tom has 3 apples."}]], n=4, temperature=1.0,
-                           max_tokens=8, seed=7 + 1000 * rank)
+samples = rollout.generate(
+    llm, [[{"role": "user", "content": "Tom has 3 apples."}]], n=4, temperature=1.0, max_tokens=8, seed=7 + 1000 * rank
+)
 worst = 0.0
 for s in samples:
     ids = torch.tensor([s.prompt_ids + s.response_ids])
     with torch.no_grad():
-        logits = model(input_ids=ids).logits[0, len(s.prompt_ids) - 1:-1].float()
+        logits = model(input_ids=ids).logits[0, len(s.prompt_ids) - 1 : -1].float()
     lp = torch.log_softmax(logits, -1).gather(-1, torch.tensor(s.response_ids)[:, None])[:, 0]
     worst = max(worst, (lp - torch.tensor(s.logprobs)).abs().max().item())
-report(rank, {"full_params_equal": full_params_equal, "bf16_full_params_equal": bf16_full_params_equal,
-              "diff_before_push": diff_before,
-              "diff_after_push": diff_after, "sample_logprob_diff": worst, "samples": [s.response_ids for s in samples]})
+report(
+    rank,
+    {
+        "full_params_equal": full_params_equal,
+        "bf16_full_params_equal": bf16_full_params_equal,
+        "diff_before_push": diff_before,
+        "diff_after_push": diff_after,
+        "sample_logprob_diff": worst,
+        "samples": [s.response_ids for s in samples],
+    },
+)
 del llm
 if dist.is_initialized():  # vLLM's shutdown may already have destroyed it
     dist.destroy_process_group()

@@ -91,8 +91,13 @@ def error(value, ref):
     if isinstance(ref, Flat):
         return error(flat(value, ref), flat(ref, ref))
     if isinstance(ref, dict):
-        return {k: (torch.linalg.norm(value[k].double() - ref[k].double())
-                    / torch.linalg.norm(ref[k].double()).clamp(min=1e-300)).item() for k in ref}
+        return {
+            k: (
+                torch.linalg.norm(value[k].double() - ref[k].double())
+                / torch.linalg.norm(ref[k].double()).clamp(min=1e-300)
+            ).item()
+            for k in ref
+        }
     if isinstance(ref, torch.Tensor):
         return (value.double() - ref.double()).abs().max().item()
     return abs(float(value) - float(ref))
@@ -132,8 +137,11 @@ def check(value, ref, noise: float, what: str = "", factor: float = FACTOR) -> N
     if isinstance(e, dict):  # relative errors per name
         for k, rel in e.items():
             allowed = factor * noise + FLOOR / max(torch.linalg.norm(ref[k].double()).item(), 1e-300)
-            assert rel <= allowed, (f"{what} {k}: relative error {rel:.3g} > {factor:g} x fp32 noise {noise:.3g} "
-                                    f"({rel / noise:.3g} x the noise)")
+            assert rel <= allowed, (
+                f"{what} {k}: relative error {rel:.3g} > {factor:g} x fp32 noise {noise:.3g} "
+                f"({rel / noise:.3g} x the noise)"
+            )
     else:
-        assert e <= factor * noise + FLOOR, (f"{what}: error {e:.3g} > {factor:g} x fp32 noise {noise:.3g} "
-                                             f"({e / max(noise, 1e-300):.3g} x the noise)")
+        assert e <= factor * noise + FLOOR, (
+            f"{what}: error {e:.3g} > {factor:g} x fp32 noise {noise:.3g} ({e / max(noise, 1e-300):.3g} x the noise)"
+        )

@@ -13,12 +13,12 @@ import math
 import os
 
 import torch
+from test_logprobs import ENTROPY_COEF, TEMPERATURE, batch, weighted_loss
 from torch.distributed.tensor import DTensor
 
 import fsdp_train as ft
 import losses
 from reporting import report, shut_down
-from test_logprobs import ENTROPY_COEF, TEMPERATURE, batch, weighted_loss
 
 ROWS = {1: [[0, 1, 2, 3, 4, 5]], 2: [[0, 1, 3, 4], [2, 5]]}  # rank -> rows (rank 1: the empty and a short one)
 
@@ -32,7 +32,7 @@ class GradRecorder(torch.optim.Optimizer):
         self.grads = {}
 
     def step(self, closure=None):
-        for name, p in zip(self.names, self.param_groups[0]["params"]):
+        for name, p in zip(self.names, self.param_groups[0]["params"], strict=True):
             g = p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
             self.grads[name] = g.detach().clone()
 
@@ -46,9 +46,16 @@ def optimizer_after_a_no_grad_forward(model, mine) -> bool:
     params = optimizer.param_groups[0]["params"]
     local = lambda p: p.detach().to_local() if isinstance(p, DTensor) else p.detach()  # noqa: E731 (no collective)
     before = [local(p).clone() for p in params]
-    ft.train_step(model, optimizer, mine, weighted_loss, temperature=TEMPERATURE, max_tokens=48,
-                  entropy_fn=losses.entropy_from_logits)
-    return all(not torch.equal(b, local(p)) for b, p in zip(before, params))
+    ft.train_step(
+        model,
+        optimizer,
+        mine,
+        weighted_loss,
+        temperature=TEMPERATURE,
+        max_tokens=48,
+        entropy_fn=losses.entropy_from_logits,
+    )
+    return all(not torch.equal(b, local(p)) for b, p in zip(before, params, strict=True))
 
 
 def main():
@@ -65,19 +72,36 @@ def main():
     recorder = GradRecorder(list(model.named_parameters()))  # before any forward: the sharded parameters
     state = {}
     for chunk in map(int, args.chunk_sizes.split(",")):
-        logp, entropy = ft.compute_logprobs(model, mine, temperature=TEMPERATURE, max_tokens=48,
-                                            entropy_fn=losses.entropy_from_logits, chunk_size=chunk)
+        logp, entropy = ft.compute_logprobs(
+            model, mine, temperature=TEMPERATURE, max_tokens=48, entropy_fn=losses.entropy_from_logits, chunk_size=chunk
+        )
         resharded = all(isinstance(p, DTensor) for p in model.parameters()) if world > 1 else True
-        metrics = ft.train_step(model, recorder, mine, weighted_loss, temperature=TEMPERATURE, max_tokens=48,
-                                grad_clip=math.inf, entropy_fn=losses.entropy_from_logits, chunk_size=chunk)
-        torch.save({"rows": rows, "logp": logp, "entropy": entropy},
-                   os.path.join(args.out, f"logp_c{chunk}_rank{rank}.pt"))
+        metrics = ft.train_step(
+            model,
+            recorder,
+            mine,
+            weighted_loss,
+            temperature=TEMPERATURE,
+            max_tokens=48,
+            grad_clip=math.inf,
+            entropy_fn=losses.entropy_from_logits,
+            chunk_size=chunk,
+        )
+        torch.save(
+            {"rows": rows, "logp": logp, "entropy": entropy}, os.path.join(args.out, f"logp_c{chunk}_rank{rank}.pt")
+        )
         if rank == 0:
             torch.save(recorder.grads, os.path.join(args.out, f"grads_c{chunk}.pt"))
         recorder.grads = {}
-        state[chunk] = {"loss": metrics["loss"], "resharded_after_logprobs": resharded,
-                        "grads_freed": all(p.grad is None for p in model.parameters())}
-    report(rank, {"state": state, "entropy_coef": ENTROPY_COEF, "all_trained": optimizer_after_a_no_grad_forward(model, mine)})
+        state[chunk] = {
+            "loss": metrics["loss"],
+            "resharded_after_logprobs": resharded,
+            "grads_freed": all(p.grad is None for p in model.parameters()),
+        }
+    report(
+        rank,
+        {"state": state, "entropy_coef": ENTROPY_COEF, "all_trained": optimizer_after_a_no_grad_forward(model, mine)},
+    )
     shut_down()
 
 

@@ -26,10 +26,22 @@ import grpo
 import metrics
 from reporting import report, shut_down
 
-CONFIG = ["rollout.n=4", "data.train_batch_size=4", "actor.ppo_mini_batch_size=4", "data.max_prompt_length=8",
-          "data.max_response_length=12", "rollout.temperature=0.7", "actor.entropy_coeff=0.003",
-          "actor.clip_ratio_low=0.2", "actor.clip_ratio_high=0.28", "actor.clip_ratio_c=3.0", "actor.kl_loss_coef=0.001",
-          "actor.kl_loss_type=low_var_kl", "actor.grad_clip=1.0e9", "actor.ppo_max_token_len_per_gpu=40"]
+CONFIG = [
+    "rollout.n=4",
+    "data.train_batch_size=4",
+    "actor.ppo_mini_batch_size=4",
+    "data.max_prompt_length=8",
+    "data.max_response_length=12",
+    "rollout.temperature=0.7",
+    "actor.entropy_coeff=0.003",
+    "actor.clip_ratio_low=0.2",
+    "actor.clip_ratio_high=0.28",
+    "actor.clip_ratio_c=3.0",
+    "actor.kl_loss_coef=0.001",
+    "actor.kl_loss_type=low_var_kl",
+    "actor.grad_clip=1.0e9",
+    "actor.ppo_max_token_len_per_gpu=40",
+]
 REWARDS = [1, 0, 0, 0, 1, 1, 0, 0, 0, 0, 0, 0, 1, 1, 1, 0]  # 4 prompts x 4 samples: 1, 2, 0 and 3 right
 ROLLOUT_LOGPROB = -6.0  # what "vLLM" reported for every sampled token
 EMPTY_ROW = 3  # the row whose response is emptied for the seq-mean test
@@ -64,16 +76,25 @@ def global_batch(vocab: int) -> dict:
 
 
 def full_weights(model) -> dict:
-    return {k: v.clone() for k, v in ft.get_model_state_dict(
-        model, options=ft.StateDictOptions(full_state_dict=True)).items()}  # on every rank
+    return {
+        k: v.clone()
+        for k, v in ft.get_model_state_dict(model, options=ft.StateDictOptions(full_state_dict=True)).items()
+    }  # on every rank
 
 
 def one_update(path: str, cfg: dict, batch: dict, on_policy: bool, device) -> tuple[dict, dict, dict]:
     policy = ft.load_model(path, device=device)
     optimizer = torch.optim.SGD(policy.parameters(), lr=1.0)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
-    run = types.SimpleNamespace(cfg=cfg, world=torch.distributed.get_world_size(), policy=policy,
-                                optimizer=optimizer, scheduler=scheduler, capture=on_policy, ref=object())
+    run = types.SimpleNamespace(
+        cfg=cfg,
+        world=torch.distributed.get_world_size(),
+        policy=policy,
+        optimizer=optimizer,
+        scheduler=scheduler,
+        capture=on_policy,
+        ref=object(),
+    )
     before = full_weights(policy)
     result = grpo.update_actor(run, batch, {})
     return before, full_weights(policy), result
@@ -93,8 +114,9 @@ def schedule(path: str, overrides: list[str], full: dict, device) -> dict:
     optimizer, scheduler = grpo.build_optimizer(cfg, policy, total_steps=4)
     step_lrs = []
     optimizer.register_step_pre_hook(lambda opt, args, kwargs: step_lrs.append(opt.param_groups[0]["lr"]))
-    run = types.SimpleNamespace(cfg=cfg, world=world, policy=policy,
-                                optimizer=optimizer, scheduler=scheduler, capture=False, ref=object())
+    run = types.SimpleNamespace(
+        cfg=cfg, world=world, policy=policy, optimizer=optimizer, scheduler=scheduler, capture=False, ref=object()
+    )
     lrs, unchanged = [], []
     for _ in range(4):
         before = full_weights(policy)
@@ -130,8 +152,18 @@ def main():
         torch.save({"before": before, "after": after}, os.path.join(out, f"seq_mean_empty_ws{world}.pt"))
     result["constant"] = schedule(path, ["actor.lr=0.01", "actor.lr_warmup_steps=2"], full, device)
     # two mini-batches per global step (2 prompts each, 1 per rank at world size 2): still ONE schedule step
-    result["cosine"] = schedule(path, ["actor.lr=0.01", "actor.lr_warmup_steps_ratio=0.5", "actor.lr_schedule=cosine",
-                                       "actor.min_lr_ratio=0.1", "actor.ppo_mini_batch_size=2"], full, device)
+    result["cosine"] = schedule(
+        path,
+        [
+            "actor.lr=0.01",
+            "actor.lr_warmup_steps_ratio=0.5",
+            "actor.lr_schedule=cosine",
+            "actor.min_lr_ratio=0.1",
+            "actor.ppo_mini_batch_size=2",
+        ],
+        full,
+        device,
+    )
     report(rank, result)
     shut_down()
 

@@ -20,6 +20,7 @@ def shut_down() -> None:
     exception", during interpreter exit), with this project's code before and after the chunked log-probs
     alike; the worker's results are written by then, so the abort only made tests flaky."""
     import torch.distributed as dist
+
     if dist.is_initialized():
         dist.barrier()
         dist.destroy_process_group()

@@ -20,7 +20,14 @@ import grpo  # noqa: E402
 checkpoint, config_file, overrides = sys.argv[1], sys.argv[3], sys.argv[4:]
 run = grpo.setup(config.load_config(config_file, overrides))
 saved = torch.load(os.path.join(checkpoint, "state_rank0.pt"), weights_only=False)["extra"]["rng"]
-print(json.dumps({"start": run.start, "engine": run.llm is not None,
-                  "torch": torch.equal(torch.get_rng_state(), saved["torch"]),
-                  "python": random.getstate() == saved["python"],
-                  "numpy": all(np.array_equal(a, b) for a, b in zip(np.random.get_state(), saved["numpy"]))}))
+print(
+    json.dumps(
+        {
+            "start": run.start,
+            "engine": run.llm is not None,
+            "torch": torch.equal(torch.get_rng_state(), saved["torch"]),
+            "python": random.getstate() == saved["python"],
+            "numpy": all(np.array_equal(a, b) for a, b in zip(np.random.get_state(), saved["numpy"], strict=True)),
+        }
+    )
+)

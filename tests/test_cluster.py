@@ -10,10 +10,10 @@ import sys
 import time
 
 import pytest
+from test_grpo import SMALL, comparable, read_metrics, run_grpo
 
 import fsdp_train
 from conftest import ROOT, free_port, run_nodes
-from test_grpo import SMALL, comparable, read_metrics, run_grpo
 
 
 def reports(results_dir) -> list[dict]:
@@ -30,8 +30,12 @@ def test_node_first_fetches_once_per_node_without_a_shared_disk(tmp_path, fail_n
     for d in disks:
         d.mkdir()
     extra = [] if fail_node is None else ["--fail-node", str(fail_node)]
-    procs = run_nodes([os.path.join(ROOT, "tests", "cluster_worker.py")], 2,
-                      [{"args": [str(d), *extra], "env": {"TEST_RESULTS": str(results)}} for d in disks], timeout=300)
+    procs = run_nodes(
+        [os.path.join(ROOT, "tests", "cluster_worker.py")],
+        2,
+        [{"args": [str(d), *extra], "env": {"TEST_RESULTS": str(results)}} for d in disks],
+        timeout=300,
+    )
     assert all(p.returncode == 0 for p in procs), [p.stderr[-2000:] for p in procs]
     got = reports(results)
     assert sorted((r["node"], r["local_rank"]) for r in got) == [(0, 0), (0, 1), (1, 0), (1, 1)]
@@ -49,9 +53,19 @@ def test_node_first_fetches_once_per_node_without_a_shared_disk(tmp_path, fail_n
 # ------------------------------------------------------------------------------ end to end
 # 4 prompts x 4 samples per step in 2 mini-batches, DAPO's dynamic sampling on with generation batches of 2 prompts
 # (several per step), checkpoints every 2 steps; a straight 2-rank run is what every interrupted run must equal.
-CLUSTER = ["rollout.n=4", "data.train_batch_size=4", "actor.ppo_mini_batch_size=2", "data.max_response_length=24",
-           "trainer.total_steps=4", "trainer.save_every=2", "trainer.val_every=0", "trainer.sync_check_every=0",
-           "algorithm.filter_groups.enable=true", "data.gen_batch_size=2", "trainer.export_hf=false"]
+CLUSTER = [
+    "rollout.n=4",
+    "data.train_batch_size=4",
+    "actor.ppo_mini_batch_size=2",
+    "data.max_response_length=24",
+    "trainer.total_steps=4",
+    "trainer.save_every=2",
+    "trainer.val_every=0",
+    "trainer.sync_check_every=0",
+    "algorithm.filter_groups.enable=true",
+    "data.gen_batch_size=2",
+    "trainer.export_hf=false",
+]
 
 
 @pytest.fixture(scope="module")
@@ -76,19 +90,25 @@ def test_dynamic_sampling_keeps_groups_with_signal_in_generation_order(straight,
 
     import reward
     import rollout
+
     out, rows = straight
     tokenizer = AutoTokenizer.from_pretrained(tiny_build["model"])
     with open(tiny_build["train"]) as f:
-        prompts = {tuple(rollout.render_prompt(tokenizer, reward.make_prompt(json.loads(line)["question"]))): i
-                   for i, line in enumerate(f) if i < 200}
+        prompts = {
+            tuple(rollout.render_prompt(tokenizer, reward.make_prompt(json.loads(line)["question"]))): i
+            for i, line in enumerate(f)
+            if i < 200
+        }
     used, order = 0, []
     for step in (1, 2, 3, 4):
         d = torch.load(out / "dump" / f"step_{step}.pt")
         width = d["response_mask"].shape[1]
         groups = d["rewards"].reshape(4, 4).double().numpy()
         assert all(np.std(g) > 0 for g in groups)
-        order += [prompts[tuple(d["input_ids"][k, :-width][d["attention_mask"][k, :-width].bool()].tolist())]
-                  for k in range(0, 16, 4)]
+        order += [
+            prompts[tuple(d["input_ids"][k, :-width][d["attention_mask"][k, :-width].bool()].tolist())]
+            for k in range(0, 16, 4)
+        ]
         assert rows[step - 1]["train/num_gen_batches"] >= 2
         used += rows[step - 1]["train/num_gen_batches"]
     assert order == sorted(order) and len(set(order)) == 16 and order[-1] < 2 * used  # generation order, no repeats
@@ -100,7 +120,9 @@ def test_sigterm_checkpoints_the_step_and_a_resumed_run_continues(straight, tmp_
     checkpoint it (no periodic checkpoints in this run), exit 143; trainer.resume=auto continues with the next step,
     and the run ends with the metrics of the uninterrupted run."""
     out = tmp_path / "run"
-    proc = run_grpo(out, 2, *CLUSTER, "trainer.save_every=0", background=True)  # no periodic checkpoint: only the stop's
+    proc = run_grpo(
+        out, 2, *CLUSTER, "trainer.save_every=0", background=True
+    )  # no periodic checkpoint: only the stop's
     wait_for_step(out, 1, proc)
     os.kill(proc.pid, signal.SIGTERM)
     assert proc.wait(timeout=300) != 0
@@ -116,8 +138,16 @@ def test_two_nodes_train_checkpoint_and_resume_like_one(straight, tmp_path):
     the metrics equal the 2-rank run's."""
     out = tmp_path / "run"
     for steps in (2, 4):
-        args = ["grpo.py", "--config", "tiny.yaml", *SMALL, *CLUSTER, f"trainer.output_dir={out}",
-                f"trainer.total_steps={steps}", "trainer.resume=auto"]
+        args = [
+            "grpo.py",
+            "--config",
+            "tiny.yaml",
+            *SMALL,
+            *CLUSTER,
+            f"trainer.output_dir={out}",
+            f"trainer.total_steps={steps}",
+            "trainer.resume=auto",
+        ]
         procs = run_nodes(args, 1, [{}, {}], timeout=900)
         assert all(p.returncode == 0 for p in procs), [p.stderr[-3000:] for p in procs]
     same_run(read_metrics(out), straight[1])
@@ -139,8 +169,12 @@ def test_a_node_that_does_not_share_the_output_dir_stops_the_run_with_one_line(t
     for p in procs:  # each node's rank: one line, no traceback of ours (torchrun then reports the failed worker)
         lines = [line for line in p.stderr.splitlines() if line.startswith("error: ")]
         assert p.returncode != 0 and len(lines) == 1 and "[rank" not in p.stderr, p.stderr[-3000:]
-        assert lines[0].startswith(f"error: config: trainer.output_dir = '{out}' is not one directory shared by all "
-                                   "nodes: ") and "(rank 1) cannot see what rank 0 writes there" in lines[0]
+        assert (
+            lines[0].startswith(
+                f"error: config: trainer.output_dir = '{out}' is not one directory shared by all nodes: "
+            )
+            and "(rank 1) cannot see what rank 0 writes there" in lines[0]
+        )
     assert not (out / "metrics.jsonl").exists()
 
 
@@ -158,11 +192,33 @@ def test_a_killed_worker_restarts_and_the_run_ends_like_an_uninterrupted_one(str
     """torchrun --max-restarts 1, trainer.resume=auto: one worker SIGKILLed after step 3 (checkpoint at 2); torchrun
     restarts both, they resume from step 2 and the run finishes with the uninterrupted run's steps and metrics."""
     out = tmp_path / "run"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--max-restarts", "1", "--nproc_per_node", "2",
-           "--master_port", str(free_port()), "grpo.py", "--config", "tiny.yaml", *SMALL, *CLUSTER,
-           f"trainer.output_dir={out}", "trainer.resume=auto"]
-    proc = subprocess.Popen(cmd, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--max-restarts",
+        "1",
+        "--nproc_per_node",
+        "2",
+        "--master_port",
+        str(free_port()),
+        "grpo.py",
+        "--config",
+        "tiny.yaml",
+        *SMALL,
+        *CLUSTER,
+        f"trainer.output_dir={out}",
+        "trainer.resume=auto",
+    ]
+    proc = subprocess.Popen(
+        cmd,
+        cwd=ROOT,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
     wait_for_step(out, 3, proc)
     workers = subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True, text=True).stdout.split()
     assert len(workers) == 2, workers

@@ -7,17 +7,25 @@ import math
 
 import pytest
 import torch
+from test_grpo import read_metrics, run_grpo
 
 import reward
-from test_grpo import read_metrics, run_grpo
 
 N, BATCH, MAX_RESPONSE = 8, 8, 32  # tests/test_grpo.py's SMALL: 8 prompts x 8 samples of <= 32 tokens
 RS_THRESHOLD = 1e-4  # token_k3 > 1e-4 (|log-ratio| > ~0.014 nats): a few per cent of the bf16 tokens here
-CORRECTED = ["rollout.dtype=bfloat16", "algorithm.rollout_correction.rollout_is=sequence",
-             "algorithm.rollout_correction.rollout_rs=token_k3",
-             f"algorithm.rollout_correction.rollout_rs_threshold={RS_THRESHOLD}", "reward.overlong_buffer.enable=true",
-             "reward.overlong_buffer.len=16", "reward.overlong_buffer.penalty_factor=0.5",
-             "actor.ppo_mini_batch_size=8", "trainer.total_steps=2", "trainer.val_every=0", "trainer.sync_check_every=0"]
+CORRECTED = [
+    "rollout.dtype=bfloat16",
+    "algorithm.rollout_correction.rollout_is=sequence",
+    "algorithm.rollout_correction.rollout_rs=token_k3",
+    f"algorithm.rollout_correction.rollout_rs_threshold={RS_THRESHOLD}",
+    "reward.overlong_buffer.enable=true",
+    "reward.overlong_buffer.len=16",
+    "reward.overlong_buffer.penalty_factor=0.5",
+    "actor.ppo_mini_batch_size=8",
+    "trainer.total_steps=2",
+    "trainer.val_every=0",
+    "trainer.sync_check_every=0",
+]
 
 
 @pytest.fixture(scope="module")
@@ -28,8 +36,13 @@ def corrected(tiny_build, tmp_path_factory):
     run_grpo(out / "run", 2, *CORRECTED, f"trainer.dump_batches={out / 'dump'}")
     replays = {}
     for nproc in (1, 2):
-        run_grpo(out / f"replay{nproc}", nproc, *CORRECTED, f"trainer.replay_batches={out / 'dump'}",
-                 "trainer.export_hf=false")
+        run_grpo(
+            out / f"replay{nproc}",
+            nproc,
+            *CORRECTED,
+            f"trainer.replay_batches={out / 'dump'}",
+            "trainer.export_hf=false",
+        )
         replays[nproc] = read_metrics(out / f"replay{nproc}")
     return out, read_metrics(out / "run"), replays
 
@@ -55,6 +68,7 @@ def test_the_dump_holds_the_corrected_batch_computed_over_both_ranks(corrected, 
     import json
 
     from transformers import AutoTokenizer
+
     out, rows, _ = corrected
     tokenizer = AutoTokenizer.from_pretrained(tiny_build["model"])
     with open(tiny_build["train"]) as f:
@@ -79,7 +93,9 @@ def test_the_dump_holds_the_corrected_batch_computed_over_both_ranks(corrected, 
             text = tokenizer.decode(d["input_ids"][k, -width:][sampled[k].bool()], skip_special_tokens=True)
             truth = reward.extract_ground_truth(train[(step - 1) * BATCH + k // N]["answer"])
             over = max(0, int(lengths[k]) - (MAX_RESPONSE - 16))
-            assert d["rewards"][k].item() == pytest.approx(reward.compute_score(text, truth) - over / 16 * 0.5, abs=1e-6)
+            assert d["rewards"][k].item() == pytest.approx(
+                reward.compute_score(text, truth) - over / 16 * 0.5, abs=1e-6
+            )
     assert holes > 0  # rejection punched holes INSIDE responses, and the update took them
 
 
@@ -100,9 +116,17 @@ def test_a_replay_at_one_and_two_ranks_logs_the_same_correction(corrected):
 def test_bypass_mode_takes_vllms_log_probs_as_the_old_ones(tiny_build, tmp_path):
     """bypass_mode: no old-log-prob pass; the PPO ratio is taken against vLLM's log-probs (the dump's old ones ARE
     vLLM's), the diagnostics come from the update's own forward."""
-    run_grpo(tmp_path / "run", 1, "algorithm.rollout_correction.bypass_mode=true", "rollout.dtype=bfloat16",
-             "algorithm.rollout_correction.rollout_rs=token_k3", f"algorithm.rollout_correction.rollout_rs_threshold={RS_THRESHOLD}",
-             "trainer.total_steps=2", "trainer.val_every=0", f"trainer.dump_batches={tmp_path / 'dump'}")
+    run_grpo(
+        tmp_path / "run",
+        1,
+        "algorithm.rollout_correction.bypass_mode=true",
+        "rollout.dtype=bfloat16",
+        "algorithm.rollout_correction.rollout_rs=token_k3",
+        f"algorithm.rollout_correction.rollout_rs_threshold={RS_THRESHOLD}",
+        "trainer.total_steps=2",
+        "trainer.val_every=0",
+        f"trainer.dump_batches={tmp_path / 'dump'}",
+    )
     rows = read_metrics(tmp_path / "run")
     d = torch.load(tmp_path / "dump" / "step_1.pt")
     assert torch.equal(d["old_logprobs"], d["rollout_logprobs"])

@@ -6,13 +6,13 @@ import os
 
 import pytest
 import torch
+from train_worker import CLIP, ENTROPY_COEF, KL_COEF, global_batch
 from transformers import AutoModelForCausalLM
 
 import fp32_noise
 import fsdp_train as ft
 import losses
 from conftest import run_torchrun
-from train_worker import CLIP, ENTROPY_COEF, KL_COEF, global_batch
 
 
 # ------------------------------------------------------------------ pure helpers
@@ -112,6 +112,7 @@ def test_mfu_matches_the_formula_by_hand():
     class C:  # a Qwen2.5-7B-like shape
         hidden_size, intermediate_size, num_hidden_layers = 3584, 18944, 28
         num_attention_heads, num_key_value_heads, vocab_size = 28, 4, 152064
+
     d = 128
     n = 28 * (3 * 3584 * 18944 + 3584 * (28 * d + 2 * 4 * d + 28 * d)) + 2 * 152064 * 3584
     assert n == pytest.approx(7.6e9, rel=0.02)  # ~7.6B parameters
@@ -149,7 +150,7 @@ def reference_run(model, steps: int, lr: float = 1e-3) -> dict:
         r = b["response_mask"].shape[1]
         pos = (b["attention_mask"].cumsum(-1) - 1).clamp(min=0)
         logits = model(input_ids=b["input_ids"], attention_mask=b["attention_mask"], position_ids=pos).logits
-        logits = logits[:, -r - 1:-1].to(dtype)
+        logits = logits[:, -r - 1 : -1].to(dtype)
         logp = torch.log_softmax(logits, -1).gather(-1, b["input_ids"][:, -r:, None])[..., 0]
         mask = b["response_mask"]
         pg, m = losses.policy_loss(logp, b["old_logprobs"], b["advantages"], mask, **CLIP)
@@ -160,8 +161,14 @@ def reference_run(model, steps: int, lr: float = 1e-3) -> dict:
         norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0).item()
         optimizer.step()
         scheduler.step()
-        metrics = {"actor/pg_loss": pg.item(), "actor/grad_norm": norm, "actor/entropy": ent.item(),
-                   "actor/kl_loss": kl.item(), "actor/ppo_kl": m["ppo_kl"], "actor/pg_clipfrac": m["pg_clipfrac"]}
+        metrics = {
+            "actor/pg_loss": pg.item(),
+            "actor/grad_norm": norm,
+            "actor/entropy": ent.item(),
+            "actor/kl_loss": kl.item(),
+            "actor/ppo_kl": m["ppo_kl"],
+            "actor/pg_clipfrac": m["pg_clipfrac"],
+        }
         out.update({f"{k}@{step}": v for k, v in metrics.items()})
         out[f"weights@{step}"] = fp32_noise.Flat({k: v.detach().clone() for k, v in model.state_dict().items()})
     return out
@@ -172,8 +179,11 @@ def reference(random_models):
     """(reference, noise): reference_run on the tied model for 3 steps in float64, and how far fp32 lands
     from it at 1 and 2 threads (tests/fp32_noise.py)."""
     model = AutoModelForCausalLM.from_pretrained(random_models["tied"], dtype=torch.float32)
-    return fp32_noise.measure(lambda dtype: reference_run(
-        fp32_noise.float64_copy(model) if dtype == torch.float64 else copy.deepcopy(model), steps=3))
+    return fp32_noise.measure(
+        lambda dtype: reference_run(
+            fp32_noise.float64_copy(model) if dtype == torch.float64 else copy.deepcopy(model), steps=3
+        )
+    )
 
 
 def check_run(weights: dict, history: list[dict], reference: tuple[dict, dict], what: str):
@@ -234,8 +244,18 @@ def test_activation_checkpointing_and_bf16_compute(random_models, reference, tmp
 def test_kill_then_resume_gives_bitwise_identical_losses(random_models, tmp_path):
     path = random_models["tied"]
     straight = run_torchrun("train_worker.py", 2, path, str(tmp_path / "a"), "--steps", "4")[0]["history"]
-    run_torchrun("train_worker.py", 2, path, str(tmp_path / "b"), "--steps", "4", "--save-at", "2",
-                 "--kill-after-save", killed=True)
+    run_torchrun(
+        "train_worker.py",
+        2,
+        path,
+        str(tmp_path / "b"),
+        "--steps",
+        "4",
+        "--save-at",
+        "2",
+        "--kill-after-save",
+        killed=True,
+    )
     assert [os.path.basename(p) for p in ft.list_checkpoints(str(tmp_path / "b" / "ckpt"))] == ["step_2"]
     resumed = run_torchrun("train_worker.py", 2, path, str(tmp_path / "b"), "--steps", "4", "--resume")[0]["history"]
     assert [h["step"] for h in resumed] == [3, 4]
@@ -250,8 +270,9 @@ def test_kill_then_resume_gives_bitwise_identical_losses(random_models, tmp_path
 def test_crash_in_the_middle_of_a_save_keeps_the_previous_checkpoint(random_models, tmp_path):
     path = random_models["untied"]
     out = tmp_path / "run"
-    run_torchrun("train_worker.py", 2, path, str(out), "--steps", "3", "--save-at", "1", "--crash-save-at", "2",
-                 killed=True)
+    run_torchrun(
+        "train_worker.py", 2, path, str(out), "--steps", "3", "--save-at", "1", "--crash-save-at", "2", killed=True
+    )
     root = str(out / "ckpt")
     assert os.path.isdir(os.path.join(root, "step_2.tmp"))  # the crash happened during the second save
     assert [os.path.basename(p) for p in ft.list_checkpoints(root)] == ["step_1"]
@@ -261,8 +282,9 @@ def test_crash_in_the_middle_of_a_save_keeps_the_previous_checkpoint(random_mode
 
 
 def test_nan_gradient_skips_the_step_and_leaves_weights_untouched(random_models, tmp_path):
-    hist = run_torchrun("train_worker.py", 1, random_models["tied"], str(tmp_path), "--steps", "3",
-                        "--nan-at", "2")[0]["history"]
+    hist = run_torchrun("train_worker.py", 1, random_models["tied"], str(tmp_path), "--steps", "3", "--nan-at", "2")[0][
+        "history"
+    ]
     assert [h["actor/skipped_steps"] for h in hist] == [0.0, 1.0, 0.0]
     assert math.isnan(hist[1]["actor/grad_norm"]) and hist[1]["weights_unchanged"] == 1.0
     assert math.isfinite(hist[2]["actor/grad_norm"])
@@ -274,6 +296,7 @@ def test_export_hf_loads_in_transformers_and_vllm(random_models, tmp_path):
     2 ranks, compute_logprobs) and vLLM's sampling log-probs against transformers' forward in float64 on the
     exported weights, within FACTOR x the fp32 noise of that forward (tests/fp32_noise.py)."""
     import rollout
+
     run_torchrun("train_worker.py", 2, random_models["tied"], str(tmp_path), "--steps", "1", "--export")
     hf_dir = str(tmp_path / "hf")
     assert os.path.exists(os.path.join(hf_dir, "model.safetensors"))
@@ -282,8 +305,9 @@ def test_export_hf_loads_in_transformers_and_vllm(random_models, tmp_path):
     probe = torch.load(tmp_path / "probe.pt")
     b, r = probe["batch"], probe["batch"]["response_mask"].shape[1]
     llm = rollout.make_engine(hf_dir, dtype="float32", max_model_len=256, gpu_memory_utilization=0.2)
-    samples = rollout.generate(llm, [[{"role": "user", "content": "Tom has 3 apples."}]], n=3, temperature=1.0,
-                               max_tokens=12, seed=0)
+    samples = rollout.generate(
+        llm, [[{"role": "user", "content": "Tom has 3 apples."}]], n=3, temperature=1.0, max_tokens=12, seed=0
+    )
     del llm
 
     @torch.no_grad()
@@ -291,10 +315,10 @@ def test_export_hf_loads_in_transformers_and_vllm(random_models, tmp_path):
         m = fp32_noise.float64_copy(model) if dtype == torch.float64 else model
         pos = (b["attention_mask"].cumsum(-1) - 1).clamp(min=0)
         logits = m(input_ids=b["input_ids"], attention_mask=b["attention_mask"], position_ids=pos).logits
-        logp = torch.log_softmax(logits[:, -r - 1:-1], -1).gather(-1, b["input_ids"][:, -r:, None])[..., 0]
+        logp = torch.log_softmax(logits[:, -r - 1 : -1], -1).gather(-1, b["input_ids"][:, -r:, None])[..., 0]
         out = {"probe": logp * b["response_mask"].to(dtype)}
         for i, s in enumerate(samples):
-            lg = m(input_ids=torch.tensor([s.prompt_ids + s.response_ids])).logits[0, len(s.prompt_ids) - 1:-1]
+            lg = m(input_ids=torch.tensor([s.prompt_ids + s.response_ids])).logits[0, len(s.prompt_ids) - 1 : -1]
             out[f"sample{i}"] = torch.log_softmax(lg, -1).gather(-1, torch.tensor(s.response_ids)[:, None])[:, 0]
         return out
 
@@ -307,6 +331,10 @@ def test_export_hf_loads_in_transformers_and_vllm(random_models, tmp_path):
 def test_the_trainers_peak_leaves_out_other_memory_pools():
     """perf/max_memory_allocated_gb on GPU: torch counts a sleeping vLLM's pool (a MemPool: segment_pool_id other
     than (0, 0)) as allocated; other_pools_bytes is what is subtracted. A snapshot in torch's format."""
-    snapshot = [{"segment_pool_id": (0, 0), "allocated_size": 5 << 20}, {"segment_pool_id": (1, 7), "allocated_size": 3 << 20},
-                {"segment_pool_id": [1, 7], "allocated_size": 1 << 20}, {"allocated_size": 2 << 20}]
+    snapshot = [
+        {"segment_pool_id": (0, 0), "allocated_size": 5 << 20},
+        {"segment_pool_id": (1, 7), "allocated_size": 3 << 20},
+        {"segment_pool_id": [1, 7], "allocated_size": 1 << 20},
+        {"allocated_size": 2 << 20},
+    ]
     assert ft.other_pools_bytes(snapshot) == 4 << 20

@@ -29,68 +29,101 @@ VAL_KEY = "val-core/openai/gsm8k/reward/mean@1"  # veRL's name of greedy validat
 
 
 def test_defaults_yaml_and_overrides(tmp_path):
-    cfg = config.load_config(os.path.join(ROOT, "gsm8k.yaml"), ["actor.lr=3e-6", "trainer.total_steps=7",
-                                                               "trainer.logger=[console, wandb]"])
+    cfg = config.load_config(
+        os.path.join(ROOT, "gsm8k.yaml"), ["actor.lr=3e-6", "trainer.total_steps=7", "trainer.logger=[console, wandb]"]
+    )
     assert cfg["actor"]["lr"] == 3e-6 and isinstance(cfg["actor"]["lr"], float)  # "3e-6": YAML 1.1 string
     assert cfg["trainer"]["total_steps"] == 7 and cfg["trainer"]["logger"] == ["console", "wandb"]
     assert cfg["data"]["train_batch_size"] == 96 and cfg["actor"]["clip_ratio_high"] == 0.28
     assert cfg["actor"]["entropy_coeff"] == 0.003 and cfg["actor"]["kl_loss_coef"] == 0.001
     assert config.load_config(None, [])["actor"]["lr"] == config.DEFAULTS["actor"]["lr"]
     assert config.load_config(None, ["actor.kl_loss_coef=0"])["actor"]["kl_loss_coef"] == 0.0  # int -> float
-    rc = config.load_config(None, ["algorithm.rollout_correction.rollout_is_threshold=0.5_2",  # not YAML's 0.52
-                                   "algorithm.rollout_correction.rollout_rs_threshold=3"])["algorithm"]["rollout_correction"]
+    rc = config.load_config(
+        None,
+        [
+            "algorithm.rollout_correction.rollout_is_threshold=0.5_2",  # not YAML's 0.52
+            "algorithm.rollout_correction.rollout_rs_threshold=3",
+        ],
+    )["algorithm"]["rollout_correction"]
     assert rc["rollout_is_threshold"] == "0.5_2" and rc["rollout_rs_threshold"] == 3.0
 
 
-@pytest.mark.parametrize("override, message", [
-    ("actor.lrr=1", "unknown key 'actor.lrr'; accepted: actor.lr, actor.lr_warmup_steps"),
-    ("optim.lr=1", "unknown key 'optim.lr'; accepted: model, data, rollout"),
-    ("actor.lr=fast", "actor.lr = 'fast' has type str; expected float"),
-    ("data.train_batch_size=1.5", "data.train_batch_size = 1.5 has type float; expected int"),
-    ("data.shuffle=1", "data.shuffle = 1 has type int; expected bool"),
-    ("trainer.total_steps=ten", "trainer.total_steps = 'ten' has type str; expected int"),
-    ("actor.loss_agg_mode=sum", "accepted: token-mean, seq-mean-token-sum"),
-    ("actor.kl_loss_type=full", "accepted: kl, k1, abs"),
-    ("actor.clip_ratio_c=1", "actor.clip_ratio_c = 1.0; accepted: > 1"),
-    ("actor.lr=-1", "actor.lr = -1.0; accepted: > 0"),
-    ("rollout.temperature=-1", "rollout.temperature = -1.0; accepted: > 0"),
-    ("rollout.top_p=2", "rollout.top_p = 2.0; accepted: 0 < value <= 1"),
-    ("rollout.top_k=0", "rollout.top_k = 0; accepted: -1 (off) or >= 1"),
-    ("actor.grad_clip=-1", "actor.grad_clip = -1.0; accepted: > 0"),
-    ("data.max_response_length=0", "data.max_response_length = 0; accepted: >= 1"),
-    ("trainer.total_steps=0", "trainer.total_steps = 0; accepted: >= 1"),
-    ("rollout.n=0", "rollout.n = 0; accepted: >= 1"),
-    ("actor.clip_ratio_high=1.5", "actor.clip_ratio_high = 1.5; accepted: 0 <= value < 1"),
-    ("actor.lr_warmup_steps=-2", "actor.lr_warmup_steps = -2; accepted: >= 0"),
-    ("rollout.gpu_memory_utilization=0", "rollout.gpu_memory_utilization = 0.0; accepted: 0 < value <= 1"),
-    ("rollout.tensor_parallel_size=2", "rollout.tensor_parallel_size = 2; accepted: 1 (each rank runs its own engine"),
-    ("rollout.sleep_level=2", "rollout.sleep_level = 2; accepted: 1 (level 2 discards the weights; wrong outputs"),
-    ("trainer.resume=/tmp", "trainer.resume = '/tmp' is not a checkpoint"),
-    ("algorithm.rollout_correction.rollout_is=seq", "rollout_is = 'seq'; accepted: token, sequence"),
-    ("algorithm.rollout_correction.rollout_is=token algorithm.rollout_correction.rollout_is_threshold=2_1",
-     "rollout_is = 'token', rollout_is_threshold = '2_1', rollout_is_batch_normalize = False, rollout_rs = None"),
-    ("algorithm.rollout_correction.rollout_rs=token_k9", "rollout_rs = 'token_k9', rollout_rs_threshold = None: "
-                                                         "rollout_rejection_mask: modes='token_k9'; accepted: a comma"),
-    ("algorithm.rollout_correction.rollout_rs=token_k2", "rollout_rs = 'token_k2', rollout_rs_threshold = None: "
-                                                         "rollout_rejection_mask: thresholds=None"),
-    ("algorithm.rollout_correction.bypass_mode=true algorithm.rollout_correction.rollout_is=token",
-     "rollout_is = 'token' with bypass_mode=true; accepted: null"),
-    ("algorithm.rollout_corection.rollout_is=token", "unknown key 'algorithm.rollout_corection.rollout_is'; accepted: "
-                                                     "algorithm.norm_adv_by_std_in_grpo, algorithm.rollout_correction"),
-    ("data.gen_batch_size=4", "data.gen_batch_size = 4; accepted: null or data.train_batch_size, unless "
-                              "algorithm.filter_groups.enable=true"),
-    ("rollout.val_n=4", "rollout.val_n = 4 needs rollout.val_temperature > 0"),
-    ("reward.overlong_buffer.enable=true", "reward.overlong_buffer.len = 0; accepted: 0 < value <= data.max_response_length"),
-    ("custom_reward_function.path=7", "custom_reward_function.path = 7 has type int; expected str"),
-    ("actor.logprob_chunk_size=-1", "actor.logprob_chunk_size = -1; accepted: >= 0 (response positions per lm_head"),
-    ("actor.betas=[0.9]", "actor.betas = [0.9]; accepted: two numbers in [0, 1)"),
-    ("actor.lr=.inf", "actor.lr = inf; accepted: a finite number"),
-    ("trainer.logger=[tensorboard]", "trainer.logger = ['tensorboard']; accepted: a list of: console, wandb"),
-    ("model.compute_dtype=fp16", "accepted: float32, bfloat16, float16"),
-    ("actor.ppo_mini_batch_size=5", "multiple of actor.ppo_mini_batch_size (5)"),
-    ("trainer.resume=/no/such/dir", "is not a checkpoint; accepted: off, auto, or a complete checkpoint directory"),
-    ("actor.lr", "is not key.sub=value"),
-])
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("actor.lrr=1", "unknown key 'actor.lrr'; accepted: actor.lr, actor.lr_warmup_steps"),
+        ("optim.lr=1", "unknown key 'optim.lr'; accepted: model, data, rollout"),
+        ("actor.lr=fast", "actor.lr = 'fast' has type str; expected float"),
+        ("data.train_batch_size=1.5", "data.train_batch_size = 1.5 has type float; expected int"),
+        ("data.shuffle=1", "data.shuffle = 1 has type int; expected bool"),
+        ("trainer.total_steps=ten", "trainer.total_steps = 'ten' has type str; expected int"),
+        ("actor.loss_agg_mode=sum", "accepted: token-mean, seq-mean-token-sum"),
+        ("actor.kl_loss_type=full", "accepted: kl, k1, abs"),
+        ("actor.clip_ratio_c=1", "actor.clip_ratio_c = 1.0; accepted: > 1"),
+        ("actor.lr=-1", "actor.lr = -1.0; accepted: > 0"),
+        ("rollout.temperature=-1", "rollout.temperature = -1.0; accepted: > 0"),
+        ("rollout.top_p=2", "rollout.top_p = 2.0; accepted: 0 < value <= 1"),
+        ("rollout.top_k=0", "rollout.top_k = 0; accepted: -1 (off) or >= 1"),
+        ("actor.grad_clip=-1", "actor.grad_clip = -1.0; accepted: > 0"),
+        ("data.max_response_length=0", "data.max_response_length = 0; accepted: >= 1"),
+        ("trainer.total_steps=0", "trainer.total_steps = 0; accepted: >= 1"),
+        ("rollout.n=0", "rollout.n = 0; accepted: >= 1"),
+        ("actor.clip_ratio_high=1.5", "actor.clip_ratio_high = 1.5; accepted: 0 <= value < 1"),
+        ("actor.lr_warmup_steps=-2", "actor.lr_warmup_steps = -2; accepted: >= 0"),
+        ("rollout.gpu_memory_utilization=0", "rollout.gpu_memory_utilization = 0.0; accepted: 0 < value <= 1"),
+        (
+            "rollout.tensor_parallel_size=2",
+            "rollout.tensor_parallel_size = 2; accepted: 1 (each rank runs its own engine",
+        ),
+        ("rollout.sleep_level=2", "rollout.sleep_level = 2; accepted: 1 (level 2 discards the weights; wrong outputs"),
+        ("trainer.resume=/tmp", "trainer.resume = '/tmp' is not a checkpoint"),
+        ("algorithm.rollout_correction.rollout_is=seq", "rollout_is = 'seq'; accepted: token, sequence"),
+        (
+            "algorithm.rollout_correction.rollout_is=token algorithm.rollout_correction.rollout_is_threshold=2_1",
+            "rollout_is = 'token', rollout_is_threshold = '2_1', rollout_is_batch_normalize = False, rollout_rs = None",
+        ),
+        (
+            "algorithm.rollout_correction.rollout_rs=token_k9",
+            "rollout_rs = 'token_k9', rollout_rs_threshold = None: "
+            "rollout_rejection_mask: modes='token_k9'; accepted: a comma",
+        ),
+        (
+            "algorithm.rollout_correction.rollout_rs=token_k2",
+            "rollout_rs = 'token_k2', rollout_rs_threshold = None: rollout_rejection_mask: thresholds=None",
+        ),
+        (
+            "algorithm.rollout_correction.bypass_mode=true algorithm.rollout_correction.rollout_is=token",
+            "rollout_is = 'token' with bypass_mode=true; accepted: null",
+        ),
+        (
+            "algorithm.rollout_corection.rollout_is=token",
+            "unknown key 'algorithm.rollout_corection.rollout_is'; accepted: "
+            "algorithm.norm_adv_by_std_in_grpo, algorithm.rollout_correction",
+        ),
+        (
+            "data.gen_batch_size=4",
+            "data.gen_batch_size = 4; accepted: null or data.train_batch_size, unless "
+            "algorithm.filter_groups.enable=true",
+        ),
+        ("rollout.val_n=4", "rollout.val_n = 4 needs rollout.val_temperature > 0"),
+        (
+            "reward.overlong_buffer.enable=true",
+            "reward.overlong_buffer.len = 0; accepted: 0 < value <= data.max_response_length",
+        ),
+        ("custom_reward_function.path=7", "custom_reward_function.path = 7 has type int; expected str"),
+        (
+            "actor.logprob_chunk_size=-1",
+            "actor.logprob_chunk_size = -1; accepted: >= 0 (response positions per lm_head",
+        ),
+        ("actor.betas=[0.9]", "actor.betas = [0.9]; accepted: two numbers in [0, 1)"),
+        ("actor.lr=.inf", "actor.lr = inf; accepted: a finite number"),
+        ("trainer.logger=[tensorboard]", "trainer.logger = ['tensorboard']; accepted: a list of: console, wandb"),
+        ("model.compute_dtype=fp16", "accepted: float32, bfloat16, float16"),
+        ("actor.ppo_mini_batch_size=5", "multiple of actor.ppo_mini_batch_size (5)"),
+        ("trainer.resume=/no/such/dir", "is not a checkpoint; accepted: off, auto, or a complete checkpoint directory"),
+        ("actor.lr", "is not key.sub=value"),
+    ],
+)
 def test_config_errors_name_the_key_and_the_accepted_values(override, message):
     with pytest.raises(config.ConfigError, match=message.replace("(", r"\(").replace(")", r"\)").replace("[", r"\[")):
         config.load_config(None, override.split(" "))
@@ -111,8 +144,13 @@ def test_config_file_errors(tmp_path):
 
 def test_cli_stops_with_one_line_before_loading_anything(tmp_path):
     out = tmp_path / "never"
-    proc = subprocess.run([sys.executable, "grpo.py", "--config", "tiny.yaml", "actor.lr=x",
-                           f"trainer.output_dir={out}"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "grpo.py", "--config", "tiny.yaml", "actor.lr=x", f"trainer.output_dir={out}"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode != 0
     assert proc.stderr.strip().splitlines()[-1] == "error: config: actor.lr = 'x' has type str; expected float"
     assert "Traceback" not in proc.stderr and not out.exists()
@@ -123,7 +161,7 @@ def test_every_ranged_key_is_a_known_key_and_every_default_is_accepted():
         assert key in config.FLAT, key
     rules = []
     for section in config.SCHEMA.values():  # every rule parses (a rule that cannot be evaluated would only
-        for entry in section.values():       # fail once a user sets that key)
+        for entry in section.values():  # fail once a user sets that key)
             for e in entry.values() if isinstance(entry, dict) else [entry]:
                 if isinstance(e, tuple) and isinstance(e[1], str):
                     rules.append(e[1])
@@ -139,16 +177,39 @@ def one_error_line(proc) -> str:
     return proc.stderr.strip().splitlines()[-1]
 
 
-@pytest.mark.parametrize("path, env, message", [
-    ("/nonexistent/model", {}, "error: config: model.path = '/nonexistent/model': no such directory; accepted: "
-                               "a local model directory (config.json, *.safetensors) or a hub id"),
-    ("nobody/no-such-model", {"HF_HUB_OFFLINE": "1"}, "error: config: model.path = 'nobody/no-such-model': not a "
-                                                      "local directory, and the hub copy could not be fetched"),
-])
+@pytest.mark.parametrize(
+    "path, env, message",
+    [
+        (
+            "/nonexistent/model",
+            {},
+            "error: config: model.path = '/nonexistent/model': no such directory; accepted: "
+            "a local model directory (config.json, *.safetensors) or a hub id",
+        ),
+        (
+            "nobody/no-such-model",
+            {"HF_HUB_OFFLINE": "1"},
+            "error: config: model.path = 'nobody/no-such-model': not a "
+            "local directory, and the hub copy could not be fetched",
+        ),
+    ],
+)
 def test_cli_wrong_model_path_stops_with_one_line(tmp_path, tiny_build, path, env, message):
-    proc = subprocess.run([sys.executable, "grpo.py", "--config", "tiny.yaml", f"model.path={path}",
-                           f"trainer.output_dir={tmp_path / 'run'}"], cwd=ROOT, capture_output=True, text=True,
-                          timeout=300, env={**os.environ, **env, "HF_HUB_CACHE": str(tmp_path / "hub")})
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "grpo.py",
+            "--config",
+            "tiny.yaml",
+            f"model.path={path}",
+            f"trainer.output_dir={tmp_path / 'run'}",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, **env, "HF_HUB_CACHE": str(tmp_path / "hub")},
+    )
     assert one_error_line(proc).startswith(message)
 
 
@@ -162,24 +223,43 @@ def test_model_directory_without_weights_or_config(tmp_path):
 
 
 def test_print_config_and_help():
-    proc = subprocess.run([sys.executable, "grpo.py", "--print-config", "--config", "gsm8k.yaml", "actor.lr=3e-6"],
-                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "grpo.py", "--print-config", "--config", "gsm8k.yaml", "actor.lr=3e-6"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     printed = yaml.safe_load(proc.stdout)
     assert printed == config.load_config(os.path.join(ROOT, "gsm8k.yaml"), ["actor.lr=3e-6"])
     assert printed["actor"]["lr"] == 3e-6 and printed["trainer"]["verbose"] is False
-    text = subprocess.run([sys.executable, "grpo.py", "--help"], cwd=ROOT, capture_output=True, text=True,
-                          timeout=300).stdout
+    text = subprocess.run(
+        [sys.executable, "grpo.py", "--help"], cwd=ROOT, capture_output=True, text=True, timeout=300
+    ).stdout
     assert "the new\nweights go back into the same vLLM engine, every step." in text and "--print-config" in text
 
 
 def test_cli_bad_data_and_world_size_stop_with_one_line(tmp_path, tiny_build):
     bad = write_jsonl(tmp_path / "bad.jsonl", [GSM[0], {"question": "no answer"}])
-    proc = subprocess.run([sys.executable, "grpo.py", "--config", "tiny.yaml", f"data.train={bad}",
-                           f"trainer.output_dir={tmp_path / 'never'}"], cwd=ROOT, capture_output=True, text=True,
-                          timeout=300)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "grpo.py",
+            "--config",
+            "tiny.yaml",
+            f"data.train={bad}",
+            f"trainer.output_dir={tmp_path / 'never'}",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode != 0 and "Traceback" not in proc.stderr
-    assert proc.stderr.strip().splitlines()[-1] == f"error: data: {bad}: row 1: missing field 'answer' " \
+    assert (
+        proc.stderr.strip().splitlines()[-1] == f"error: data: {bad}: row 1: missing field 'answer' "
         "(accepted layouts: question/answer, or prompt/reward_model.ground_truth)"
+    )
     proc = run_grpo(tmp_path / "ws", 2, "data.train_batch_size=3", "actor.ppo_mini_batch_size=3", check=False)
     assert proc.returncode != 0 and "ConfigError" not in proc.stderr  # torchrun adds its own traceback, ranks none
     assert "error: config: actor.ppo_mini_batch_size (3) must be a multiple of the world size (2)" in proc.stderr
@@ -187,12 +267,26 @@ def test_cli_bad_data_and_world_size_stop_with_one_line(tmp_path, tiny_build):
 
 
 # ------------------------------------------------------------------------------------- data
-GSM = [{"question": "Tom has 3 apples and gets 4 more. How many?", "answer": "3 + 4 = <<3+4=7>>7\n#### 7"},
-       {"question": "Ann has 1,200 coins.", "answer": "#### 1,200"}]
-VERL = [{"data_source": "openai/gsm8k", "prompt": [{"role": "user", "content": "Q? Let's think"}], "ability": "math",
-         "reward_model": {"style": "rule", "ground_truth": "72"}, "extra_info": {"split": "train", "index": 0}},
-        {"data_source": "my/task", "prompt": [{"role": "user", "content": "Spell 3"}], "ability": "other",
-         "reward_model": {"style": "rule", "ground_truth": "three"}, "extra_info": {"split": "train", "index": 1}}]
+GSM = [
+    {"question": "Tom has 3 apples and gets 4 more. How many?", "answer": "3 + 4 = <<3+4=7>>7\n#### 7"},
+    {"question": "Ann has 1,200 coins.", "answer": "#### 1,200"},
+]
+VERL = [
+    {
+        "data_source": "openai/gsm8k",
+        "prompt": [{"role": "user", "content": "Q? Let's think"}],
+        "ability": "math",
+        "reward_model": {"style": "rule", "ground_truth": "72"},
+        "extra_info": {"split": "train", "index": 0},
+    },
+    {
+        "data_source": "my/task",
+        "prompt": [{"role": "user", "content": "Spell 3"}],
+        "ability": "other",
+        "reward_model": {"style": "rule", "ground_truth": "three"},
+        "extra_info": {"split": "train", "index": 1},
+    },
+]
 
 
 def write_jsonl(path, rows):
@@ -203,16 +297,33 @@ def write_jsonl(path, rows):
 def test_loaders_for_every_layout(tmp_path):
     """Both layouts, both file types; veRL rows keep data_source and extra_info (a reward file gets them),
     GSM8K rows get veRL's data_source; every row says where it came from (for error messages)."""
+
     def plain(rows):
         return [{k: v for k, v in r.items() if k != "where"} for r in rows]
-    expected_gsm = [{"prompt": [{"role": "user", "content": g["question"] + " " + reward.INSTRUCTION}],
-                     "ground_truth": truth, "data_source": "openai/gsm8k",
-                     "extra_info": {"index": i, "question": g["question"], "answer": g["answer"]}}
-                    for i, (g, truth) in enumerate(zip(GSM, ["7", "1200"]))]
-    expected_verl = [{"prompt": VERL[0]["prompt"], "ground_truth": "72", "data_source": "openai/gsm8k",
-                      "extra_info": {"split": "train", "index": 0}},
-                     {"prompt": VERL[1]["prompt"], "ground_truth": "three", "data_source": "my/task",
-                      "extra_info": {"split": "train", "index": 1}}]
+
+    expected_gsm = [
+        {
+            "prompt": [{"role": "user", "content": g["question"] + " " + reward.INSTRUCTION}],
+            "ground_truth": truth,
+            "data_source": "openai/gsm8k",
+            "extra_info": {"index": i, "question": g["question"], "answer": g["answer"]},
+        }
+        for i, (g, truth) in enumerate(zip(GSM, ["7", "1200"], strict=True))
+    ]
+    expected_verl = [
+        {
+            "prompt": VERL[0]["prompt"],
+            "ground_truth": "72",
+            "data_source": "openai/gsm8k",
+            "extra_info": {"split": "train", "index": 0},
+        },
+        {
+            "prompt": VERL[1]["prompt"],
+            "ground_truth": "three",
+            "data_source": "my/task",
+            "extra_info": {"split": "train", "index": 1},
+        },
+    ]
     assert plain(data.load_rows(write_jsonl(tmp_path / "g.jsonl", GSM), "train", None)) == expected_gsm
     assert plain(data.load_rows(write_jsonl(tmp_path / "v.jsonl", VERL), "train", None)) == expected_verl
     pq.write_table(pa.Table.from_pylist(VERL), tmp_path / "v.parquet")
@@ -224,15 +335,20 @@ def test_loaders_for_every_layout(tmp_path):
     assert plain(both) == expected_gsm + expected_verl
 
 
-@pytest.mark.parametrize("rows, message", [
-    ([GSM[0], {"question": "no answer"}], r"bad.jsonl: row 1: missing field 'answer'"),
-    ([{"answer": "#### 3"}], r"bad.jsonl: row 0: missing field 'question'"),
-    ([{"question": "q", "answer": "three"}], r"bad.jsonl: row 0: field 'answer': .*####"),
-    ([VERL[0], {"prompt": [{"role": "user", "content": "x"}], "reward_model": {"style": "rule"}}],
-     r"bad.jsonl: row 1: missing field 'reward_model.ground_truth'"),
-    ([{"prompt": "a string", "reward_model": {"ground_truth": "1"}}], r"bad.jsonl: row 0: field 'prompt'"),
-    ([["not", "an", "object"]], r"bad.jsonl: row 0: expected an object"),
-])
+@pytest.mark.parametrize(
+    "rows, message",
+    [
+        ([GSM[0], {"question": "no answer"}], r"bad.jsonl: row 1: missing field 'answer'"),
+        ([{"answer": "#### 3"}], r"bad.jsonl: row 0: missing field 'question'"),
+        ([{"question": "q", "answer": "three"}], r"bad.jsonl: row 0: field 'answer': .*####"),
+        (
+            [VERL[0], {"prompt": [{"role": "user", "content": "x"}], "reward_model": {"style": "rule"}}],
+            r"bad.jsonl: row 1: missing field 'reward_model.ground_truth'",
+        ),
+        ([{"prompt": "a string", "reward_model": {"ground_truth": "1"}}], r"bad.jsonl: row 0: field 'prompt'"),
+        ([["not", "an", "object"]], r"bad.jsonl: row 0: expected an object"),
+    ],
+)
 def test_bad_rows_name_file_row_and_field(tmp_path, rows, message):
     with pytest.raises(ValueError, match=message):
         data.load_rows(write_jsonl(tmp_path / "bad.jsonl", rows), "train", None)
@@ -250,8 +366,10 @@ def test_bad_files(tmp_path):
 
 
 def test_overlong_prompts_are_filtered_and_counted_never_truncated(tiny_tokenizer):
-    rows = [{"prompt": [{"role": "user", "content": "short"}], "ground_truth": "1"},
-            {"prompt": [{"role": "user", "content": "long " * 200}], "ground_truth": "2"}]
+    rows = [
+        {"prompt": [{"role": "user", "content": "short"}], "ground_truth": "1"},
+        {"prompt": [{"role": "user", "content": "long " * 200}], "ground_truth": "2"},
+    ]
     d = {"max_prompt_length": 64, "filter_overlong_prompts": True}
     kept, dropped = data.filter_overlong(rows, tiny_tokenizer, d)
     assert kept == rows[:1] and dropped == 1 and kept[0] is rows[0]
@@ -269,8 +387,9 @@ def test_data_order_and_rank_shares():
     assert [r["i"] for r in data.step_prompts(rows, 1, 4, False, 0)] == [0, 1, 2, 3]
     assert [r["i"] for r in data.step_prompts(rows, 3, 4, False, 0)] == [0, 1, 2, 3]  # drop_last: new epoch
     shuffled = [[r["i"] for r in data.step_prompts(rows, s, 4, True, 0)] for s in (1, 2, 3, 4)]
-    assert shuffled[0] != [0, 1, 2, 3] and shuffled[:2] == [[r["i"] for r in data.step_prompts(rows, s, 4, True, 0)]
-                                                          for s in (1, 2)]
+    assert shuffled[0] != [0, 1, 2, 3] and shuffled[:2] == [
+        [r["i"] for r in data.step_prompts(rows, s, 4, True, 0)] for s in (1, 2)
+    ]
     assert len(set(shuffled[0] + shuffled[1])) == 8 and shuffled[0] != shuffled[2]  # reshuffled per epoch
     for world in (1, 2, 4):
         shares = [data.local_positions(16, 8, world, r) for r in range(world)]
@@ -280,21 +399,48 @@ def test_data_order_and_rank_shares():
 
 
 # ------------------------------------------------------------------------------ end to end
-SMALL = ["trainer.sync_check_every=1", "data.train_batch_size=8", "actor.ppo_mini_batch_size=4", "data.max_response_length=32",
-         "data.val_max_samples=32", "trainer.val_every=2", "trainer.total_steps=3", "actor.lr=1e-4"]
+SMALL = [
+    "trainer.sync_check_every=1",
+    "data.train_batch_size=8",
+    "actor.ppo_mini_batch_size=4",
+    "data.max_response_length=32",
+    "data.val_max_samples=32",
+    "trainer.val_every=2",
+    "trainer.total_steps=3",
+    "actor.lr=1e-4",
+]
 TIMING = ("timing_s/", "timing_per_token_ms/", "perf/time_per_step", "perf/throughput", "perf/mfu")
 
 
-def run_grpo(out, nproc: int, *overrides: str, background: bool = False, check: bool = True, env: dict | None = None,
-             script: str = "grpo.py"):
+def run_grpo(
+    out,
+    nproc: int,
+    *overrides: str,
+    background: bool = False,
+    check: bool = True,
+    env: dict | None = None,
+    script: str = "grpo.py",
+):
     env = {**os.environ, "OMP_NUM_THREADS": str(2 // nproc), **(env or {})}
-    launcher = [sys.executable, script] if nproc == 1 else [
-        sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
-        "--master_port", str(29600 + os.getpid() % 300), script]
+    launcher = (
+        [sys.executable, script]
+        if nproc == 1
+        else [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc_per_node",
+            str(nproc),
+            "--master_port",
+            str(29600 + os.getpid() % 300),
+            script,
+        ]
+    )
     cmd = launcher + ["--config", "tiny.yaml", *SMALL, f"trainer.output_dir={out}", *overrides]
     if background:
-        return subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                                start_new_session=True)
+        return subprocess.Popen(
+            cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
+        )
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0 or not check, proc.stdout[-3000:] + proc.stderr[-5000:]
     return proc
@@ -309,14 +455,44 @@ def comparable(m: dict) -> dict:
     return {k: v for k, v in m.items() if not k.startswith(TIMING)}
 
 
-VERL_KEYS = ["actor/pg_loss", "actor/pg_clipfrac", "actor/pg_clipfrac_lower", "actor/ppo_kl", "actor/entropy",
-             "actor/kl_loss", "actor/kl_coef", "actor/grad_norm", "actor/lr", "critic/score/mean", "critic/score/max",
-             "critic/score/min", "critic/rewards/mean", "critic/advantages/mean", "critic/advantages/max",
-             "critic/returns/min", "response_length/mean", "response_length/clip_ratio", "prompt_length/mean",
-             "prompt_length/clip_ratio", "timing_s/gen", "timing_s/reward", "timing_s/old_log_prob", "timing_s/ref",
-             "timing_s/adv", "timing_s/update_actor", "timing_s/update_weights", "timing_s/step",
-             "timing_per_token_ms/gen", "timing_per_token_ms/update_actor", "perf/throughput", "perf/time_per_step",
-             "perf/total_num_tokens", "perf/mfu/actor", "rollout/logprob_diff_max", "rollout/logprob_diff_mean"]
+VERL_KEYS = [
+    "actor/pg_loss",
+    "actor/pg_clipfrac",
+    "actor/pg_clipfrac_lower",
+    "actor/ppo_kl",
+    "actor/entropy",
+    "actor/kl_loss",
+    "actor/kl_coef",
+    "actor/grad_norm",
+    "actor/lr",
+    "critic/score/mean",
+    "critic/score/max",
+    "critic/score/min",
+    "critic/rewards/mean",
+    "critic/advantages/mean",
+    "critic/advantages/max",
+    "critic/returns/min",
+    "response_length/mean",
+    "response_length/clip_ratio",
+    "prompt_length/mean",
+    "prompt_length/clip_ratio",
+    "timing_s/gen",
+    "timing_s/reward",
+    "timing_s/old_log_prob",
+    "timing_s/ref",
+    "timing_s/adv",
+    "timing_s/update_actor",
+    "timing_s/update_weights",
+    "timing_s/step",
+    "timing_per_token_ms/gen",
+    "timing_per_token_ms/update_actor",
+    "perf/throughput",
+    "perf/time_per_step",
+    "perf/total_num_tokens",
+    "perf/mfu/actor",
+    "rollout/logprob_diff_max",
+    "rollout/logprob_diff_mean",
+]
 
 
 @pytest.fixture(scope="module")
@@ -327,6 +503,7 @@ def val_file(tiny_build, tmp_path_factory):
     the others a wrong one. The runs' step-0 validation must give exactly the expected score."""
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
+
     model = AutoModelForCausalLM.from_pretrained(tiny_build["model"], dtype=torch.float32).eval()
     tokenizer = AutoTokenizer.from_pretrained(tiny_build["model"])
     with open(tiny_build["test"]) as f:
@@ -337,7 +514,7 @@ def val_file(tiny_build, tmp_path_factory):
         ids = rollout.render_prompt(tokenizer, prompt)
         with torch.no_grad():
             out = model.generate(torch.tensor([ids]), max_new_tokens=32, do_sample=False)
-        text = tokenizer.decode(out[0, len(ids):], skip_special_tokens=True)
+        text = tokenizer.decode(out[0, len(ids) :], skip_special_tokens=True)
         answer = reward.extract_solution(text, "flexible")
         truth = str(answer) if i % 2 == 0 and answer else "-12345"
         rows.append({"prompt": prompt, "reward_model": {"ground_truth": truth}})
@@ -368,9 +545,16 @@ def e2e(tiny_build, val_file, hub_cache, tmp_path_factory):
     runs = {}
     for nproc in (1, 2):
         out = tmp_path_factory.mktemp(f"e2e{nproc}")
-        proc = run_grpo(out / "run", nproc, "trainer.save_every=2", f"trainer.dump_batches={out / 'dump'}",
-                        f"data.val={val_file[0]}", "reward.method=flexible", "model.path=flatgrpo/tiny-grpo",
-                        env=hub_cache)
+        proc = run_grpo(
+            out / "run",
+            nproc,
+            "trainer.save_every=2",
+            f"trainer.dump_batches={out / 'dump'}",
+            f"data.val={val_file[0]}",
+            "reward.method=flexible",
+            "model.path=flatgrpo/tiny-grpo",
+            env=hub_cache,
+        )
         runs[nproc] = (out, proc)
     return runs
 
@@ -381,8 +565,11 @@ LIBRARY_LINE = re.compile(r"\b(INFO|WARNING|Warning|FutureWarning)\b|Failed to l
 @pytest.mark.parametrize("nproc", [1, 2])
 def test_end_to_end_tiny_run(e2e, val_file, nproc):
     out, proc = e2e[nproc][0] / "run", e2e[nproc][1]
-    console = [line for line in (proc.stdout + proc.stderr).replace("\r", "\n").splitlines()
-               if line.strip() and not line.startswith("grpo:")]  # tqdm's redraws start with "grpo:"
+    console = [
+        line
+        for line in (proc.stdout + proc.stderr).replace("\r", "\n").splitlines()
+        if line.strip() and not line.startswith("grpo:")
+    ]  # tqdm's redraws start with "grpo:"
     assert len(console) <= 20, console  # ours: what runs, data, validation, a line per step, the summary
     assert not [line for line in console if LIBRARY_LINE.search(line)], console  # no engine chatter, no warning
     assert "metrics.jsonl" in proc.stdout and "flatgrpo: model flatgrpo/tiny-grpo" in proc.stdout
@@ -403,8 +590,10 @@ def test_end_to_end_tiny_run(e2e, val_file, nproc):
     assert [r["rollout/sync_check"] < 1e-3 for r in rows[1:] if "rollout/sync_check" in r] == [True] * 3
     assert os.path.getsize(os.path.join(out, "curves.png")) > 10_000
     assert os.path.exists(os.path.join(out, "hf", "model.safetensors"))
-    assert [os.path.basename(p) for p in fsdp_train.list_checkpoints(os.path.join(out, "checkpoints"))] == \
-        ["step_2", "step_3"]
+    assert [os.path.basename(p) for p in fsdp_train.list_checkpoints(os.path.join(out, "checkpoints"))] == [
+        "step_2",
+        "step_3",
+    ]
 
 
 @pytest.mark.parametrize("nproc", [1, 2])
@@ -414,6 +603,7 @@ def test_dumped_batches_hold_the_right_prompts_rewards_and_advantages(e2e, tiny_
     advantage is its reward normalised within its group of n (computed here from the formula)."""
     import torch
     from transformers import AutoTokenizer
+
     tokenizer = AutoTokenizer.from_pretrained(tiny_build["model"])
     with open(tiny_build["train"]) as f:
         train = [json.loads(line) for line in f]
@@ -456,13 +646,32 @@ def test_killed_and_resumed_run_logs_the_same_metrics(tmp_path, tiny_build):
     # SAMPLED, not of the one the first mini-batch already moved: the on-policy shortcut must be off
     assert all(r["timing_s/old_log_prob"] > 0 and r["actor/ppo_kl"] != 0.0 for r in a[1:])
     # a resumed set-up leaves the RNGs as the checkpoint saved them, although vLLM re-seeds them at start-up
-    proc = subprocess.run([sys.executable, "tests/setup_worker.py", os.path.join(killed, "checkpoints", "step_4"),
-                           "--config", "tiny.yaml", *SMALL, f"trainer.output_dir={killed}", "trainer.total_steps=4",
-                           "trainer.resume=auto"], cwd=ROOT, capture_output=True, text=True, timeout=600,
-                          env={**os.environ, "OMP_NUM_THREADS": "2"})
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "tests/setup_worker.py",
+            os.path.join(killed, "checkpoints", "step_4"),
+            "--config",
+            "tiny.yaml",
+            *SMALL,
+            f"trainer.output_dir={killed}",
+            "trainer.total_steps=4",
+            "trainer.resume=auto",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**os.environ, "OMP_NUM_THREADS": "2"},
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert json.loads(proc.stdout.strip().splitlines()[-1]) == {"start": 5, "engine": True, "torch": True,
-                                                                "python": True, "numpy": True}
+    assert json.loads(proc.stdout.strip().splitlines()[-1]) == {
+        "start": 5,
+        "engine": True,
+        "torch": True,
+        "python": True,
+        "numpy": True,
+    }
 
 
 def test_dump_at_one_rank_replay_at_two(e2e, tmp_path):
@@ -471,7 +680,7 @@ def test_dump_at_one_rank_replay_at_two(e2e, tmp_path):
     run_grpo(tmp_path / "replay", 2, f"trainer.replay_batches={e2e[1][0] / 'dump'}", "trainer.export_hf=false")
     a, b = read_metrics(e2e[1][0] / "run"), read_metrics(tmp_path / "replay")
     assert [r["step"] for r in b] == [1, 2, 3]
-    for x, y in zip(a[1:], b):
+    for x, y in zip(a[1:], b, strict=True):
         keys = [k for k in comparable(x) if k in y and not k.startswith("rollout/")]
         assert len(keys) >= 30
         for key in keys:
@@ -483,15 +692,28 @@ def test_on_policy_shortcut_equals_the_separate_old_log_prob_pass(tmp_path, tiny
     """One mini-batch, one epoch: the update's own forward replaces veRL's old-log-prob pass (ratio = 1).
     In a sequence-level aggregation mode, so that every metric's aggregation is checked on both paths,
     with the recipe's entropy bonus and a sampling temperature other than 1."""
-    common = ["trainer.total_steps=2", "trainer.val_every=0", "trainer.export_hf=false", "actor.ppo_mini_batch_size=8",
-              "actor.loss_agg_mode=seq-mean-token-mean", "actor.entropy_coeff=0.003", "rollout.temperature=0.7"]
+    common = [
+        "trainer.total_steps=2",
+        "trainer.val_every=0",
+        "trainer.export_hf=false",
+        "actor.ppo_mini_batch_size=8",
+        "actor.loss_agg_mode=seq-mean-token-mean",
+        "actor.entropy_coeff=0.003",
+        "rollout.temperature=0.7",
+    ]
     run_grpo(str(tmp_path / "short"), 1, *common)
     run_grpo(str(tmp_path / "full"), 1, *common, "actor.recompute_old_log_prob=true")
     short, full = read_metrics(str(tmp_path / "short")), read_metrics(str(tmp_path / "full"))
     assert all(r["timing_s/old_log_prob"] == 0.0 for r in short) and all(r["timing_s/old_log_prob"] > 0 for r in full)
-    for a, b in zip(short, full):
-        for key in ("actor/pg_loss", "actor/grad_norm", "actor/entropy", "actor/kl_loss", "critic/score/mean",
-                    "rollout/logprob_diff_mean"):
+    for a, b in zip(short, full, strict=True):
+        for key in (
+            "actor/pg_loss",
+            "actor/grad_norm",
+            "actor/entropy",
+            "actor/kl_loss",
+            "critic/score/mean",
+            "rollout/logprob_diff_mean",
+        ):
             assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-6), key
         assert a["actor/ppo_kl"] == 0.0 and abs(b["actor/ppo_kl"]) < 1e-6  # ratio exactly / nearly 1
 
@@ -499,8 +721,10 @@ def test_on_policy_shortcut_equals_the_separate_old_log_prob_pass(tmp_path, tiny
 # ------------------------------------------------------------------------------ the sync proof
 def test_sync_warning_rule_on_recorded_numbers():
     """metrics.out_of_sync(mean, max, exact, warn_max=0.05, warn_mean=0.1) on measured rollout/logprob_diff_*."""
+
     def warns(mean, worst, exact):
         return metrics.out_of_sync(mean, worst, exact, 0.05, 0.1)
+
     assert not warns(2e-6, 2e-5, exact=True)  # fp32, correct push (tiny demo)
     assert warns(0.0069, 1.7, exact=True)  # fp32, the step after a skipped push (tiny, lr 1e-4)
     assert not warns(0.0019, 0.2, exact=False)  # bf16, correct push: rare tokens off by 0.2 nats (tiny)
@@ -514,12 +738,24 @@ def test_a_skipped_push_warns_and_a_correct_run_does_not(tmp_path, tiny_build, d
     """tests/grpo_without_push.py leaves the engine on the initial weights; the step after, the sync proof
     warns, in fp32 (max rule) and bf16 (mean rule). A correct bf16 run, whose rare tokens differ by more than
     the fp32 threshold, does not warn. (A correct fp32 run not warning: the end-to-end runs.)"""
-    common = ["trainer.total_steps=2", "trainer.val_every=0", "trainer.export_hf=false", "trainer.plot=false",
-              "data.train_batch_size=4", "actor.ppo_mini_batch_size=4", "data.max_response_length=24",
-              "actor.lr=1e-3", "trainer.sync_check_every=0", f"rollout.dtype={dtype}", f"model.compute_dtype={dtype}"]
+    common = [
+        "trainer.total_steps=2",
+        "trainer.val_every=0",
+        "trainer.export_hf=false",
+        "trainer.plot=false",
+        "data.train_batch_size=4",
+        "actor.ppo_mini_batch_size=4",
+        "data.max_response_length=24",
+        "actor.lr=1e-3",
+        "trainer.sync_check_every=0",
+        f"rollout.dtype={dtype}",
+        f"model.compute_dtype={dtype}",
+    ]
     skipped = run_grpo(tmp_path / "skipped", 1, *common, script="tests/grpo_without_push.py")
-    assert "WARNING step 1" not in skipped.stdout and "WARNING step 2: vLLM's and the trainer's log-probs differ" \
-        in skipped.stdout
+    assert (
+        "WARNING step 1" not in skipped.stdout
+        and "WARNING step 2: vLLM's and the trainer's log-probs differ" in skipped.stdout
+    )
     if dtype == "bfloat16":
         correct = run_grpo(tmp_path / "correct", 1, *common)
         assert "WARNING" not in correct.stdout
@@ -537,11 +773,21 @@ def test_val_only_logs_what_the_training_run_validated(e2e, val_file, hub_cache,
     """trainer.val_only on the model the 1-rank run started from (its step-0 validation) and on its hf/ export
     (its last validation): the same greedy mean@1, printed and logged, and nothing else written."""
     trained = read_metrics(e2e[1][0] / "run")
-    model, expected = ("flatgrpo/tiny-grpo", trained[0][VAL_KEY]) if which == "initial" else \
-        (str(e2e[1][0] / "run" / "hf"), trained[-1][VAL_KEY])
+    model, expected = (
+        ("flatgrpo/tiny-grpo", trained[0][VAL_KEY])
+        if which == "initial"
+        else (str(e2e[1][0] / "run" / "hf"), trained[-1][VAL_KEY])
+    )
     out = tmp_path / "eval"
-    proc = run_grpo(out, 1, "trainer.val_only=true", f"data.val={val_file[0]}", "reward.method=flexible",
-                    f"model.path={model}", env=hub_cache)
+    proc = run_grpo(
+        out,
+        1,
+        "trainer.val_only=true",
+        f"data.val={val_file[0]}",
+        "reward.method=flexible",
+        f"model.path={model}",
+        env=hub_cache,
+    )
     assert read_jsonl(out / "val_metrics.jsonl") == [{"step": 0, VAL_KEY: expected}]
     assert f"step 0: {VAL_KEY} = {expected:.3f}" in proc.stdout
     assert sorted(os.listdir(out)) == ["engine.log", "val_metrics.jsonl"]  # no checkpoint, export, config, curves
@@ -552,19 +798,30 @@ def test_sampled_validation_metrics_equal_verls_computation_on_the_samples(tiny_
     other key) equal veRL's process_validation_metrics written out literally (tests/test_val_metrics.py) on the
     dumped samples, whose rewards and votes are veRL's GSM8K scores and answers of their texts."""
     out, dump = tmp_path / "eval", tmp_path / "generations"
-    run_grpo(out, 2, "trainer.val_only=true", f"data.val={val_file[0]}", "reward.method=flexible", "rollout.val_n=4",
-             "rollout.val_temperature=1.0", f"trainer.validation_data_dir={dump}")
+    run_grpo(
+        out,
+        2,
+        "trainer.val_only=true",
+        f"data.val={val_file[0]}",
+        "reward.method=flexible",
+        "rollout.val_n=4",
+        "rollout.val_temperature=1.0",
+        f"trainer.validation_data_dir={dump}",
+    )
     samples = read_jsonl(dump / "0.jsonl")
     assert sorted(s["uid"] for s in samples) == sorted(list(range(7)) * 4)
     for s in samples:
         assert s["reward"] == reward.compute_score(s["output"], s["gts"], method="flexible")
         assert s["pred"] == (reward.extract_solution(s["output"], "flexible") or "[no answer]")
     from test_val_metrics import reference
+
     expected = reference([{k: s[k] for k in ("data_source", "uid", "reward", "pred")} for s in samples])
     logged = read_jsonl(out / "val_metrics.jsonl")[0]
     core, aux = "val-core/openai/gsm8k/reward/", "val-aux/openai/gsm8k/reward/"
-    assert {core + k for k in ("mean@4", "best@4/mean", "maj@4/mean")} | {aux + "best@2/mean", aux + "maj@2/mean"} \
-        <= set(logged)
+    assert {core + k for k in ("mean@4", "best@4/mean", "maj@4/mean")} | {
+        aux + "best@2/mean",
+        aux + "maj@2/mean",
+    } <= set(logged)
     assert {k: v for k, v in logged.items() if k != "step"} == pytest.approx(expected, rel=1e-12)
     assert len({s["output"] for s in samples}) > 7  # sampled, not greedy
 
@@ -575,33 +832,53 @@ CONSTANT = 0.375  # a float32 number, as veRL's reward tensor holds it
 @pytest.fixture(scope="module")
 def reward_files(tmp_path_factory) -> dict:
     root = tmp_path_factory.mktemp("rewards")
-    files = {"constant": f"def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
-                         f"    return {CONSTANT}\n",
-             "text": "def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n    return 'abc'\n",
-             "broken": "import no_such_module\n"}
+    files = {
+        "constant": f"def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
+        f"    return {CONSTANT}\n",
+        "text": "def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n    return 'abc'\n",
+        "broken": "import no_such_module\n",
+    }
     for name, text in files.items():
         (root / f"{name}.py").write_text(text)
     return {name: str(root / f"{name}.py") for name in files}
 
 
 def test_a_constant_reward_file_gives_exactly_that_score(tiny_build, val_file, reward_files, tmp_path):
-    train = run_grpo(tmp_path / "train", 1, f"custom_reward_function.path={reward_files['constant']}",
-                     f"data.val={val_file[0]}", "trainer.total_steps=1", "trainer.val_every=1", "trainer.save_every=0")
+    train = run_grpo(
+        tmp_path / "train",
+        1,
+        f"custom_reward_function.path={reward_files['constant']}",
+        f"data.val={val_file[0]}",
+        "trainer.total_steps=1",
+        "trainer.val_every=1",
+        "trainer.save_every=0",
+    )
     rows = read_metrics(tmp_path / "train")
     assert rows[0][VAL_KEY] == CONSTANT and rows[1][VAL_KEY] == CONSTANT
     assert rows[1]["critic/score/mean"] == rows[1]["critic/score/min"] == CONSTANT and rows[1]["actor/pg_loss"] == 0.0
-    run_grpo(tmp_path / "eval", 1, "trainer.val_only=true", f"custom_reward_function.path={reward_files['constant']}",
-             f"data.val={val_file[0]}")
+    run_grpo(
+        tmp_path / "eval",
+        1,
+        "trainer.val_only=true",
+        f"custom_reward_function.path={reward_files['constant']}",
+        f"data.val={val_file[0]}",
+    )
     assert read_jsonl(tmp_path / "eval" / "val_metrics.jsonl") == [{"step": 0, VAL_KEY: CONSTANT}]
     assert "error" not in train.stderr
 
 
-@pytest.mark.parametrize("key, message", [
-    ("path=/no/such/reward.py", "error: config: custom_reward_function.path = '/no/such/reward.py': no such file"),
-    ("name=nope", "error: config: custom_reward_function.name = 'nope': {constant} defines no function nope"),
-    ("path={broken}", "error: config: custom_reward_function.path = '{broken}': importing it failed (ModuleNotFoundError"),
-    ("path={text}", "error: custom_reward_function: {text}:compute_score returned 'abc' for "),
-])
+@pytest.mark.parametrize(
+    "key, message",
+    [
+        ("path=/no/such/reward.py", "error: config: custom_reward_function.path = '/no/such/reward.py': no such file"),
+        ("name=nope", "error: config: custom_reward_function.name = 'nope': {constant} defines no function nope"),
+        (
+            "path={broken}",
+            "error: config: custom_reward_function.path = '{broken}': importing it failed (ModuleNotFoundError",
+        ),
+        ("path={text}", "error: custom_reward_function: {text}:compute_score returned 'abc' for "),
+    ],
+)
 def test_bad_reward_files_stop_with_one_line(tiny_build, reward_files, tmp_path, key, message):
     overrides = [f"custom_reward_function.{key.format(**reward_files)}", "trainer.val_only=true"]
     if key.startswith("name"):
@@ -616,13 +893,20 @@ def test_the_example_reward_file_trains(tiny_build, tmp_path):
     """examples/gsm8k_partial_credit.py (veRL's format, a dict with acc and pred): 3 steps; every dumped reward is 1
     where veRL's strict GSM8K rule scores the text 1, 0.1 where it finds another "#### N", else 0; its acc becomes
     the val-core metric (veRL's rule) and is logged as a training mean."""
-    run_grpo(tmp_path / "run", 1, "custom_reward_function.path=examples/gsm8k_partial_credit.py",
-             f"trainer.dump_batches={tmp_path / 'dump'}", "trainer.val_every=3", "trainer.save_every=0")
+    run_grpo(
+        tmp_path / "run",
+        1,
+        "custom_reward_function.path=examples/gsm8k_partial_credit.py",
+        f"trainer.dump_batches={tmp_path / 'dump'}",
+        "trainer.val_every=3",
+        "trainer.save_every=0",
+    )
     rows = read_metrics(tmp_path / "run")
     assert [r["step"] for r in rows] == [0, 1, 2, 3]
     assert "val-core/openai/gsm8k/acc/mean@1" in rows[0] and "val-aux/openai/gsm8k/reward/mean@1" in rows[0]
     import torch
     from transformers import AutoTokenizer
+
     tokenizer = AutoTokenizer.from_pretrained(tiny_build["model"])
     with open(tiny_build["train"]) as f:
         train = [json.loads(line) for line in f]
@@ -630,24 +914,44 @@ def test_the_example_reward_file_trains(tiny_build, tmp_path):
         d = torch.load(tmp_path / "dump" / f"step_{step}.pt")
         width = d["response_mask"].shape[1]
         for k in range(d["input_ids"].shape[0]):
-            text = tokenizer.decode(d["input_ids"][k, -width:][d["attention_mask"][k, -width:].bool()],
-                                    skip_special_tokens=True)
+            text = tokenizer.decode(
+                d["input_ids"][k, -width:][d["attention_mask"][k, -width:].bool()], skip_special_tokens=True
+            )
             truth = reward.extract_ground_truth(train[(step - 1) * 8 + k // 8]["answer"])
             right, found = reward.compute_score(text, truth) == 1.0, reward.extract_solution(text) is not None
             assert d["rewards"][k].item() == pytest.approx(1.0 if right else 0.1 if found else 0.0)
         assert rows[step]["reward_extra_info/acc/mean"] == pytest.approx(
-            sum(float(r == 1.0) for r in d["rewards"].tolist()) / len(d["rewards"]))
+            sum(float(r == 1.0) for r in d["rewards"].tolist()) / len(d["rewards"])
+        )
 
 
 def test_a_ten_step_run_in_a_log_file_is_one_line_per_step(tiny_build, tmp_path):
     """In a file (SLURM output, nohup, CI: not a terminal) no progress bar redraws: one line per step."""
     log = tmp_path / "log.txt"
     with open(log, "w") as f:
-        subprocess.run([sys.executable, "grpo.py", "--config", "tiny.yaml", f"trainer.output_dir={tmp_path / 'run'}",
-                        "trainer.total_steps=10", "trainer.val_every=5", "data.val_max_samples=8",
-                        "data.train_batch_size=2", "actor.ppo_mini_batch_size=2", "rollout.n=4",
-                        "data.max_response_length=16", "trainer.save_every=0"], cwd=ROOT, stdout=f,
-                       stderr=subprocess.STDOUT, timeout=900, check=True, env={**os.environ, "OMP_NUM_THREADS": "2"})
+        subprocess.run(
+            [
+                sys.executable,
+                "grpo.py",
+                "--config",
+                "tiny.yaml",
+                f"trainer.output_dir={tmp_path / 'run'}",
+                "trainer.total_steps=10",
+                "trainer.val_every=5",
+                "data.val_max_samples=8",
+                "data.train_batch_size=2",
+                "actor.ppo_mini_batch_size=2",
+                "rollout.n=4",
+                "data.max_response_length=16",
+                "trainer.save_every=0",
+            ],
+            cwd=ROOT,
+            stdout=f,
+            stderr=subprocess.STDOUT,
+            timeout=900,
+            check=True,
+            env={**os.environ, "OMP_NUM_THREADS": "2"},
+        )
     lines = log.read_text().splitlines()
     assert len(lines) <= 25, lines
     assert sum(line.startswith("step ") and "s/step" in line for line in lines) == 10

@@ -24,8 +24,14 @@ import losses
 from conftest import run_torchrun
 
 VOCAB = 151_936  # Qwen2.5's
-SHAPE = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
-             vocab_size=VOCAB)
+SHAPE = dict(
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=2,
+    num_key_value_heads=1,
+    vocab_size=VOCAB,
+)
 TEMPERATURE, ENTROPY_COEF = 0.7, 0.003
 RESPONSE_LENS = [21, 1, 0, 7, 21, 15]  # 6 rows x 21 = 126 positions; row 2 is an empty response
 CHUNKS = [16, 40, 50, 1000]  # 126 = 8 x 15.75 = 4 x 31.5 = 3 x 42: none divides it; 1000: one chunk
@@ -34,8 +40,10 @@ CHUNKS = [16, 40, 50, 1000]  # 126 = 8 x 15.75 = 4 x 31.5 = 3 x 42: none divides
 def batch(vocab: int) -> dict:
     """6 rows: left-padded prompts of 2..8 tokens, right-padded responses (one empty), per-token weights."""
     g = torch.Generator().manual_seed(0)
-    prompts = [torch.randint(0, vocab, (int(torch.randint(2, 9, (1,), generator=g)),), generator=g).tolist()
-               for _ in RESPONSE_LENS]
+    prompts = [
+        torch.randint(0, vocab, (int(torch.randint(2, 9, (1,), generator=g)),), generator=g).tolist()
+        for _ in RESPONSE_LENS
+    ]
     responses = [torch.randint(0, vocab, (n,), generator=g).tolist() for n in RESPONSE_LENS]
     b = ft.make_batch(prompts, responses, pad_id=0)
     b["weights"] = torch.randn(b["response_mask"].shape, generator=g)  # [B, R], like advantages
@@ -57,14 +65,18 @@ def plain_path(model, b: dict) -> dict:
     model.zero_grad(set_to_none=True)
     pos = (b["attention_mask"].cumsum(-1) - 1).clamp(min=0)
     logits = model(input_ids=b["input_ids"], attention_mask=b["attention_mask"], position_ids=pos).logits  # [B, P+R, V]
-    logits = logits[:, -r - 1:-1].to(dtype) / TEMPERATURE  # [B, R, V]: position t predicts token t + 1
+    logits = logits[:, -r - 1 : -1].to(dtype) / TEMPERATURE  # [B, R, V]: position t predicts token t + 1
     logp = torch.log_softmax(logits, -1).gather(-1, b["input_ids"][:, -r:, None])[..., 0]  # [B, R]
     entropy = torch.logsumexp(logits, -1) - (torch.softmax(logits, -1) * logits).sum(-1)  # [B, R], veRL's formula
     mask = b["response_mask"].to(dtype)
     loss = ((logp * b["weights"].to(dtype) - ENTROPY_COEF * entropy) * mask).sum() / mask.sum()
     loss.backward()
-    out = {"logp": (logp * mask).detach(), "entropy": (entropy * mask).detach(), "loss": loss.item(),
-           "grads": {k: p.grad.clone() for k, p in model.named_parameters()}}
+    out = {
+        "logp": (logp * mask).detach(),
+        "entropy": (entropy * mask).detach(),
+        "loss": loss.item(),
+        "grads": {k: p.grad.clone() for k, p in model.named_parameters()},
+    }
     model.zero_grad(set_to_none=True)
     return out
 
@@ -72,9 +84,14 @@ def plain_path(model, b: dict) -> dict:
 @pytest.fixture(scope="module")
 def big_vocab_models(tiny_tokenizer, tmp_path_factory):
     import tiny
+
     root = tmp_path_factory.mktemp("big-vocab")
-    return {name: tiny.save_random_model(str(root / name), tiny_tokenizer, seed=3, tie_word_embeddings=name == "tied",
-                                         **SHAPE) for name in ("tied", "untied")}
+    return {
+        name: tiny.save_random_model(
+            str(root / name), tiny_tokenizer, seed=3, tie_word_embeddings=name == "tied", **SHAPE
+        )
+        for name in ("tied", "untied")
+    }
 
 
 @pytest.fixture(scope="module")
@@ -88,8 +105,10 @@ def references(big_vocab_models):
             model = AutoModelForCausalLM.from_pretrained(big_vocab_models[head], dtype=torch.float32)
             b = batch(VOCAB)
             cache[head] = fp32_noise.measure(
-                lambda dtype: plain_path(fp32_noise.float64_copy(model) if dtype == torch.float64 else model, b))
+                lambda dtype: plain_path(fp32_noise.float64_copy(model) if dtype == torch.float64 else model, b)
+            )
         return cache[head]
+
     return get
 
 
@@ -115,8 +134,16 @@ def test_chunked_path_equals_the_plain_path_in_process(big_vocab_models, referen
         logp, entropy = ft._forward(model, b, TEMPERATURE, losses.entropy_from_logits, chunk_size=chunk)
         loss, _ = weighted_loss(logp, entropy, b, {"num_tokens": mask.sum()})
         loss.backward()
-        check_all({"logp": logp * mask, "entropy": entropy * mask, "loss": loss.item(),
-                   "grads": {k: p.grad for k, p in model.named_parameters()}}, (ref, noise), f"chunk {chunk}")
+        check_all(
+            {
+                "logp": logp * mask,
+                "entropy": entropy * mask,
+                "loss": loss.item(),
+                "grads": {k: p.grad for k, p in model.named_parameters()},
+            },
+            (ref, noise),
+            f"chunk {chunk}",
+        )
         with torch.no_grad():  # the no-grad pass (old and reference log-probs): the same values
             nograd, _ = ft._forward(model, b, TEMPERATURE, chunk_size=chunk)
         fp32_noise.check(nograd * mask, ref["logp"], noise["logp"], f"chunk {chunk} no-grad logp")
@@ -158,7 +185,11 @@ def test_chunked_path_under_torchrun_equals_the_plain_path(big_vocab_models, ref
             logp[part["rows"], :width], entropy[part["rows"], :width] = part["logp"].double(), part["entropy"].double()
         loss = reports[0]["state"][str(chunk)]["loss"]
         grads = torch.load(tmp_path / f"grads_c{chunk}.pt")
-        check_all({"logp": logp, "entropy": entropy, "loss": loss, "grads": grads}, (ref, noise), f"world {world} chunk {chunk}")
+        check_all(
+            {"logp": logp, "entropy": entropy, "loss": loss, "grads": grads},
+            (ref, noise),
+            f"world {world} chunk {chunk}",
+        )
         for r in reports:
             state = r["state"][str(chunk)]
             fp32_noise.check(state["loss"], ref["loss"], noise["loss"], f"world {world} chunk {chunk} rank loss")

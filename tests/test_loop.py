@@ -18,11 +18,11 @@ import math
 
 import pytest
 import torch
+from loop_worker import EMPTY_ROW, REWARDS, ROLLOUT_LOGPROB, empty_response, global_batch
 from transformers import AutoModelForCausalLM
 
 import fp32_noise
 from conftest import run_torchrun
-from loop_worker import EMPTY_ROW, REWARDS, ROLLOUT_LOGPROB, empty_response, global_batch
 
 TEMPERATURE, CLIP_LOW, CLIP_HIGH, CLIP_C, ENTROPY_COEFF, KL_COEF = 0.7, 0.2, 0.28, 3.0, 0.003, 0.001
 MAX_PROMPT, MAX_RESPONSE = 8, 12
@@ -31,7 +31,7 @@ MAX_PROMPT, MAX_RESPONSE = 8, 12
 S3 = 1 / math.sqrt(3)
 DEVIATIONS = [0.75, -0.25, -0.25, -0.25, 0.5, 0.5, -0.5, -0.5, 0.0, 0.0, 0.0, 0.0, 0.25, 0.25, 0.25, -0.75]
 STDS = [0.5] * 4 + [S3] * 4 + [0.0] * 4 + [0.5] * 4
-ADVANTAGES = [d / (s + 1e-6) for d, s in zip(DEVIATIONS, STDS)]
+ADVANTAGES = [d / (s + 1e-6) for d, s in zip(DEVIATIONS, STDS, strict=True)]
 MODES = ("off_policy", "on_policy", "seq_mean_empty")
 
 
@@ -49,7 +49,7 @@ def reference(model, mode: str) -> dict:
     r = b["response_mask"].shape[1]
     position_ids = (b["attention_mask"].cumsum(-1) - 1).clamp(min=0)
     logits = model(input_ids=b["input_ids"], attention_mask=b["attention_mask"], position_ids=position_ids).logits
-    z = logits[:, -r - 1:-1].to(dtype) / TEMPERATURE  # [B, R, V]: position t predicts token t + 1
+    z = logits[:, -r - 1 : -1].to(dtype) / TEMPERATURE  # [B, R, V]: position t predicts token t + 1
     logp = torch.log_softmax(z, -1).gather(-1, b["input_ids"][:, -r:, None])[..., 0]  # [B, R]
     entropy = torch.logsumexp(z, -1) - (torch.softmax(z, -1) * z).sum(-1)  # [B, R]
     mask = b["response_mask"]
@@ -74,14 +74,23 @@ def reference(model, mode: str) -> dict:
     loss = loss_mean(pg) - ENTROPY_COEFF * loss_mean(entropy) + KL_COEF * loss_mean(kl)
     model.zero_grad(set_to_none=True)
     loss.backward()
-    metrics = {"actor/pg_loss": loss_mean(pg), "actor/kl_loss": loss_mean(kl), "actor/ppo_kl": token_mean(-log_ratio),
-               "actor/pg_clipfrac": token_mean((loss2 > loss1).float()),
-               "actor/pg_clipfrac_lower": token_mean(((clipped > loss3) & (adv < 0)).float()),
-               "actor/grad_norm": torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in model.parameters()]))}
+    metrics = {
+        "actor/pg_loss": loss_mean(pg),
+        "actor/kl_loss": loss_mean(kl),
+        "actor/ppo_kl": token_mean(-log_ratio),
+        "actor/pg_clipfrac": token_mean((loss2 > loss1).float()),
+        "actor/pg_clipfrac_lower": token_mean(((clipped > loss3) & (adv < 0)).float()),
+        "actor/grad_norm": torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in model.parameters()])),
+    }
     if on_policy:  # what the skipped old-log-prob pass would have logged
         diff = (logp - ROLLOUT_LOGPROB).abs() * mask
-        metrics.update({"actor/entropy": token_mean(entropy), "rollout/logprob_diff_max": diff.max(),
-                        "rollout/logprob_diff_mean": diff.sum() / mask.sum()})
+        metrics.update(
+            {
+                "actor/entropy": token_mean(entropy),
+                "rollout/logprob_diff_max": diff.max(),
+                "rollout/logprob_diff_mean": diff.sum() / mask.sum(),
+            }
+        )
     before = {name: p.detach().clone() for name, p in model.named_parameters()}
     torch.optim.SGD(model.parameters(), lr=1.0).step()  # as the worker: the step is read back from the weights
     step = fp32_noise.Flat({name: before[name] - p.detach() for name, p in model.named_parameters()})
@@ -96,9 +105,13 @@ def references(random_models):
 
     def get(mode):
         if mode not in cache:
-            cache[mode] = fp32_noise.measure(lambda dtype: reference(
-                fp32_noise.float64_copy(model) if dtype == torch.float64 else copy.deepcopy(model), mode))
+            cache[mode] = fp32_noise.measure(
+                lambda dtype: reference(
+                    fp32_noise.float64_copy(model) if dtype == torch.float64 else copy.deepcopy(model), mode
+                )
+            )
         return cache[mode]
+
     return get
 
 
@@ -112,16 +125,27 @@ def expected_batch_metrics(advantages: list[float]) -> dict:
     b = global_batch(100)
     resp = b["response_mask"].sum(-1).tolist()
     prompt = b["attention_mask"].sum(-1).sub(b["response_mask"].sum(-1)).tolist()
-    adv_tokens = [a for a, n in zip(advantages, resp) for _ in range(int(n))]
+    adv_tokens = [a for a, n in zip(advantages, resp, strict=True) for _ in range(int(n))]
     out = {}
-    for key, values in (("critic/score", REWARDS), ("critic/rewards", REWARDS), ("critic/advantages", adv_tokens),
-                        ("critic/returns", adv_tokens), ("response_length", resp), ("prompt_length", prompt)):
+    for key, values in (
+        ("critic/score", REWARDS),
+        ("critic/rewards", REWARDS),
+        ("critic/advantages", adv_tokens),
+        ("critic/returns", adv_tokens),
+        ("response_length", resp),
+        ("prompt_length", prompt),
+    ):
         out.update({f"{key}/mean": sum(values) / len(values), f"{key}/max": max(values), f"{key}/min": min(values)})
     out["response_length/clip_ratio"] = sum(n >= MAX_RESPONSE for n in resp) / len(resp)
     out["prompt_length/clip_ratio"] = sum(n >= MAX_PROMPT for n in prompt) / len(prompt)
     total = sum(resp) + sum(prompt)
-    out.update({"perf/total_num_tokens": total, "timing_per_token_ms/gen": 2.0 * 1000 / sum(resp),
-                "timing_per_token_ms/update_actor": 3.0 * 1000 / total})
+    out.update(
+        {
+            "perf/total_num_tokens": total,
+            "timing_per_token_ms/gen": 2.0 * 1000 / sum(resp),
+            "timing_per_token_ms/update_actor": 3.0 * 1000 / total,
+        }
+    )
     return out
 
 
@@ -130,8 +154,12 @@ def batch_references():
     """(reference, noise) of the advantages and the batch metrics: computed from the advantages in float64, and
     from the advantages in fp32 (the metrics themselves are Python floats, as in metrics.batch_metrics)."""
     assert plain_advantages(torch.float64).tolist() == pytest.approx(ADVANTAGES, abs=1e-15)  # = the hand values
-    return fp32_noise.measure(lambda dtype: {"advantages": plain_advantages(dtype),
-                                             **expected_batch_metrics(plain_advantages(dtype).tolist())})
+    return fp32_noise.measure(
+        lambda dtype: {
+            "advantages": plain_advantages(dtype),
+            **expected_batch_metrics(plain_advantages(dtype).tolist()),
+        }
+    )
 
 
 @pytest.fixture(scope="module")
@@ -150,10 +178,11 @@ def test_advantages_are_group_normalised_rewards(runs, batch_references, world):
     ref, noise = batch_references
     b = global_batch(100)
     for rep in reports:
-        for row, adv in zip(rep["rows"], rep["advantages"]):
+        for row, adv in zip(rep["rows"], rep["advantages"], strict=True):
             length = int(b["response_mask"][row].sum())
-            fp32_noise.check(torch.tensor(adv[:length]), ref["advantages"][row].expand(length), noise["advantages"],
-                             f"row {row}")  # broadcast over tokens
+            fp32_noise.check(
+                torch.tensor(adv[:length]), ref["advantages"][row].expand(length), noise["advantages"], f"row {row}"
+            )  # broadcast over tokens
             assert all(a == 0.0 for a in adv[length:])  # and masked beyond
     assert sorted(row for rep in reports for row in rep["rows"]) == list(range(16))
 

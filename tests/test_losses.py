@@ -9,8 +9,15 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from losses import (agg_loss, entropy_from_logits, grpo_advantages, kl_penalty, masked_mean, nonzero_std_groups,
-                    policy_loss)
+from losses import (
+    agg_loss,
+    entropy_from_logits,
+    grpo_advantages,
+    kl_penalty,
+    masked_mean,
+    nonzero_std_groups,
+    policy_loss,
+)
 
 T = torch.tensor
 
@@ -19,7 +26,9 @@ T = torch.tensor
 def test_masked_mean_ignores_masked_values_even_nan():
     assert masked_mean(T([1.0, 2.0, 3.0]), T([1.0, 1.0, 0.0])).item() == pytest.approx(1.5)
     assert masked_mean(T([1.0, float("nan")]), T([1.0, 0.0])).item() == pytest.approx(1.0)
-    assert masked_mean(T([[1.0, 3.0], [5.0, 0.0]]), T([[1.0, 1.0], [1.0, 0.0]]), dim=-1).tolist() == pytest.approx([2.0, 5.0])
+    assert masked_mean(T([[1.0, 3.0], [5.0, 0.0]]), T([[1.0, 1.0], [1.0, 0.0]]), dim=-1).tolist() == pytest.approx(
+        [2.0, 5.0]
+    )
     assert masked_mean(T([4.0]), T([0.0])).item() == 0.0  # + 1e-8: empty mask gives 0, not NaN
 
 
@@ -27,12 +36,15 @@ VALUES = T([[1.0, 2.0, 3.0], [4.0, 5.0, 6.0], [7.0, 8.0, 9.0]])
 MASK = T([[1.0, 1.0, 0.0], [1.0, 0.0, 0.0], [0.0, 0.0, 0.0]])  # third row fully masked
 
 
-@pytest.mark.parametrize("mode, expected", [
-    ("token-mean", 7 / 3),                 # (1 + 2 + 4) / 3 tokens
-    ("seq-mean-token-sum", (3 + 4) / 2),   # the empty row is not a sequence
-    ("seq-mean-token-mean", (1.5 + 4) / 2),
-    ("seq-mean-token-sum-norm", 3.5 / 3),  # / T (max response length)
-])
+@pytest.mark.parametrize(
+    "mode, expected",
+    [
+        ("token-mean", 7 / 3),  # (1 + 2 + 4) / 3 tokens
+        ("seq-mean-token-sum", (3 + 4) / 2),  # the empty row is not a sequence
+        ("seq-mean-token-mean", (1.5 + 4) / 2),
+        ("seq-mean-token-sum-norm", 3.5 / 3),  # / T (max response length)
+    ],
+)
 def test_agg_loss_modes_hand_computed(mode, expected):
     assert agg_loss(VALUES, MASK, mode).item() == pytest.approx(expected, rel=1e-6)
 
@@ -79,12 +91,15 @@ def test_property_aggregating_a_constant_gives_the_constant(c, lengths):
     assert agg_loss(x, mask, "seq-mean-token-sum").item() == pytest.approx(expected_sum, abs=1e-6)
 
 
-@pytest.mark.parametrize("call, match", [
-    (lambda: agg_loss(VALUES, MASK, "token-sum"), "token-mean, seq-mean-token-sum"),
-    (lambda: agg_loss(VALUES, MASK[:2]), "shapes must match"),
-    (lambda: agg_loss(VALUES[0], MASK[0]), r"\[batch, tokens\]"),
-    (lambda: masked_mean(VALUES, MASK[:, :2]), "shapes must match"),
-])
+@pytest.mark.parametrize(
+    "call, match",
+    [
+        (lambda: agg_loss(VALUES, MASK, "token-sum"), "token-mean, seq-mean-token-sum"),
+        (lambda: agg_loss(VALUES, MASK[:2]), "shapes must match"),
+        (lambda: agg_loss(VALUES[0], MASK[0]), r"\[batch, tokens\]"),
+        (lambda: masked_mean(VALUES, MASK[:, :2]), "shapes must match"),
+    ],
+)
 def test_agg_loss_bad_input(call, match):
     with pytest.raises(ValueError, match=match):
         call()
@@ -100,8 +115,10 @@ def test_grpo_hand_computed_group():
 
 def test_grpo_edge_cases():
     assert grpo_advantages(T([0.7]), ["only"]).item() == pytest.approx(0.7 / (1 + 1e-6))  # size-1 group
-    assert grpo_advantages(T([1.0, 1.0, 1.0, 1.0]), [5] * 4).tolist() == [0.0] * 4     # identical
-    assert grpo_advantages(T([1.0, 0.0, 1.0]), "aaa", norm_by_std=False).tolist() == pytest.approx([1 / 3, -2 / 3, 1 / 3])
+    assert grpo_advantages(T([1.0, 1.0, 1.0, 1.0]), [5] * 4).tolist() == [0.0] * 4  # identical
+    assert grpo_advantages(T([1.0, 0.0, 1.0]), "aaa", norm_by_std=False).tolist() == pytest.approx(
+        [1 / 3, -2 / 3, 1 / 3]
+    )
     assert grpo_advantages([1, 0], ["a", "a"]).dtype == torch.float32  # python ints accepted
 
 
@@ -123,8 +140,8 @@ def test_property_grpo_matches_statistics_module_and_sums_to_zero(groups):
     for g in groups:
         mean, std = statistics.mean(g), statistics.stdev(g)
         expected = [(r - mean) / (std + 1e-6) for r in g]
-        assert adv[k:k + len(g)].tolist() == pytest.approx(expected, abs=1e-5)
-        assert abs(sum(adv[k:k + len(g)].tolist())) < 1e-4
+        assert adv[k : k + len(g)].tolist() == pytest.approx(expected, abs=1e-5)
+        assert abs(sum(adv[k : k + len(g)].tolist())) < 1e-4
         k += len(g)
 
 
@@ -196,10 +213,13 @@ def test_masked_rows_do_not_contribute():
     assert loss_global.item() == pytest.approx(loss.item() / 2)
 
 
-@pytest.mark.parametrize("kwargs, match", [
-    (dict(clip_c=1.0), "clip_c must be > 1.0"),
-    (dict(agg_mode="sum"), "accepted: token-mean"),
-])
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(clip_c=1.0), "clip_c must be > 1.0"),
+        (dict(agg_mode="sum"), "accepted: token-mean"),
+    ],
+)
 def test_policy_loss_bad_args(kwargs, match):
     x = torch.zeros(2, 3)
     with pytest.raises(ValueError, match=match):
@@ -214,9 +234,9 @@ def test_policy_loss_shape_mismatch():
 def _ref_weighted_pg(logp, old, adv, mask, w, mode, clip_low=0.2, clip_high=0.28, clip_c=3.0):
     """veRL compute_policy_loss_vanilla with rollout_is_weights, per token in float64 Python."""
     rows = []
-    for lr, orow, ar, mr, wr in zip(*(t.tolist() for t in (logp, old, adv, mask, w))):
+    for lr, orow, ar, mr, wr in zip(*(t.tolist() for t in (logp, old, adv, mask, w)), strict=True):
         losses = []
-        for lp, o, a, m, wt in zip(lr, orow, ar, mr, wr):
+        for lp, o, a, m, wt in zip(lr, orow, ar, mr, wr, strict=True):
             r = math.exp(min(max(lp - o, -20.0), 20.0))
             clipped = max(-a * r, -a * min(max(r, 1 - clip_low), 1 + clip_high))
             losses.append((min(-a * clip_c, clipped) if a < 0 else clipped) * wt if m else None)
@@ -248,10 +268,18 @@ def test_policy_loss_is_weights_multiply_the_clipped_per_token_loss(mode):
 
 
 # ---------------------------------------------------------------- KL and entropy
-@pytest.mark.parametrize("kind, expected", [
-    ("kl", 1.0), ("k1", 1.0), ("abs", 1.0), ("mse", 0.5), ("k2", 0.5),
-    ("low_var_kl", math.exp(-1) + 1 - 1), ("k3", math.exp(-1)),
-])
+@pytest.mark.parametrize(
+    "kind, expected",
+    [
+        ("kl", 1.0),
+        ("k1", 1.0),
+        ("abs", 1.0),
+        ("mse", 0.5),
+        ("k2", 0.5),
+        ("low_var_kl", math.exp(-1) + 1 - 1),
+        ("k3", math.exp(-1)),
+    ],
+)
 def test_kl_values_at_log_ratio_one(kind, expected):
     logp, ref = T([[0.0]]), T([[-1.0]])  # logp - ref = 1
     assert kl_penalty(logp, ref, kind).item() == pytest.approx(expected, rel=1e-6)
@@ -295,13 +323,14 @@ def test_entropy_from_logits():
     expected = torch.distributions.Categorical(logits=z).entropy()
     assert torch.allclose(entropy_from_logits(z), expected, atol=1e-10)
     assert entropy_from_logits(T([[1.0, 2.0]])).item() == pytest.approx(
-        -sum(p * math.log(p) for p in torch.softmax(T([1.0, 2.0]), 0).tolist()))
+        -sum(p * math.log(p) for p in torch.softmax(T([1.0, 2.0]), 0).tolist())
+    )
 
 
 # ---------------------------------------------------------------- DAPO dynamic sampling: nonzero_std_groups
 def _np_keep(values, n):
     """veRL's rule with numpy itself: drop a group iff n > 1 and float(np.std(values)) == 0.0."""
-    return [not (n > 1 and float(np.std(values[i:i + n])) == 0.0) for i in range(0, len(values), n)]
+    return [not (n > 1 and float(np.std(values[i : i + n])) == 0.0) for i in range(0, len(values), n)]
 
 
 def test_nonzero_std_groups_numpy_edge_cases():
@@ -342,4 +371,3 @@ def test_nonzero_std_groups_bad_n():
     for n in (0, -1, 4, 2.0, True):
         with pytest.raises(ValueError, match="nonzero_std_groups: n="):
             nonzero_std_groups([1.0, 2.0, 3.0, 4.0, 5.0, 6.0], n)
-

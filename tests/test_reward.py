@@ -8,26 +8,39 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from reward import (CLIP_CHARS, INSTRUCTION, compute_score, extract_ground_truth, extract_solution, make_prompt,
-                    overlong_penalty)
+from reward import (
+    CLIP_CHARS,
+    INSTRUCTION,
+    compute_score,
+    extract_ground_truth,
+    extract_solution,
+    make_prompt,
+    overlong_penalty,
+)
 
 
 def test_make_prompt_is_verl_single_user_message():
     msgs = make_prompt("Tom has 3 apples. How many?")
-    assert msgs == [{
-        "role": "user",
-        "content": 'Tom has 3 apples. How many? Let\'s think step by step and output the final answer after "####".',
-    }]
+    assert msgs == [
+        {
+            "role": "user",
+            "content": "Tom has 3 apples. How many? "
+            'Let\'s think step by step and output the final answer after "####".',
+        }
+    ]
     assert INSTRUCTION.startswith("Let's think")
 
 
-@pytest.mark.parametrize("answer, truth", [
-    ("Natalia sold 48/2 = <<48/2=24>>24 clips in May.\n#### 72", "72"),
-    ("big\n#### 1,234", "1234"),
-    ("#### -5", "-5"),
-    ("#### 2.5", "2.5"),
-    ("first #### 7 then #### 8", "7"),  # the FIRST match (preprocessing), unlike the scorer
-])
+@pytest.mark.parametrize(
+    "answer, truth",
+    [
+        ("Natalia sold 48/2 = <<48/2=24>>24 clips in May.\n#### 72", "72"),
+        ("big\n#### 1,234", "1234"),
+        ("#### -5", "-5"),
+        ("#### 2.5", "2.5"),
+        ("first #### 7 then #### 8", "7"),  # the FIRST match (preprocessing), unlike the scorer
+    ],
+)
 def test_extract_ground_truth(answer, truth):
     assert extract_ground_truth(answer) == truth
 
@@ -38,52 +51,58 @@ def test_extract_ground_truth_without_answer_raises(bad):
         extract_ground_truth(bad)
 
 
-@pytest.mark.parametrize("text, expected", [
-    ("so the answer is\n#### 18", "18"),
-    ("####18", None),                 # no space: no answer
-    ("####  18", None),               # two spaces: no answer
-    ("#### 18.", "18."),              # the trailing dot is captured
-    ("#### 1,234", "1234"),           # commas removed
-    ("#### -3", "-3"),
-    ("#### 0.5", "0.5"),
-    ("#### 1 and later #### 2", "2"),  # the LAST match
-    ("##### 4", "4"),                 # five hashes contain "#### 4"
-    ("#### $5", None),                # "$" cannot be captured
-    ("", None),
-])
+@pytest.mark.parametrize(
+    "text, expected",
+    [
+        ("so the answer is\n#### 18", "18"),
+        ("####18", None),  # no space: no answer
+        ("####  18", None),  # two spaces: no answer
+        ("#### 18.", "18."),  # the trailing dot is captured
+        ("#### 1,234", "1234"),  # commas removed
+        ("#### -3", "-3"),
+        ("#### 0.5", "0.5"),
+        ("#### 1 and later #### 2", "2"),  # the LAST match
+        ("##### 4", "4"),  # five hashes contain "#### 4"
+        ("#### $5", None),  # "$" cannot be captured
+        ("", None),
+    ],
+)
 def test_extract_solution_strict(text, expected):
     assert extract_solution(text) == expected
 
 
-@pytest.mark.parametrize("text, expected", [
-    ("The answer is 42.", "42."),     # nothing stripped
-    ("1, 2, 3", "3"),
-    ("x = -7 units", "-7"),
-    ("no digits at all", None),
-    ("a . b", "."),                   # veRL's loop falls through to the only match
-    ("12 then .", "12"),              # "." is skipped
-    ("#### 1,000", "1,000"),          # commas kept in flexible mode
-])
+@pytest.mark.parametrize(
+    "text, expected",
+    [
+        ("The answer is 42.", "42."),  # nothing stripped
+        ("1, 2, 3", "3"),
+        ("x = -7 units", "-7"),
+        ("no digits at all", None),
+        ("a . b", "."),  # veRL's loop falls through to the only match
+        ("12 then .", "12"),  # "." is skipped
+        ("#### 1,000", "1,000"),  # commas kept in flexible mode
+    ],
+)
 def test_extract_solution_flexible(text, expected):
     assert extract_solution(text, method="flexible") == expected
 
 
 def test_only_the_last_300_characters_are_scored():
     assert CLIP_CHARS == 300
-    inside = "#### 42" + "x" * (300 - 7)   # exactly 300 chars: kept whole
+    inside = "#### 42" + "x" * (300 - 7)  # exactly 300 chars: kept whole
     outside = "#### 42" + "x" * (301 - 7)  # 301 chars: the first "#" falls off
     assert extract_solution(inside) == "42"
     assert extract_solution(outside) is None
-    assert compute_score("#### 42" + " filler" * 50, "42") == 0.0   # veRL's quirk
+    assert compute_score("#### 42" + " filler" * 50, "42") == 0.0  # veRL's quirk
     assert compute_score("#### 42" + " filler" * 50, "42", clip_chars=None) == 1.0  # lifted
-    assert extract_solution("#### 123" + "x" * 297) is None          # window cuts into "####"
+    assert extract_solution("#### 123" + "x" * 297) is None  # window cuts into "####"
 
 
 def test_compute_score_string_equality_and_scores():
     assert compute_score("#### 72", "72") == 1.0
     assert compute_score("#### 71", "72") == 0.0
-    assert compute_score("#### 72.0", "72") == 0.0                   # no numeric normalisation
-    assert compute_score("#### 71", "72", format_score=0.1) == 0.1   # answer present but wrong
+    assert compute_score("#### 72.0", "72") == 0.0  # no numeric normalisation
+    assert compute_score("#### 71", "72", format_score=0.1) == 0.1  # answer present but wrong
     assert compute_score("no answer", "72", format_score=0.1) == 0.0  # no answer: 0, not format_score
     assert compute_score("#### 72", "72", score=2.0) == 2.0
     assert compute_score("#### 1,234", "1234") == 1.0
@@ -95,14 +114,17 @@ def test_unknown_method_is_a_clear_error():
         extract_solution("#### 1", method="lenient")
 
 
-@pytest.mark.parametrize("text", [
-    "",
-    "\x00\x01\xff" * 1000,
-    "".join(map(chr, range(0, 0x3000, 7))),
-    "数字 #### ٣ 🙂 #### 5",
-    "#" * 100_000,
-    "-" * 100_000 + "#### -",
-])
+@pytest.mark.parametrize(
+    "text",
+    [
+        "",
+        "\x00\x01\xff" * 1000,
+        "".join(map(chr, range(0, 0x3000, 7))),
+        "数字 #### ٣ 🙂 #### 5",
+        "#" * 100_000,
+        "-" * 100_000 + "#### -",
+    ],
+)
 def test_never_raises_on_odd_strings(text):
     for method in ("strict", "flexible"):
         for clip in (CLIP_CHARS, None):
@@ -130,10 +152,10 @@ def test_property_total_and_consistent(text, method):
 
 
 @settings(max_examples=200, deadline=None)
-@given(st.integers(-10**9, 10**9), st.text(alphabet=string.ascii_letters + " \n", max_size=200))
+@given(st.integers(-(10**9), 10**9), st.text(alphabet=string.ascii_letters + " \n", max_size=200))
 def test_property_appended_answer_always_found(n, prefix):
     assert compute_score(prefix + f"\n#### {n}", str(n)) == 1.0
-    assert compute_score(prefix + f"\n#### {n:,}", str(n)) == 1.0   # thousands separators
+    assert compute_score(prefix + f"\n#### {n:,}", str(n)) == 1.0  # thousands separators
 
 
 # ---------------------------------------------------------------- DAPO overlong penalty
@@ -175,4 +197,3 @@ def test_overlong_penalty_hand_values():
 def test_overlong_penalty_bad_config(args):
     with pytest.raises(ValueError, match="buffer_length=.*max_response_length="):
         overlong_penalty(*args)
-

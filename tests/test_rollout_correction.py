@@ -34,7 +34,7 @@ def batch(seed: int, dtype=F64):
 def rows(old, roll, mask):
     """[(deltas of the valid tokens, valid flags, all deltas)] per row, in float64 Python floats."""
     d = (old.double() - roll.double()).tolist()
-    return [(dr, [bool(k) for k in mr]) for dr, mr in zip(d, mask.tolist())]
+    return [(dr, [bool(k) for k in mr]) for dr, mr in zip(d, mask.tolist(), strict=True)]
 
 
 # ---------------------------------------------------------------- reference implementations (float64, loops)
@@ -45,20 +45,23 @@ def ref_is_weights(old, roll, mask, level, threshold, batch_normalize=False):
         lo, hi = None, float(threshold)
     out = []
     for d, valid in rows(old, roll, mask):
-        seq = sum(x for x, k in zip(d, valid) if k)
+        seq = sum(x for x, k in zip(d, valid, strict=True) if k)
         row = []
-        for x, k in zip(d, valid):
+        for x, k in zip(d, valid, strict=True):
             w = math.exp(clip(seq if level == "sequence" else x)) if k else 0.0
             row.append(min(w, hi) if lo is None else (w if lo <= w <= hi else 0.0))
         out.append(row)
     if batch_normalize:
         flags = [valid for _, valid in rows(old, roll, mask)]
         if level == "token":
-            kept = [w for row, valid in zip(out, flags) for w, k in zip(row, valid) if k]
+            kept = [w for row, valid in zip(out, flags, strict=True) for w, k in zip(row, valid, strict=True) if k]
             mean = sum(kept) / (len(kept) + 1e-8)
         else:
-            per_row = [sum(w for w, k in zip(row, valid) if k) / (sum(valid) + 1e-8)
-                       for row, valid in zip(out, flags) if any(valid)]
+            per_row = [
+                sum(w for w, k in zip(row, valid, strict=True) if k) / (sum(valid) + 1e-8)
+                for row, valid in zip(out, flags, strict=True)
+                if any(valid)
+            ]
             mean = sum(per_row) / max(len(per_row), 1e-8)
         if mean > 1e-8:
             out = [[w / mean for w in row] for row in out]
@@ -82,12 +85,12 @@ def ref_rejection(old, roll, mask, modes, thresholds):
     out = []
     for d, valid in rows(old, roll, mask):
         keep = [1.0 if k else 0.0 for k in valid]
-        for option, spec in zip(options, specs):
+        for option, spec in zip(options, specs, strict=True):
             lo, hi = ref_bounds(option, spec)
             stats = []
             for x in (clip(v) for v in d):
                 stats.append({"1": -x, "2": x * x / 2, "3": math.exp(x) - 1 - x}[option[-1]])
-            own = [s for s, k in zip(stats, valid) if k]
+            own = [s for s, k in zip(stats, valid, strict=True) if k]
             if option.startswith("seq_sum"):
                 stats = [sum(own)] * len(d)
             elif option.startswith("seq_mean"):
@@ -107,21 +110,26 @@ def mean(xs):
 
 def ref_offpolicy(old, roll, mask):
     o_rows, r_rows, tokens = [], [], []
-    for oi, ri, mi in zip(old.tolist(), roll.tolist(), mask.tolist()):
+    for oi, ri, mi in zip(old.tolist(), roll.tolist(), mask.tolist(), strict=True):
         n = sum(mi)
-        o_rows.append(sum(a for a, k in zip(oi, mi) if k) / (n + 1e-8))
-        r_rows.append(sum(b for b, k in zip(ri, mi) if k) / (n + 1e-8))
-        tokens += [(a, b) for a, b, k in zip(oi, ri, mi) if k]
+        o_rows.append(sum(a for a, k in zip(oi, mi, strict=True) if k) / (n + 1e-8))
+        r_rows.append(sum(b for b, k in zip(ri, mi, strict=True) if k) / (n + 1e-8))
+        tokens += [(a, b) for a, b, k in zip(oi, ri, mi, strict=True) if k]
     n_tok = len(tokens) + 1e-8
-    diff = [r - o for o, r in zip(o_rows, r_rows)]
-    seq = [clip(sum(x for x, k in zip(d, valid) if k)) for d, valid in rows(old, roll, mask)]
+    diff = [r - o for o, r in zip(o_rows, r_rows, strict=True)]
+    seq = [clip(sum(x for x, k in zip(d, valid, strict=True) if k)) for d, valid in rows(old, roll, mask)]
     return {
-        "training_ppl": mean([math.exp(-o) for o in o_rows]), "training_log_ppl": -mean(o_rows),
+        "training_ppl": mean([math.exp(-o) for o in o_rows]),
+        "training_log_ppl": -mean(o_rows),
         "kl": sum(b - a for a, b in tokens) / n_tok,
         "k3_kl": sum(math.exp(a - b) - (a - b) - 1 for a, b in tokens) / n_tok,
-        "rollout_ppl": mean([math.exp(-r) for r in r_rows]), "rollout_log_ppl": -mean(r_rows),
-        "log_ppl_diff": mean(diff), "log_ppl_abs_diff": mean([abs(x) for x in diff]),
-        "log_ppl_diff_max": max(diff), "log_ppl_diff_min": min(diff), "ppl_ratio": mean([math.exp(x) for x in diff]),
+        "rollout_ppl": mean([math.exp(-r) for r in r_rows]),
+        "rollout_log_ppl": -mean(r_rows),
+        "log_ppl_diff": mean(diff),
+        "log_ppl_abs_diff": mean([abs(x) for x in diff]),
+        "log_ppl_diff_max": max(diff),
+        "log_ppl_diff_min": min(diff),
+        "ppl_ratio": mean([math.exp(x) for x in diff]),
         "chi2_token": sum(math.exp(2 * clip(a - b)) for a, b in tokens) / n_tok - 1,
         "chi2_seq": mean([math.exp(2 * s) for s in seq]) - 1,
     }
@@ -129,27 +137,39 @@ def ref_offpolicy(old, roll, mask):
 
 def ref_metrics(old, roll, mask, level, threshold, new_mask):
     w = ref_is_weights(old, roll, mask, level, threshold).tolist()
-    lo, hi = ((float(p) for p in threshold.split("_")) if isinstance(threshold, str) and "_" in threshold
-              else (None, float(threshold)))
+    lo, hi = (
+        (float(p) for p in threshold.split("_"))
+        if isinstance(threshold, str) and "_" in threshold
+        else (None, float(threshold))
+    )
     lo = 1 / hi if lo is None else lo
     data = rows(old, roll, mask)
-    valid_w = [x for wr, (_, valid) in zip(w, data) for x, k in zip(wr, valid) if k]
+    valid_w = [x for wr, (_, valid) in zip(w, data, strict=True) for x, k in zip(wr, valid, strict=True) if k]
     n = len(valid_w) + 1e-8
     out = {"rollout_is_mean": sum(valid_w) / n}
     if level == "token":
-        raw = [math.exp(clip(x)) for d, valid in data for x, k in zip(d, valid) if k]
-        out.update(rollout_is_max=max(valid_w), rollout_is_min=min(valid_w),
-                   rollout_is_ratio_fraction_high=sum(r > hi for r in raw) / n,
-                   rollout_is_ratio_fraction_low=sum(r < lo for r in raw) / n)
+        raw = [math.exp(clip(x)) for d, valid in data for x, k in zip(d, valid, strict=True) if k]
+        out.update(
+            rollout_is_max=max(valid_w),
+            rollout_is_min=min(valid_w),
+            rollout_is_ratio_fraction_high=sum(r > hi for r in raw) / n,
+            rollout_is_ratio_fraction_low=sum(r < lo for r in raw) / n,
+        )
     else:
-        sums = [sum(x for x, k in zip(d, valid) if k) for d, valid in data]  # unclamped, every row
-        out.update(rollout_is_max=math.exp(min(max(sums), CLIP)), rollout_is_min=math.exp(min(sums)),
-                   rollout_is_ratio_fraction_high=mean([s > math.log(hi) for s in sums]),
-                   rollout_is_ratio_fraction_low=mean([s < math.log(lo) for s in sums]))
+        sums = [sum(x for x, k in zip(d, valid, strict=True) if k) for d, valid in data]  # unclamped, every row
+        out.update(
+            rollout_is_max=math.exp(min(max(sums), CLIP)),
+            rollout_is_min=math.exp(min(sums)),
+            rollout_is_ratio_fraction_high=mean([s > math.log(hi) for s in sums]),
+            rollout_is_ratio_fraction_low=mean([s < math.log(lo) for s in sums]),
+        )
     c = [min(max(x, 0.0), hi) for x in valid_w]
     c_mean = sum(c) / n
     out["rollout_is_eff_sample_size"] = 1 / (sum((x / (c_mean + 1e-8)) ** 2 for x in c) / n)
-    rejected = [[k and not kept for k, kept in zip(valid, nm)] for (_, valid), nm in zip(data, new_mask.tolist())]
+    rejected = [
+        [k and not kept for k, kept in zip(valid, nm, strict=True)]
+        for (_, valid), nm in zip(data, new_mask.tolist(), strict=True)
+    ]
     out["rollout_rs_masked_fraction"] = sum(map(sum, rejected)) / n
     out["rollout_rs_seq_masked_fraction"] = mean([any(r) for r in rejected])
     return out
@@ -163,8 +183,9 @@ def ref_metrics(old, roll, mask, level, threshold, new_mask):
 def test_is_weights_match_reference(level, threshold, batch_normalize, seed):
     old, roll, mask = batch(seed)
     got = rollout_is_weights(old, roll, mask, level, threshold, batch_normalize)
-    torch.testing.assert_close(got, ref_is_weights(old, roll, mask, level, threshold, batch_normalize),
-                               rtol=1e-10, atol=0)
+    torch.testing.assert_close(
+        got, ref_is_weights(old, roll, mask, level, threshold, batch_normalize), rtol=1e-10, atol=0
+    )
     assert not got.requires_grad and (got[mask == 0] == 0).all()
 
 
@@ -228,10 +249,17 @@ def test_is_level_error():
 
 # ---------------------------------------------------------------- rollout_rejection_mask
 SINGLE = {  # option -> threshold giving a non-trivial mask on batch(seed)
-    "token_k1": "0.75_1.25", "token_k2": "0.04", "token_k3": "0.04",
-    "seq_sum_k1": "0.5_2.0", "seq_sum_k2": "0.15", "seq_sum_k3": "0.15",
-    "seq_mean_k1": "0.8_1.25", "seq_mean_k2": "0.05", "seq_mean_k3": "0.05",
-    "seq_max_k2": "0.1", "seq_max_k3": "0.1",
+    "token_k1": "0.75_1.25",
+    "token_k2": "0.04",
+    "token_k3": "0.04",
+    "seq_sum_k1": "0.5_2.0",
+    "seq_sum_k2": "0.15",
+    "seq_sum_k3": "0.15",
+    "seq_mean_k1": "0.8_1.25",
+    "seq_mean_k2": "0.05",
+    "seq_mean_k3": "0.05",
+    "seq_max_k2": "0.1",
+    "seq_max_k3": "0.1",
 }
 
 
@@ -249,17 +277,24 @@ def test_each_rejection_option_alone(option, seed):
 def test_rejection_number_thresholds(option):
     old, roll, mask = batch(4)
     spec = 1.3 if option.endswith("k1") else 0.07  # k1: a number hi means lo = 1/hi
-    torch.testing.assert_close(rollout_rejection_mask(old, roll, mask, option, spec),
-                               ref_rejection(old, roll, mask, option, str(spec)), rtol=0, atol=0)
+    torch.testing.assert_close(
+        rollout_rejection_mask(old, roll, mask, option, spec),
+        ref_rejection(old, roll, mask, option, str(spec)),
+        rtol=0,
+        atol=0,
+    )
 
 
-@pytest.mark.parametrize("modes, thresholds", [
-    ("token_k1,seq_mean_k3,seq_max_k2", "0.5_2.0,0.1,0.2"),
-    ("token_k1, seq_mean_k3 ,seq_max_k2", "1.5"),  # one spec for all (k1: 1/1.5.._1.5)
-    ("seq_sum_k1,token_k3,seq_mean_k1,seq_max_k3", "0.3_3, 0.2, 0.8_1.2, 0.5"),
-    ("token_k2,token_k2", "0.04"),  # duplicates ignored
-    (",".join(SINGLE), ",".join(SINGLE.values())),
-])
+@pytest.mark.parametrize(
+    "modes, thresholds",
+    [
+        ("token_k1,seq_mean_k3,seq_max_k2", "0.5_2.0,0.1,0.2"),
+        ("token_k1, seq_mean_k3 ,seq_max_k2", "1.5"),  # one spec for all (k1: 1/1.5.._1.5)
+        ("seq_sum_k1,token_k3,seq_mean_k1,seq_max_k3", "0.3_3, 0.2, 0.8_1.2, 0.5"),
+        ("token_k2,token_k2", "0.04"),  # duplicates ignored
+        (",".join(SINGLE), ",".join(SINGLE.values())),
+    ],
+)
 @pytest.mark.parametrize("seed", [0, 5])
 def test_combined_rejection_options(modes, thresholds, seed):
     old, roll, mask = batch(seed)
@@ -296,20 +331,23 @@ def test_rejection_keeps_mask_dtype_and_clamps():
     assert unclamped[2, 1] == 1 and unclamped[4, 0] == 1
 
 
-@pytest.mark.parametrize("modes, thresholds, match", [
-    ("token_k4", "1.5", r"modes='token_k4'; accepted: .*seq_max_k3"),
-    ("", "1.5", r"modes=''"),
-    (None, "1.5", r"modes=None"),
-    ("token_k1", None, r"thresholds=None .*lo_hi"),
-    ("token_k2", "0.1_0.2", r"thresholds='0.1_0.2'.*k2, k3: a number"),
-    ("token_k1", "2_1", r"thresholds='2_1'"),
-    ("token_k1", "0_1", r"thresholds='0_1'"),
-    ("token_k3", "-1", r"thresholds='-1'"),
-    ("token_k3", 0, r"thresholds=0"),
-    ("token_k1,token_k2,token_k3", "1.5,0.1", r"one per option"),
-    ("token_k2,token_k2", "0.1,0.2", r"one per option"),  # counted after dropping duplicates
-    ("token_k2", "abc", r"thresholds='abc'"),
-])
+@pytest.mark.parametrize(
+    "modes, thresholds, match",
+    [
+        ("token_k4", "1.5", r"modes='token_k4'; accepted: .*seq_max_k3"),
+        ("", "1.5", r"modes=''"),
+        (None, "1.5", r"modes=None"),
+        ("token_k1", None, r"thresholds=None .*lo_hi"),
+        ("token_k2", "0.1_0.2", r"thresholds='0.1_0.2'.*k2, k3: a number"),
+        ("token_k1", "2_1", r"thresholds='2_1'"),
+        ("token_k1", "0_1", r"thresholds='0_1'"),
+        ("token_k3", "-1", r"thresholds='-1'"),
+        ("token_k3", 0, r"thresholds=0"),
+        ("token_k1,token_k2,token_k3", "1.5,0.1", r"one per option"),
+        ("token_k2,token_k2", "0.1,0.2", r"one per option"),  # counted after dropping duplicates
+        ("token_k2", "abc", r"thresholds='abc'"),
+    ],
+)
 def test_rejection_errors(modes, thresholds, match):
     x = torch.zeros(1, 2)
     with pytest.raises(ValueError, match=match):
@@ -360,4 +398,6 @@ def test_correction_metrics_sequence_extremes_are_unclamped_and_partial_keys():
     assert m["rollout_is_min"] < math.exp(-20)  # the row with -23 is not clamped
     assert not any(k.startswith("rollout_rs") for k in m)
     assert set(rollout_correction_metrics(old, roll, mask, new_mask=mask)) == {
-        "rollout_rs_masked_fraction", "rollout_rs_seq_masked_fraction"}
+        "rollout_rs_masked_fraction",
+        "rollout_rs_seq_masked_fraction",
+    }

@@ -19,7 +19,7 @@ def hf_logprobs(model, prompt_ids, response_ids, temperature=1.0):
     """Per-token log-probs of response_ids given prompt_ids under an HF forward, fp32."""
     ids = torch.tensor([prompt_ids + response_ids])  # [1, P + R]
     with torch.no_grad():
-        logits = model(input_ids=ids).logits[0, len(prompt_ids) - 1:-1].float() / temperature  # [R, V]
+        logits = model(input_ids=ids).logits[0, len(prompt_ids) - 1 : -1].float() / temperature  # [R, V]
     return torch.log_softmax(logits, -1).gather(-1, torch.tensor(response_ids)[:, None])[:, 0]  # [R]
 
 
@@ -51,8 +51,10 @@ def test_generate_shapes_ids_and_text(engine_and_model):
     assert len(samples) == len(PROMPTS) * 4
     eos = set(model.generation_config.eos_token_id)
     for i, s in enumerate(samples):
-        expected_prompt = tokenizer(tokenizer.apply_chat_template(PROMPTS[i // 4], add_generation_prompt=True,
-                                                                  tokenize=False), add_special_tokens=False)["input_ids"]
+        expected_prompt = tokenizer(
+            tokenizer.apply_chat_template(PROMPTS[i // 4], add_generation_prompt=True, tokenize=False),
+            add_special_tokens=False,
+        )["input_ids"]
         assert s.prompt_ids == expected_prompt  # consecutive: sample i belongs to prompt i // n
         assert len(s.logprobs) == len(s.response_ids) >= 1
         assert all(lp <= 0 for lp in s.logprobs)
@@ -67,8 +69,10 @@ def test_generate_shapes_ids_and_text(engine_and_model):
 def test_sampling_logprobs_match_hf_forward(engine_and_model):
     _, llm, model, _ = engine_and_model
     samples = rollout.generate(llm, PROMPTS, n=2, temperature=1.0, max_tokens=16, seed=5)
-    worst = max((hf_logprobs(model, s.prompt_ids, s.response_ids) - torch.tensor(s.logprobs)).abs().max().item()
-                for s in samples)
+    worst = max(
+        (hf_logprobs(model, s.prompt_ids, s.response_ids) - torch.tensor(s.logprobs)).abs().max().item()
+        for s in samples
+    )
     assert worst <= 1e-3
 
 
@@ -85,7 +89,7 @@ def test_greedy_is_argmax_of_hf(engine_and_model):
     for s in rollout.generate(llm, PROMPTS, n=1, temperature=0.0, max_tokens=10):
         ids = torch.tensor([s.prompt_ids + s.response_ids])
         with torch.no_grad():
-            logits = model(input_ids=ids).logits[0, len(s.prompt_ids) - 1:-1]  # [R, V]
+            logits = model(input_ids=ids).logits[0, len(s.prompt_ids) - 1 : -1]  # [R, V]
         assert logits.argmax(-1).tolist() == s.response_ids
 
 
@@ -97,7 +101,7 @@ def test_seed_contract_prompt_i_samples_as_alone_with_seed_plus_i_times_n(engine
     batch = rollout.generate(llm, PROMPTS, n=n, temperature=1.0, max_tokens=10, seed=seed)
     for i, prompt in enumerate(PROMPTS):
         alone = rollout.generate(llm, [prompt], n=n, temperature=1.0, max_tokens=10, seed=seed + i * n)
-        assert [s.response_ids for s in batch[i * n:(i + 1) * n]] == [s.response_ids for s in alone], i
+        assert [s.response_ids for s in batch[i * n : (i + 1) * n]] == [s.response_ids for s in alone], i
     assert len({tuple(s.response_ids) for s in batch}) > n  # the seeds really change the samples
 
 
@@ -161,6 +165,7 @@ def test_generate_checks_the_layout_of_vllms_outputs():
 
     def outputs(*indices):
         return [NS(outputs=[NS(index=i) for i in order]) for order in indices]
+
     rollout.check_outputs(outputs([0, 1, 2], [0, 1, 2]), num_prompts=2, n=3)
     with pytest.raises(RuntimeError, match=r"prompt 1: vLLM returned completions \[1, 0, 2\], expected 0..2"):
         rollout.check_outputs(outputs([0, 1, 2], [1, 0, 2]), num_prompts=2, n=3)
@@ -175,8 +180,10 @@ def test_full_params_cast_to_the_engine_dtype(random_models):
     state = model.state_dict()
     for name, tensor in sync.full_params(model, torch.bfloat16):
         assert tensor.dtype == torch.bfloat16 and torch.equal(tensor, state[name].to(torch.bfloat16))
-    assert all(t.data_ptr() == p.data_ptr() for (_, t), p in zip(sync.full_params(model, torch.float32),
-                                                                 model.parameters()))  # same dtype: no copy
+    assert all(
+        t.data_ptr() == p.data_ptr()
+        for (_, t), p in zip(sync.full_params(model, torch.float32), model.parameters(), strict=True)
+    )  # same dtype: no copy
 
 
 def test_full_params_names_match_hf_state_dict(random_models):

@@ -48,11 +48,13 @@ def test_build_is_cached_and_the_warm_start_answers_some_questions(tiny_build):
     with open(tiny_build["test"]) as f:
         rows = [json.loads(line) for line in f][:60]
     llm = rollout.make_engine(tiny_build["model"], dtype="float32", max_model_len=256, gpu_memory_utilization=0.2)
-    samples = rollout.generate(llm, [reward.make_prompt(r["question"]) for r in rows], n=1, temperature=0.0, max_tokens=48)
+    samples = rollout.generate(
+        llm, [reward.make_prompt(r["question"]) for r in rows], n=1, temperature=0.0, max_tokens=48
+    )
     truths = [reward.extract_ground_truth(r["answer"]) for r in rows]
     last_number = [(re.findall(r"-?\d+", s.text) or [None])[-1] for s in samples]
-    solved = sum(n == t for n, t in zip(last_number, truths)) / len(rows)
+    solved = sum(n == t for n, t in zip(last_number, truths, strict=True)) / len(rows)
     assert solved > 0.5  # it knows the arithmetic...
-    strict = sum(reward.compute_score(s.text, t) for s, t in zip(samples, truths)) / len(rows)
+    strict = sum(reward.compute_score(s.text, t) for s, t in zip(samples, truths, strict=True)) / len(rows)
     assert strict < solved  # ...but, like an Instruct model, often ignores the "####" format
     del llm

@@ -10,6 +10,7 @@ its rows were longer than --max-tokens (they get a micro-batch of their own).
 """
 
 import argparse
+import functools
 import os
 import signal
 
@@ -62,13 +63,21 @@ def grpo_loss(logp, entropy, mb, counts, nan_hook=False):
         logp.register_hook(lambda g: torch.where(torch.arange(g.numel()).reshape(g.shape) == 0, float("nan"), g))
     share = mask.sum().item() / n
     return pg - ENTROPY_COEF * ent + KL_COEF * kl, {
-        "actor/pg_loss": pg.item(), "actor/entropy": ent.item(), "actor/kl_loss": kl.item(),
-        "actor/pg_clipfrac": m["pg_clipfrac"] * share, "actor/ppo_kl": m["ppo_kl"] * share}
+        "actor/pg_loss": pg.item(),
+        "actor/entropy": ent.item(),
+        "actor/kl_loss": kl.item(),
+        "actor/pg_clipfrac": m["pg_clipfrac"] * share,
+        "actor/ppo_kl": m["ppo_kl"] * share,
+    }
 
 
 def full_weights(model) -> dict:
-    return {k: v.clone() for k, v in ft.get_model_state_dict(
-        model, options=ft.StateDictOptions(full_state_dict=True, cpu_offload=True)).items()}
+    return {
+        k: v.clone()
+        for k, v in ft.get_model_state_dict(
+            model, options=ft.StateDictOptions(full_state_dict=True, cpu_offload=True)
+        ).items()
+    }
 
 
 def main():
@@ -91,8 +100,12 @@ def main():
     rank, world, device = ft.init_distributed()
     os.makedirs(args.out, exist_ok=True)
     torch.manual_seed(0)
-    model = ft.load_model(args.model, device=device, activation_checkpointing=args.activation_checkpointing,
-                          compute_dtype=torch.bfloat16 if args.bf16 else None)
+    model = ft.load_model(
+        args.model,
+        device=device,
+        activation_checkpointing=args.activation_checkpointing,
+        compute_dtype=torch.bfloat16 if args.bf16 else None,
+    )
     optimizer, scheduler = ft.make_optimizer(model, lr=args.lr, warmup_steps=2, total_steps=6, schedule="cosine")
     ckpt_root = os.path.join(args.out, "ckpt")
     start = 1
@@ -111,11 +124,18 @@ def main():
         batch["advantages"] = batch["advantages"] * (1 + 0.1 * torch.rand(1))  # uses the global RNG
         mine = ft.select(batch, rows_of_rank(rank, world))
         over_budget += int((mine["attention_mask"].sum(-1) > args.max_tokens).sum())  # rows that need a group alone
-        before = full_weights(model) if step == args.nan_at else None
-        metrics = ft.train_step(model, optimizer, mine,
-                                lambda lp, e, mb, c: grpo_loss(lp, e, mb, c, nan_hook=step == args.nan_at),
-                                temperature=1.0, max_tokens=args.max_tokens, grad_clip=1.0,
-                                entropy_fn=losses.entropy_from_logits)
+        nan_hook = step == args.nan_at
+        before = full_weights(model) if nan_hook else None
+        metrics = ft.train_step(
+            model,
+            optimizer,
+            mine,
+            functools.partial(grpo_loss, nan_hook=nan_hook),
+            temperature=1.0,
+            max_tokens=args.max_tokens,
+            grad_clip=1.0,
+            entropy_fn=losses.entropy_from_logits,
+        )
         scheduler.step()
         if before is not None:
             after = full_weights(model)
@@ -124,8 +144,9 @@ def main():
         if step == args.crash_save_at:
             ft.torch.save = lambda *a, **k: os.kill(os.getpid(), signal.SIGKILL)  # dies mid-save, after DCP shards
         if step in (args.save_at, args.crash_save_at):
-            ft.save_checkpoint(ckpt_root, step, model, optimizer, scheduler,
-                               extra={"step": step, "rng": torch.get_rng_state()})
+            ft.save_checkpoint(
+                ckpt_root, step, model, optimizer, scheduler, extra={"step": step, "rng": torch.get_rng_state()}
+            )
             weights = full_weights(model)
             if rank == 0:
                 torch.save(weights, os.path.join(args.out, f"saved_step{step}.pt"))
@@ -134,11 +155,17 @@ def main():
                 os.kill(os.getpid(), signal.SIGKILL)
     if args.export:
         from transformers import AutoTokenizer
+
         ft.export_hf(model, os.path.join(args.out, "hf"), AutoTokenizer.from_pretrained(args.model))
         probe = global_batch(99, model.config.vocab_size)
-        logp, _ = ft.compute_logprobs(model, ft.select(probe, rows_of_rank(rank, world)), temperature=1.0, max_tokens=64)
+        logp, _ = ft.compute_logprobs(
+            model, ft.select(probe, rows_of_rank(rank, world)), temperature=1.0, max_tokens=64
+        )
         if rank == 0:
-            torch.save({"batch": ft.select(probe, rows_of_rank(0, world)), "logprobs": logp}, os.path.join(args.out, "probe.pt"))
+            torch.save(
+                {"batch": ft.select(probe, rows_of_rank(0, world)), "logprobs": logp},
+                os.path.join(args.out, "probe.pt"),
+            )
     weights = full_weights(model)
     if rank == 0:
         torch.save(weights, os.path.join(args.out, f"final_ws{world}.pt"))
