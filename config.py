@@ -148,15 +148,24 @@ def _spec(node):
 
 def _flat(node: dict, prefix: str = "") -> dict:
     """Nested sections -> dotted keys: {"model": {"path": x}} -> {"model.path": x}."""
-    return {
-        key: v
-        for k, value in node.items()
-        for key, v in (_flat(value, f"{prefix}{k}.") if isinstance(value, dict) else {f"{prefix}{k}": value}).items()
-    }
+    flat = {}
+    for name, value in node.items():
+        if isinstance(value, dict):
+            flat.update(_flat(value, f"{prefix}{name}."))
+        else:
+            flat[f"{prefix}{name}"] = value
+    return flat
 
 
 def _defaults(node: dict) -> dict:
-    return {k: _defaults(v) if isinstance(v, dict) else copy.deepcopy(_spec(v)[0]) for k, v in node.items()}
+    """The schema's nested sections with each key's default: what a run reads before the YAML file."""
+    defaults = {}
+    for name, value in node.items():
+        if isinstance(value, dict):
+            defaults[name] = _defaults(value)
+        else:
+            defaults[name] = copy.deepcopy(_spec(value)[0])
+    return defaults
 
 
 FLAT, DEFAULTS = _flat(SCHEMA), _defaults(SCHEMA)  # "model.path" -> its entry; the nested dicts a run reads
@@ -166,11 +175,16 @@ def _passes(rule: str, value) -> bool:
     """Does value satisfy a schema rule? ">= 1" -> value >= 1; "-1 (off) or >= 1" -> value == -1 or value >= 1."""
     if rule in RULES:
         return RULES[rule](value)
-    alternatives = re.sub(r"\s*\([^)]*\)", "", rule).split(" or ")
-    python = " or ".join(
-        a if "value" in a else f"value {a}" if a[0] in "<>=!" else f"value == {a}" for a in alternatives
-    )
-    return eval(python, {}, {"value": value})  # our own schema's text, never user input
+    alternatives = re.sub(r"\s*\([^)]*\)", "", rule).split(" or ")  # the "(...)" explanations dropped
+    conditions = []
+    for a in alternatives:
+        if "value" in a:  # "0 < value <= 1"
+            conditions.append(a)
+        elif a[0] in "<>=!":  # ">= 1"
+            conditions.append(f"value {a}")
+        else:  # "-1"
+            conditions.append(f"value == {a}")
+    return eval(" or ".join(conditions), {}, {"value": value})  # our own schema's text, never user input
 
 
 class ConfigError(ValueError):
@@ -182,23 +196,33 @@ class _Loader(yaml.SafeLoader):
     text instead of becoming the number 0.52."""
 
 
-for _tag, _make in (("int", yaml.SafeLoader.construct_yaml_int), ("float", yaml.SafeLoader.construct_yaml_float)):
-    _Loader.add_constructor(
-        f"tag:yaml.org,2002:{_tag}",
-        lambda loader, node, make=_make: node.value if "_" in node.value else make(loader, node),
-    )
+def _number_without_underscores(make):
+    """A YAML constructor that keeps a scalar with "_" as its text and builds any other scalar with make."""
+
+    def construct(loader, node):
+        return node.value if "_" in node.value else make(loader, node)
+
+    return construct
+
+
+_Loader.add_constructor("tag:yaml.org,2002:int", _number_without_underscores(yaml.SafeLoader.construct_yaml_int))
+_Loader.add_constructor("tag:yaml.org,2002:float", _number_without_underscores(yaml.SafeLoader.construct_yaml_float))
+
+
+def _accepted_types(key: str, default, accepted) -> tuple:
+    """The types a key takes: the schema's (a type or a tuple of types), else TYPES' (a None default), else
+    the default's."""
+    if isinstance(accepted, tuple) and isinstance(accepted[0], type):
+        return accepted
+    if isinstance(accepted, type):
+        return (accepted,)
+    return (TYPES.get(key) or type(default),)
 
 
 def _check(key: str, value, entry):
     """Check one value's type (its default's, or the schema's; ints accepted for floats), choices and rule."""
     default, accepted = _spec(entry)
-    types = (
-        accepted
-        if isinstance(accepted, tuple) and isinstance(accepted[0], type)
-        else (accepted,)
-        if isinstance(accepted, type)
-        else (TYPES.get(key) or type(default),)
-    )
+    types = _accepted_types(key, default, accepted)
     rule = accepted if isinstance(accepted, str) else None
     if value is None and default is None:
         return None
@@ -239,18 +263,25 @@ def load_config(path: str | None, overrides: list[str]) -> dict:
         key, raw = item.split("=", 1)
         updates.append((key.strip(), yaml.load(raw, Loader=_Loader), "command line"))
     for key, value, source in updates:
-        if key not in FLAT:  # name what the deepest known section accepts
-            section = key.rpartition(".")[0]
-            while section and not any(k.startswith(section + ".") for k in FLAT):
-                section = section.rpartition(".")[0]
-            accepted = [k for k in FLAT if k.startswith(section + ".")] if section else list(SCHEMA)
-            raise ConfigError(f"config ({source}): unknown key {key!r}; accepted: {', '.join(accepted)}")
+        if key not in FLAT:
+            accepted = ", ".join(_keys_near(key))
+            raise ConfigError(f"config ({source}): unknown key {key!r}; accepted: {accepted}")
         *parents, name = key.split(".")
         node = cfg
         for part in parents:
             node = node[part]
         node[name] = _check(key, value, FLAT[key])
     return check_config(cfg)
+
+
+def _keys_near(key: str) -> list[str]:
+    """The keys of the deepest known section of an unknown key ("actor.lrr" -> actor's keys), or the sections."""
+    section = key.rpartition(".")[0]
+    while section and not any(k.startswith(section + ".") for k in FLAT):
+        section = section.rpartition(".")[0]
+    if not section:
+        return list(SCHEMA)
+    return [k for k in FLAT if k.startswith(section + ".")]
 
 
 def check_config(cfg: dict) -> dict:
@@ -290,12 +321,10 @@ def check_config(cfg: dict) -> dict:
         )
     one = torch.zeros(1, 1), torch.zeros(1, 1), torch.ones(1, 1)  # the specs, parsed by the code that uses them
     try:
-        _ = rc["rollout_is"] and losses.rollout_is_weights(
-            *one, level=rc["rollout_is"], threshold=rc["rollout_is_threshold"]
-        )
-        _ = rc["rollout_rs"] and losses.rollout_rejection_mask(
-            *one, modes=rc["rollout_rs"], thresholds=rc["rollout_rs_threshold"]
-        )
+        if rc["rollout_is"]:
+            losses.rollout_is_weights(*one, level=rc["rollout_is"], threshold=rc["rollout_is_threshold"])
+        if rc["rollout_rs"]:
+            losses.rollout_rejection_mask(*one, modes=rc["rollout_rs"], thresholds=rc["rollout_rs_threshold"])
     except ValueError as e:
         specs = ", ".join(f"{k} = {rc[k]!r}" for k in rc if k.startswith("rollout_"))
         raise ConfigError(f"config: algorithm.rollout_correction.{specs}: {e}") from None

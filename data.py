@@ -71,46 +71,56 @@ def _json(line: str, where: str):
 
 
 def _rows_from_records(records: list[dict], where: str) -> list[dict]:
+    """Records of either layout -> rows {"prompt", "ground_truth", "data_source", "extra_info", "where"}."""
     rows = []
     for i, r in enumerate(records):
         if not isinstance(r, dict):
             raise ValueError(f"data: {where}: row {i}: expected an object, got {type(r).__name__}")
-        if "prompt" in r or "reward_model" in r:  # veRL's preprocessed layout
-            prompt, rm = r.get("prompt"), r.get("reward_model")
-            if (
-                not isinstance(prompt, list)
-                or not prompt
-                or not all(isinstance(m, dict) and "content" in m for m in prompt)
-            ):
-                raise ValueError(f"data: {where}: row {i}: field 'prompt' must be a non-empty list of chat messages")
-            if not isinstance(rm, dict) or rm.get("ground_truth") in (None, ""):
-                raise ValueError(f"data: {where}: row {i}: missing field 'reward_model.ground_truth'")
-            row = {
-                "prompt": [dict(m) for m in prompt],
-                "ground_truth": rm["ground_truth"],
-                "data_source": str(r.get("data_source") or GSM8K),
-                "extra_info": r.get("extra_info") or {},
-            }
-            row["ground_truth"] = str(row["ground_truth"]) if row["data_source"] == GSM8K else row["ground_truth"]
-        else:  # GSM8K's layout
-            for field in ("question", "answer"):
-                if not isinstance(r.get(field), str) or not r[field]:
-                    raise ValueError(
-                        f"data: {where}: row {i}: missing field {field!r} "
-                        "(accepted layouts: question/answer, or prompt/reward_model.ground_truth)"
-                    )
-            try:
-                truth = reward.extract_ground_truth(r["answer"])
-            except ValueError as e:
-                raise ValueError(f"data: {where}: row {i}: field 'answer': {e}") from None
-            row = {
-                "prompt": reward.make_prompt(r["question"]),
-                "ground_truth": truth,
-                "data_source": GSM8K,
-                "extra_info": {"index": i, "question": r["question"], "answer": r["answer"]},
-            }
-        rows.append(row | {"where": f"{where} row {i}"})
+        if "prompt" in r or "reward_model" in r:
+            row = _verl_row(r, f"data: {where}: row {i}")
+        else:
+            row = _gsm8k_row(r, i, f"data: {where}: row {i}")
+        row["where"] = f"{where} row {i}"
+        rows.append(row)
     return rows
+
+
+def _verl_row(r: dict, where: str) -> dict:
+    """veRL's preprocessed layout: prompt (chat messages), reward_model.ground_truth, data_source, extra_info."""
+    prompt, rm = r.get("prompt"), r.get("reward_model")
+    is_chat = isinstance(prompt, list) and all(isinstance(m, dict) and "content" in m for m in prompt)
+    if not is_chat or not prompt:
+        raise ValueError(f"{where}: field 'prompt' must be a non-empty list of chat messages")
+    if not isinstance(rm, dict) or rm.get("ground_truth") in (None, ""):
+        raise ValueError(f"{where}: missing field 'reward_model.ground_truth'")
+    data_source = str(r.get("data_source") or GSM8K)
+    truth = str(rm["ground_truth"]) if data_source == GSM8K else rm["ground_truth"]
+    return {
+        "prompt": [dict(m) for m in prompt],
+        "ground_truth": truth,
+        "data_source": data_source,
+        "extra_info": r.get("extra_info") or {},
+    }
+
+
+def _gsm8k_row(r: dict, index: int, where: str) -> dict:
+    """GSM8K's layout: question, answer ("...steps...\\n#### 42"); the prompt is veRL's (reward.make_prompt)."""
+    for field in ("question", "answer"):
+        if not isinstance(r.get(field), str) or not r[field]:
+            raise ValueError(
+                f"{where}: missing field {field!r} "
+                "(accepted layouts: question/answer, or prompt/reward_model.ground_truth)"
+            )
+    try:
+        truth = reward.extract_ground_truth(r["answer"])
+    except ValueError as e:
+        raise ValueError(f"{where}: field 'answer': {e}") from None
+    return {
+        "prompt": reward.make_prompt(r["question"]),
+        "ground_truth": truth,
+        "data_source": GSM8K,
+        "extra_info": {"index": index, "question": r["question"], "answer": r["answer"]},
+    }
 
 
 def filter_overlong(rows: list[dict], tokenizer, d: dict) -> tuple[list[dict], int]:
@@ -174,9 +184,10 @@ def make_scorer(cfg: dict):
             ground_truth=row["ground_truth"],
             extra_info=row["extra_info"],
         )
-        value, extras = (
-            (out.get("score"), {k: v for k, v in out.items() if k != "score"}) if isinstance(out, dict) else (out, {})
-        )
+        value, extras = out, {}
+        if isinstance(out, dict):  # {"score": ..., other keys: extras}
+            extras = dict(out)
+            value = extras.pop("score", None)
         if not isinstance(value, numbers.Real) or not math.isfinite(value):
             raise ConfigError(
                 f"custom_reward_function: {path}:{name} returned {out!r} for {row['where']}; accepted: "
@@ -255,34 +266,38 @@ def dump_batch(run, step: int, batch: dict):
     mask the loss uses (after rejection sampling), rewards, advantages, old, reference and vLLM log-probs,
     and the IS weights (the seed's Experiment 1: replay them elsewhere with trainer.replay_batches)."""
     n, root = run.cfg["rollout"]["n"], run.cfg["trainer"]["dump_batches"]
-    rows = [
-        {k: v[i] for k, v in batch.items()} | {"position": run.positions[i // n]}
-        for i in range(batch["input_ids"].shape[0])
-    ]
+    rows = []
+    for i in range(batch["input_ids"].shape[0]):
+        row = {k: v[i] for k, v in batch.items()}
+        row["position"] = run.positions[i // n]  # the prompt's place in the step's prompt list
+        rows.append(row)
     gathered = [None] * run.world
     dist.all_gather_object(gathered, rows)
     if run.rank == 0:
-        rows = sorted(
-            (r for part in gathered for r in part), key=lambda r: r["position"]
-        )  # stable: samples stay in order
-        width = [len(r["response_mask"]) for r in rows]  # each rank's rows have their own padded width
-        prompts = [
-            r["input_ids"][:-w][r["attention_mask"][:-w].bool()].tolist() for r, w in zip(rows, width, strict=True)
-        ]
-        responses = [
-            r["input_ids"][-w:][r["attention_mask"][-w:].bool()].tolist() for r, w in zip(rows, width, strict=True)
-        ]
-        full = fsdp_train.make_batch(prompts, responses, pad_id=0)
-        r_width = full["response_mask"].shape[1]
-        for key in (k for k in DUMPED if k in rows[0]):
-            full[key] = torch.stack(
-                [torch.nn.functional.pad(r[key], (0, r_width - r[key].shape[0]))[:r_width] for r in rows]
-            )
-        full["rewards"] = torch.stack([r["rewards"] for r in rows])
+        everyone = [r for part in gathered for r in part]
+        full = _whole_batch(sorted(everyone, key=lambda r: r["position"]))  # stable: samples stay in order
         os.makedirs(root, exist_ok=True)
         torch.save(full, os.path.join(root, f"step_{step}.pt.tmp"))
         os.replace(os.path.join(root, f"step_{step}.pt.tmp"), os.path.join(root, f"step_{step}.pt"))
     dist.barrier()
+
+
+def _whole_batch(rows: list[dict]) -> dict:
+    """Rows gathered from all ranks (each rank's rows padded to its own width) -> one batch, re-padded to the
+    widest, with the DUMPED per-token tensors and the rewards."""
+    prompts, responses = [], []
+    for r in rows:
+        width = len(r["response_mask"])
+        prompts.append(r["input_ids"][:-width][r["attention_mask"][:-width].bool()].tolist())
+        responses.append(r["input_ids"][-width:][r["attention_mask"][-width:].bool()].tolist())
+    full = fsdp_train.make_batch(prompts, responses, pad_id=0)
+    r_width = full["response_mask"].shape[1]
+    for key in DUMPED:
+        if key in rows[0]:
+            padded = [torch.nn.functional.pad(r[key], (0, r_width - r[key].shape[0]))[:r_width] for r in rows]
+            full[key] = torch.stack(padded)  # [B, R]
+    full["rewards"] = torch.stack([r["rewards"] for r in rows])  # [B]
+    return full
 
 
 def load_replay(run, step: int) -> dict:

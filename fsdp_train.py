@@ -438,8 +438,8 @@ def train_step(
     start = time.perf_counter()
     counts = {
         "num_tokens": all_reduce(batch["response_mask"].sum()),  # veRL's batch_num_tokens
-        "num_seqs": all_reduce(batch["response_mask"].shape[0]),
-    }  # veRL's global_batch_size: ALL rows
+        "num_seqs": all_reduce(batch["response_mask"].shape[0]),  # veRL's global_batch_size: ALL rows
+    }
     sums: dict[str, float] = {}
     optimizer.zero_grad(set_to_none=True)
     for rows in _synced_micro_batches(batch, max_tokens):
@@ -449,18 +449,16 @@ def train_step(
         logp, entropy = _forward(model, mb, temperature, entropy_fn, entropy_grad, chunk_size)
         loss, metrics = loss_fn(logp, entropy, mb, counts)
         (loss * world).backward()  # FSDP averages gradients over ranks: * world makes it the global sum
-        for k, v in metrics.items():
-            sums[k] = max(sums.get(k, -math.inf), float(v)) if k.endswith("_max") else sums.get(k, 0.0) + float(v)
+        _accumulate(sums, metrics)
     grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=grad_clip)
     grad_norm = (grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm).item()
     skipped = not math.isfinite(grad_norm)
     if not skipped:
         optimizer.step()
     optimizer.zero_grad(set_to_none=True)  # free the gradients now, not after the next generation
-    reduced = {
-        k: all_reduce(v, op=dist.ReduceOp.MAX if k.endswith("_max") else dist.ReduceOp.SUM)
-        for k, v in sorted(sums.items())
-    }  # the same keys, in the same order, on every rank
+    reduced = {}
+    for k, v in sorted(sums.items()):  # the same keys, in the same order, on every rank
+        reduced[k] = all_reduce(v, op=dist.ReduceOp.MAX if k.endswith("_max") else dist.ReduceOp.SUM)
     if torch.cuda.is_available():
         torch.cuda.synchronize()
     flops = all_reduce(estimate_flops(model.config, batch["attention_mask"].sum(-1).tolist()))
@@ -473,6 +471,15 @@ def train_step(
     if torch.cuda.is_available():  # the trainer's own peak: without other memory pools (a sleeping vLLM's)
         out["perf/max_memory_allocated_gb"] = (torch.cuda.max_memory_allocated() - other_pools_bytes()) / 1024**3
     return out
+
+
+def _accumulate(sums: dict[str, float], metrics: dict) -> None:
+    """Add one micro-batch's metric shares into sums; keys ending in "_max" keep the maximum instead."""
+    for k, v in metrics.items():
+        if k.endswith("_max"):
+            sums[k] = max(sums.get(k, -math.inf), float(v))
+        else:
+            sums[k] = sums.get(k, 0.0) + float(v)
 
 
 def other_pools_bytes(snapshot: list[dict] | None = None) -> int:

@@ -92,7 +92,8 @@ def grpo_step(run: "Run", step: int) -> dict:
     t = {}
     with timed(t, "step"):
         if run.cfg["trainer"]["replay_batches"]:
-            batch, m, run.gen_cursor = data.load_replay(run, step), {}, step
+            batch, m = data.load_replay(run, step), {}
+            run.gen_cursor = step
         else:
             batch, m = sample_batch(run, t)
         if torch.cuda.is_available():  # perf/max_memory_allocated_gb: the trainer's peak from here (vLLM sleeps)
@@ -138,32 +139,42 @@ def sample_batch(run: "Run", t: dict) -> tuple[dict, dict]:
                 f"{len(kept)} of {d['train_batch_size']} prompts whose rewards differ; raise it (0: no "
                 "limit), or use data the policy neither always solves nor always fails"
             )
-        run.gen_cursor, gen_batches = run.gen_cursor + 1, gen_batches + 1
+        run.gen_cursor += 1
+        gen_batches += 1
         prompts = data.step_prompts(
             run.train_rows, run.gen_cursor, run.gen_batch_size, d["shuffle"], run.cfg["trainer"]["seed"]
         )
-        share = list(range(run.rank, run.gen_batch_size, run.world)) if fg["enable"] else run.positions
-        groups = sample_groups(run, [prompts[i] for i in share], t)
         if not fg["enable"]:  # every group kept: this rank's own prompts
-            kept = groups
+            kept = sample_groups(run, [prompts[i] for i in run.positions], t)
             break
+        # Dynamic sampling: rank r samples prompts r, r + world, ...; all ranks see all groups in generation order.
+        groups = sample_groups(run, prompts[run.rank :: run.world], t)
         parts = [None] * run.world
         dist.all_gather_object(parts, groups)
-        ordered = [parts[i % run.world][i // run.world] for i in range(run.gen_batch_size)]  # generation order
-        keep = losses.nonzero_std_groups(torch.cat([g["rewards"] for g in ordered]), n)
-        kept += [g for g, k in zip(ordered, keep, strict=True) if k]
+        ordered = [parts[i % run.world][i // run.world] for i in range(run.gen_batch_size)]
+        keep = losses.nonzero_std_groups(torch.cat([g["rewards"] for g in ordered]), n)  # [gen_batch_size]
+        kept += [group for group, k in zip(ordered, keep, strict=True) if k]
     rollout.sleep(run.llm, run.cfg["rollout"]["sleep_level"])
-    mine = [kept[p] for p in run.positions] if fg["enable"] else kept
-    samples = [s for g in mine for s in g["samples"]]
-    batch = fsdp_train.make_batch([s.prompt_ids for s in samples], [s.response_ids for s in samples], run.pad_id)
-    batch["rewards"] = torch.cat([g["rewards"] for g in mine])  # [B]
+    if not fg["enable"]:
+        return groups_to_batch(kept, run.pad_id), {}
+    mine = [kept[p] for p in run.positions]  # this rank's share of the first train_batch_size kept groups
+    return groups_to_batch(mine, run.pad_id), {"train/num_gen_batches": gen_batches}
+
+
+def groups_to_batch(groups: list[dict], pad_id: int) -> dict:
+    """Scored groups -> one batch in fsdp_train's layout, with rewards [B], vLLM's log-probs [B, R] (0 past a
+    response's end) and a reward file's numeric extra outputs (extra/<key> [B])."""
+    samples = [s for g in groups for s in g["samples"]]
+    batch = fsdp_train.make_batch([s.prompt_ids for s in samples], [s.response_ids for s in samples], pad_id)
+    batch["rewards"] = torch.cat([g["rewards"] for g in groups])  # [B]
     batch["rollout_logprobs"] = torch.zeros_like(batch["response_mask"])  # [B, R]
     for k, s in enumerate(samples):
         batch["rollout_logprobs"][k, : len(s.logprobs)] = torch.tensor(s.logprobs)
-    extras = [e for g in mine for e in g["extras"]]
-    for key in (k for k, v in extras[0].items() if isinstance(v, (int, float))):  # a reward file's extra outputs
+    extras = [e for g in groups for e in g["extras"]]
+    numeric_keys = [key for key, value in extras[0].items() if isinstance(value, (int, float))]
+    for key in numeric_keys:
         batch[f"extra/{key}"] = torch.tensor([float(e[key]) for e in extras])  # [B]
-    return batch, ({"train/num_gen_batches": gen_batches} if fg["enable"] else {})
+    return batch
 
 
 def sample_groups(run: "Run", prompts: list[dict], t: dict) -> list[dict]:
@@ -302,24 +313,26 @@ def update_actor(run: "Run", batch: dict, t: dict) -> dict:
     if run.capture:  # buffers for the update's log-probs and entropy, and each row's place in them
         captured = {k: torch.zeros_like(batch["response_mask"]) for k in ("logp", "entropy")}
         batch["row"] = torch.arange(batch["input_ids"].shape[0])  # [B]
+    loss_fn = grpo_loss_fn(run.cfg, captured)
+    need_entropy = ac["entropy_coeff"] or run.capture  # in the loss, or logged in place of the old pass's
     with timed(t, "update_actor"):
         results = []
         for _ in range(ac["ppo_epochs"]):
             for j in range(0, batch["input_ids"].shape[0], rows):
-                results.append(
-                    fsdp_train.train_step(
-                        run.policy,
-                        run.optimizer,
-                        fsdp_train.select(batch, list(range(j, j + rows))),
-                        grpo_loss_fn(run.cfg, captured),
-                        temperature=ro["temperature"],
-                        max_tokens=ac["ppo_max_token_len_per_gpu"],
-                        grad_clip=ac["grad_clip"],
-                        chunk_size=ac["logprob_chunk_size"],
-                        entropy_grad=bool(ac["entropy_coeff"]),
-                        entropy_fn=losses.entropy_from_logits if ac["entropy_coeff"] or run.capture else None,
-                    )
+                mini_batch = fsdp_train.select(batch, list(range(j, j + rows)))
+                step_metrics = fsdp_train.train_step(
+                    run.policy,
+                    run.optimizer,
+                    mini_batch,
+                    loss_fn,
+                    temperature=ro["temperature"],
+                    max_tokens=ac["ppo_max_token_len_per_gpu"],
+                    grad_clip=ac["grad_clip"],
+                    chunk_size=ac["logprob_chunk_size"],
+                    entropy_grad=bool(ac["entropy_coeff"]),
+                    entropy_fn=losses.entropy_from_logits if need_entropy else None,
                 )
+                results.append(step_metrics)
         run.scheduler.step()
     out = {k: sum(m[k] for m in results) / len(results) for k in results[0]}
     out["actor/lr"] = run.scheduler.get_last_lr()[0]  # as veRL 0.9.1: read AFTER the schedule step
@@ -353,7 +366,8 @@ def update_weights(run: "Run", step: int, t: dict) -> dict:
     if not every or step % every:
         return {}
     with timed(t, "sync_check"):
-        return {"rollout/sync_check": fsdp_train.all_reduce(sync.check_sync(run.llm, run.policy), op=dist.ReduceOp.MAX)}
+        gap = sync.check_sync(run.llm, run.policy)  # this rank's engine vs the trainer, on a probe
+        return {"rollout/sync_check": fsdp_train.all_reduce(gap, op=dist.ReduceOp.MAX)}
 
 
 def validate_and_save(run: "Run", step: int, t: dict) -> dict:
@@ -435,8 +449,9 @@ def validate(run: "Run", step: int) -> dict:
     ro, rows, n = run.cfg["rollout"], run.val_rows, run.cfg["rollout"]["val_n"]
     lo, hi = len(rows) * run.rank // run.world, len(rows) * (run.rank + 1) // run.world
     mine = rows[lo:hi]
-    samples = (
-        rollout.generate(
+    samples = []
+    if mine:
+        samples = rollout.generate(
             run.llm,
             [r["prompt"] for r in mine],
             n=n,
@@ -446,23 +461,20 @@ def validate(run: "Run", step: int) -> dict:
             max_tokens=run.cfg["data"]["max_response_length"],
             seed=run.cfg["trainer"]["seed"] + lo * n if ro["val_temperature"] > 0 else None,
         )
-        if mine
-        else []
-    )
     rewards, extras = score_samples(run, samples, mine)
-    results = [
-        (
-            {"data_source": mine[k // n]["data_source"], "uid": lo + k // n, "reward": rewards[k].item(), **extras[k]},
-            {"input": mine[k // n]["prompt"][-1]["content"], "output": s.text, "gts": mine[k // n]["ground_truth"]},
-        )
-        for k, s in enumerate(samples)
-    ]
+    scores, generations = [], []  # one per sample: what the metrics read; what validation_data_dir writes
+    for k, sample in enumerate(samples):
+        row = mine[k // n]
+        scores.append({"data_source": row["data_source"], "uid": lo + k // n, "reward": rewards[k].item(), **extras[k]})
+        generations.append({"input": row["prompt"][-1]["content"], "output": sample.text, "gts": row["ground_truth"]})
     parts = [None] * run.world
-    dist.all_gather_object(parts, results)
-    results = [r for part in parts for r in part]
+    dist.all_gather_object(parts, (scores, generations))
+    scores = [s for part_scores, _ in parts for s in part_scores]
     if run.rank == 0 and run.cfg["trainer"]["validation_data_dir"]:
-        logs.write_generations(run.cfg["trainer"]["validation_data_dir"], step, [text | r for r, text in results])
-    return metrics.validation_metrics([r for r, _ in results])
+        generations = [g for _, part_generations in parts for g in part_generations]
+        records = [g | s for g, s in zip(generations, scores, strict=True)]
+        logs.write_generations(run.cfg["trainer"]["validation_data_dir"], step, records)
+    return metrics.validation_metrics(scores)
 
 
 # ------------------------------------------------------------------------------------ set-up and end
@@ -523,34 +535,32 @@ def setup(cfg: dict) -> Run:
         gen_batch_size=d["gen_batch_size"] or d["train_batch_size"],
         gen_cursor=extra.get("gen_batches", start - 1),
     )
-    # On-policy shortcut (TRL's, and veRL's legacy dp_actor.py): with ONE mini-batch and one epoch the policy
-    # that sampled IS the one being updated, so the update's own forward gives the old log-probs (ratio = 1,
-    # pg_clipfrac and ppo_kl exactly 0) and the separate old-log-prob pass is skipped. With several
-    # mini-batches the later ones would take an already-updated policy as "old": never. veRL 0.9.1 always
-    # runs that pass (actor.recompute_old_log_prob=true); so does a rollout correction (it needs the old
-    # log-probs before the update); dumps carry explicit old log-probs, replays bring them.
-    run.capture = rc["bypass_mode"] or (
-        ac["ppo_epochs"] == 1
-        and ac["ppo_mini_batch_size"] == d["train_batch_size"]
-        and not ac["recompute_old_log_prob"]
-        and not tr["dump_batches"]
-        and not tr["replay_batches"]
-        and not rc["rollout_is"]
-        and not rc["rollout_rs"]
-    )
+    run.capture = rc["bypass_mode"] or on_policy_shortcut(cfg)
     if not tr["replay_batches"]:  # the engine, one per rank, AFTER torch.distributed (replay needs none)
         run.llm = start_engine(cfg, model_path, rank)
         if start > 1:
             sync.push_weights(run.llm, sync.full_params(policy, sync.engine_dtype(run.llm)))
-    run.exact = cfg["model"]["compute_dtype"] == "float32" and (
-        run.llm is None or sync.engine_dtype(run.llm) == torch.float32
-    )
+    engine_fp32 = run.llm is None or sync.engine_dtype(run.llm) == torch.float32
+    run.exact = cfg["model"]["compute_dtype"] == "float32" and engine_fp32
     if "rng" in extra:
         cluster.restore_rng(extra["rng"])  # AFTER the engine: vLLM re-seeds Python's, NumPy's and torch's RNGs
     if run.llm is not None and tr["val_before_train"] and tr["val_every"] > 0 and start == 1:
         run.logger.log(0, validate(run, 0))
     cluster.catch_stop_signals()
     return run
+
+
+def on_policy_shortcut(cfg: dict) -> bool:
+    """On-policy shortcut (TRL's, and veRL's legacy dp_actor.py): with ONE mini-batch and one epoch the policy
+    that sampled IS the one being updated, so the update's own forward gives the old log-probs (ratio = 1,
+    pg_clipfrac and ppo_kl exactly 0) and the separate old-log-prob pass is skipped. With several mini-batches
+    the later ones would take an already-updated policy as "old": never. veRL 0.9.1 always runs that pass
+    (actor.recompute_old_log_prob=true); so does a rollout correction (it needs the old log-probs before the
+    update); dumps carry explicit old log-probs, replays bring them."""
+    ac, tr, rc = cfg["actor"], cfg["trainer"], cfg["algorithm"]["rollout_correction"]
+    one_update = ac["ppo_epochs"] == 1 and ac["ppo_mini_batch_size"] == cfg["data"]["train_batch_size"]
+    needs_old_pass = ac["recompute_old_log_prob"] or rc["rollout_is"] or rc["rollout_rs"]
+    return one_update and not needs_old_pass and not tr["dump_batches"] and not tr["replay_batches"]
 
 
 def load_data(cfg: dict, rank: int, world: int, train: bool = True) -> tuple:
@@ -564,11 +574,10 @@ def load_data(cfg: dict, rank: int, world: int, train: bool = True) -> tuple:
         tiny_paths = cluster.node_first(
             lambda first: tiny.build(os.path.join(".cache", "tiny"), seed=cfg["model"]["tiny_seed"])
         )
-    model_path = (
-        tiny_paths["model"]
-        if cfg["model"]["path"] == "tiny"
-        else cluster.node_first(lambda first: data.resolve_model(cfg["model"]["path"], download=first))
-    )
+    if cfg["model"]["path"] == "tiny":
+        model_path = tiny_paths["model"]
+    else:  # a local directory, or a hub id fetched by each node's first rank
+        model_path = cluster.node_first(lambda first: data.resolve_model(cfg["model"]["path"], download=first))
     from transformers import AutoConfig, AutoTokenizer
 
     positions = getattr(AutoConfig.from_pretrained(model_path), "max_position_embeddings", None)
@@ -615,17 +624,12 @@ def load_models(cfg: dict, model_path: str, device) -> tuple:
     common = dict(device=device, param_dtype=dtypes[m["param_dtype"]], compute_dtype=dtypes[m["compute_dtype"]])
     policy = fsdp_train.load_model(model_path, activation_checkpointing=m["activation_checkpointing"], **common)
     use_ref = ac["use_kl_loss"] and ac["kl_loss_coef"] != 0
+    if not use_ref:
+        return policy, None
     # The reference is never trained: held in the compute dtype (bf16 on GPU, as veRL computes it), no fp32 copy.
-    ref = (
-        fsdp_train.load_model(
-            model_path,
-            trainable=False,
-            device=device,
-            param_dtype=common["compute_dtype"],
-            compute_dtype=common["compute_dtype"],
-        )
-        if use_ref
-        else None
+    compute_dtype = common["compute_dtype"]
+    ref = fsdp_train.load_model(
+        model_path, trainable=False, device=device, param_dtype=compute_dtype, compute_dtype=compute_dtype
     )
     return policy, ref
 
@@ -654,11 +658,11 @@ def resume(cfg: dict, policy, optimizer, scheduler, rank: int, world: int) -> tu
     tr = cfg["trainer"]
     path = tr["resume"] if tr["resume"] not in ("off", "auto") else None
     if tr["resume"] == "auto":
-        path = cluster.broadcast(
-            (fsdp_train.list_checkpoints(os.path.join(tr["output_dir"], "checkpoints")) or [None])[-1]
-            if rank == 0
-            else None
-        )
+        newest = None
+        if rank == 0:
+            complete = fsdp_train.list_checkpoints(os.path.join(tr["output_dir"], "checkpoints"))
+            newest = complete[-1] if complete else None
+        path = cluster.broadcast(newest)  # rank 0's choice, for all: ranks must not resume different steps
     if not path:
         return 1, {}
     extra = fsdp_train.load_checkpoint(path, policy, optimizer, scheduler)

@@ -203,9 +203,10 @@ def policy_loss(
         per_token = per_token * is_weights  # [B, T]
     loss = agg_loss(per_token, mask, agg_mode, num_tokens=num_tokens, num_seqs=num_seqs, scale_factor=scale_factor)
     with torch.no_grad():
+        dual_clip_active = torch.gt(clipped, loss3).float() * (advantages < 0).float()  # [B, T]
         metrics = {
             "pg_clipfrac": masked_mean(torch.gt(loss2, loss1).float(), mask).item(),
-            "pg_clipfrac_lower": masked_mean(torch.gt(clipped, loss3).float() * (advantages < 0).float(), mask).item(),
+            "pg_clipfrac_lower": masked_mean(dual_clip_active, mask).item(),
             "ppo_kl": masked_mean(-neg_approx_kl, mask).item(),
         }
     return loss, metrics
@@ -411,13 +412,17 @@ def rollout_correction_metrics(old_logp, rollout_logp, mask, level=None, thresho
             lo, hi = _bounds(threshold, True, True)
             if level == "sequence":
                 s = _masked_sum(old_logp - rollout_logp, mask)  # [B], unclamped
-                top, bottom = torch.exp(s.max().clamp(max=SAFETY_BOUND)), torch.exp(s.min())
+                top = torch.exp(s.max().clamp(max=SAFETY_BOUND))
+                bottom = torch.exp(s.min())
                 log_hi, log_lo = torch.log(torch.tensor(hi)), torch.log(torch.tensor(lo))  # float32, as veRL
-                high, low = (s > log_hi).float().mean(), (s < log_lo).float().mean()
+                high = (s > log_hi).float().mean()
+                low = (s < log_lo).float().mean()
             else:
                 raw = torch.exp((old_logp - rollout_logp).clamp(-SAFETY_BOUND, SAFETY_BOUND)) * mask  # [B, R]
-                top, bottom = w.masked_fill(~mask.bool(), -math.inf).max(), w.masked_fill(~mask.bool(), math.inf).min()
-                high, low = masked_mean((raw > hi).float(), mask), masked_mean((raw < lo).float(), mask)
+                top = w.masked_fill(~mask.bool(), -math.inf).max()
+                bottom = w.masked_fill(~mask.bool(), math.inf).min()
+                high = masked_mean((raw > hi).float(), mask)
+                low = masked_mean((raw < lo).float(), mask)
             ess = masked_mean((w / (masked_mean(w, mask) + 1e-8)).square(), mask).item()
             ess = 1.0 / ess if ess else math.inf  # veRL raises ZeroDivisionError when every weight is 0
             out.update(

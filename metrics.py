@@ -35,13 +35,22 @@ def _prompt_metrics(vals: np.ndarray, codes: np.ndarray | None) -> dict[str, np.
     """Per-prompt metrics of P prompts with N values each: vals (P, N); codes (P, N) or None, the index
     of each pred's first occurrence in its prompt (equal codes iff equal preds)."""
     n = vals.shape[1]
-    m = {f"mean@{n}": vals.mean(1)} | ({f"std@{n}": vals.std(1)} if n > 1 else {})
-    for k in [2**i for i in range(1, n.bit_length()) if 2**i < n] + [n] * (n > 1):  # veRL's gen_ns
+    m = {f"mean@{n}": vals.mean(1)}
+    if n > 1:
+        m[f"std@{n}"] = vals.std(1)
+    sizes = [2**i for i in range(1, n.bit_length()) if 2**i < n]  # veRL's gen_ns: 2, 4, 8, ... < N, then N
+    if n > 1:
+        sizes.append(n)
+    for k in sizes:
         idx = _bootstrap_idx(n, k).T  # (k, 1000)
         r = vals[:, idx]  # (P, k, 1000): resample values, position-major so reductions run over axis 1
-        maj = [] if codes is None else [("maj", np.take_along_axis(r, _maj_first(codes, idx)[:, None], 1)[:, 0])]
-        for name, x in [("best", r.max(1)), ("worst", r.min(1))] + maj:
-            m[f"{name}@{k}/mean"], m[f"{name}@{k}/std"] = x.mean(1), x.std(1)
+        per_resample = {"best": r.max(1), "worst": r.min(1)}  # (P, 1000) each
+        if codes is not None:
+            winner = _maj_first(codes, idx)  # (P, 1000): position of the majority vote's first sample
+            per_resample["maj"] = np.take_along_axis(r, winner[:, None], 1)[:, 0]
+        for name, x in per_resample.items():
+            m[f"{name}@{k}/mean"] = x.mean(1)
+            m[f"{name}@{k}/std"] = x.std(1)
     return m
 
 
@@ -77,27 +86,47 @@ def validation_metrics(samples: list[dict]) -> dict[str, float]:
         groups[s["data_source"]][s["uid"]].append(s)
     out = {}
     for ds, prompts in groups.items():
-        rows = defaultdict(list)  # (var, N, votes?) -> [(values, codes)]: prompts batched by shape
-        for group in prompts.values():
-            preds = [s.get("pred") for s in group]
-            for var in dict.fromkeys(k for s in group for k in s if k not in ("data_source", "uid", "pred")):
-                vals = [s[var] for s in group if s.get(var) is not None]
-                if vals and not isinstance(vals[0], str):
-                    vote = len(vals) == len(preds) and all(p is not None for p in preds)
-                    rows[var, len(vals), vote].append((vals, [preds.index(p) for p in preds] if vote else []))
-        per = defaultdict(lambda: defaultdict(list))  # var -> metric -> one value per prompt
-        for (var, n, vote), batch in rows.items():  # chunks: arrays of <= 2**14 * 1000 values
-            for chunk in (batch[i : i + step] for step in [max(1, 2**14 // n)] for i in range(0, len(batch), step)):
-                vals, codes = np.array([v for v, _ in chunk], dtype=np.float64), np.array([c for _, c in chunk])
-                for name, x in _prompt_metrics(vals, codes if vote else None).items():
-                    per[var][name].extend(x.tolist())
-        core = "acc" if "acc" in per else "reward"
-        for var, metrics in per.items():
+        per_prompt = _per_prompt_metrics(prompts)  # var -> metric -> one value per prompt
+        core = "acc" if "acc" in per_prompt else "reward"
+        for var, metrics in per_prompt.items():
             n_max = max(int(name.split("@")[-1].split("/")[0]) for name in metrics)
             for name, xs in metrics.items():
                 is_core = var == core and name.startswith(("mean", "maj", "best")) and f"@{n_max}" in name
-                out[f"{'val-core' if is_core else 'val-aux'}/{ds}/{var}/{name}"] = float(np.mean(xs))
+                section = "val-core" if is_core else "val-aux"
+                out[f"{section}/{ds}/{var}/{name}"] = float(np.mean(xs))
     return out
+
+
+def _by_shape(prompts: dict) -> dict:
+    """One data source's prompts (uid -> samples) batched by shape: (var, N, votes?) -> [(values, codes)], one
+    entry per prompt and numeric variable with N values. votes: every sample of the prompt has a pred; codes:
+    each pred's first index in its prompt (equal codes iff equal preds), [] without votes."""
+    rows = defaultdict(list)
+    for group in prompts.values():
+        preds = [s.get("pred") for s in group]
+        variables = dict.fromkeys(k for s in group for k in s if k not in ("data_source", "uid", "pred"))
+        for var in variables:
+            vals = [s[var] for s in group if s.get(var) is not None]
+            if not vals or isinstance(vals[0], str):  # veRL skips a variable whose first value is a string
+                continue
+            vote = len(vals) == len(preds) and all(p is not None for p in preds)
+            codes = [preds.index(p) for p in preds] if vote else []
+            rows[var, len(vals), vote].append((vals, codes))
+    return rows
+
+
+def _per_prompt_metrics(prompts: dict) -> dict:
+    """var -> metric name -> [one value per prompt], computed in chunks of <= 2**14 * 1000 resampled values."""
+    per = defaultdict(lambda: defaultdict(list))
+    for (var, n, vote), batch in _by_shape(prompts).items():
+        step = max(1, 2**14 // n)
+        for i in range(0, len(batch), step):
+            chunk = batch[i : i + step]
+            vals = np.array([v for v, _ in chunk], dtype=np.float64)  # (P, N)
+            codes = np.array([c for _, c in chunk]) if vote else None  # (P, N)
+            for name, x in _prompt_metrics(vals, codes).items():
+                per[var][name].extend(x.tolist())
+    return per
 
 
 # ------------------------------------------------------------------------------------ training metrics
@@ -128,7 +157,9 @@ def batch_metrics(batch: dict, d: dict, timings: dict, world: int) -> dict:
     out["response_length/clip_ratio"] = sum(r >= d["max_response_length"] for r in g["resp"]) / len(g["resp"])
     out.update(_stats("prompt_length", g["prompt"]))
     out["prompt_length/clip_ratio"] = sum(p >= d["max_prompt_length"] for p in g["prompt"]) / len(g["prompt"])
-    out.update({f"reward_extra_info/{k[6:]}/mean": sum(v) / len(v) for k, v in g.items() if k.startswith("extra/")})
+    for key, values in g.items():  # a reward file's numeric extra outputs
+        if key.startswith("extra/"):
+            out[f"reward_extra_info/{key.removeprefix('extra/')}/mean"] = sum(values) / len(values)
     total = sum(g["resp"]) + sum(g["prompt"])
     if "gen" in timings:
         out["timing_per_token_ms/gen"] = timings["gen"] * 1000 / max(1, sum(g["resp"]))

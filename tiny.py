@@ -61,6 +61,7 @@ QWEN25_05B = dict(
     max_position_embeddings=32768,
     vocab_size=151936,
 )
+PROGRESS_EVERY = 100  # warm-start steps between two progress lines
 FORMAT_SHARE = 0.3  # share of warm-start targets that end with "#### N"
 VOCAB_SIZE = 512
 N_TRAIN, N_TEST = 4000, 200
@@ -185,8 +186,9 @@ def _save(model, tokenizer, path: str) -> None:
 
 
 # ------------------------------------------------------------------------------- warm start
-def warm_start(model, tokenizer, rows: list[dict], seed: int, steps: int | None = None) -> None:
-    """Supervised fine-tuning on chat-formatted (prompt, response) pairs; loss on the response only."""
+def warm_start(model, tokenizer, rows: list[dict], seed: int, steps: int | None = None, verbose: bool = False) -> None:
+    """Supervised fine-tuning on chat-formatted (prompt, response) pairs; loss on the response only.
+    verbose: a progress line every PROGRESS_EVERY steps (the build's longest part: ~1-2 minutes on 2 cores)."""
     steps = SFT_STEPS if steps is None else steps
     rng = random.Random(seed)
     gen = torch.Generator().manual_seed(seed)
@@ -203,7 +205,8 @@ def warm_start(model, tokenizer, rows: list[dict], seed: int, steps: int | None 
     opt = torch.optim.AdamW(model.parameters(), lr=SFT_LR, weight_decay=0.0)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 50) * max(0.05, 1 - s / steps))
     model.train()
-    for _ in range(steps):
+    start = time.time()
+    for step in range(steps):
         batch = [examples[i] for i in torch.randint(len(examples), (SFT_BATCH,), generator=gen).tolist()]
         width = max(len(ids) for ids, _ in batch)
         ids = torch.tensor([x + [tokenizer.pad_token_id] * (width - len(x)) for x, _ in batch])  # [B, L]
@@ -217,6 +220,8 @@ def warm_start(model, tokenizer, rows: list[dict], seed: int, steps: int | None 
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         sched.step()
+        if verbose and (step + 1) % PROGRESS_EVERY == 0:
+            say(f"warm start {step + 1}/{steps} steps, loss {loss.item():.3f} ({time.time() - start:.0f} s)")
     model.eval()
 
 
@@ -253,6 +258,8 @@ def build(out_dir: str = ".cache/tiny", seed: int = 0) -> dict[str, str]:
     }
     if os.path.exists(os.path.join(root, "COMPLETE")):
         return paths
+    say(f"building the offline tiny model, tokenizer and data in {root} (once: later runs reuse it; ~2 min on 2 cores)")
+    start = time.time()
     tmp = f"{root}.tmp-{os.getpid()}"
     os.makedirs(tmp, exist_ok=True)
     data = make_dataset(seed)
@@ -267,7 +274,7 @@ def build(out_dir: str = ".cache/tiny", seed: int = 0) -> dict[str, str]:
     threads = torch.get_num_threads()
     torch.set_num_threads(os.cpu_count() or 1)  # the build runs alone (other ranks wait for it)
     try:
-        warm_start(model, tokenizer, data["train"], seed)
+        warm_start(model, tokenizer, data["train"], seed, verbose=True)
     finally:
         torch.set_num_threads(threads)
     _save(model, tokenizer, os.path.join(tmp, "model"))
@@ -278,7 +285,13 @@ def build(out_dir: str = ".cache/tiny", seed: int = 0) -> dict[str, str]:
         import shutil
 
         shutil.rmtree(tmp, ignore_errors=True)
+    say(f"built in {time.time() - start:.0f} s")
     return paths
+
+
+def say(message: str) -> None:
+    """One progress line of the build on the console (the build runs once, before anything else prints)."""
+    print(f"tiny: {message}", flush=True)
 
 
 if __name__ == "__main__":
