@@ -820,7 +820,7 @@ def save_checkpoint(root: str, step: int, model, optimizer, scheduler, extra: di
         shutil.rmtree(tmp, ignore_errors=True)
         os.makedirs(tmp)
     dist.barrier()
-    model_sd, optim_sd = get_state_dict(model, optimizer, options=StateDictOptions(ignore_frozen_params=True))
+    model_sd, optim_sd = _checkpoint_state(model, optimizer)
     dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=tmp)
     state = {"scheduler": scheduler.state_dict(), "extra": extra or {}, "world_size": dist.get_world_size()}
     torch.save({**state, "lora": getattr(model, "lora_config", None)}, os.path.join(tmp, f"state_rank{rank}.pt"))
@@ -858,14 +858,23 @@ def load_checkpoint(path: str, model, optimizer, scheduler) -> dict:
     own = os.path.join(path, f"state_rank{dist.get_rank()}.pt")
     saved = torch.load(own if os.path.exists(own) else os.path.join(path, "state_rank0.pt"), weights_only=False)
     _check_same_lora(path, saved.get("lora"), getattr(model, "lora_config", None))
-    frozen = any(not p.requires_grad for p in model.parameters())  # LoRA: the base is not in the checkpoint
-    options = StateDictOptions(ignore_frozen_params=True, strict=not frozen)
-    model_sd, optim_sd = get_state_dict(model, optimizer, options=options)
+    model_sd, optim_sd = _checkpoint_state(model, optimizer)
     state = {"model": model_sd, "optim": optim_sd}
     dcp.load(state, checkpoint_id=path)
+    options = StateDictOptions(strict=getattr(model, "lora_config", None) is None)  # LoRA: the base is not loaded
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"], options=options)
     scheduler.load_state_dict(saved["scheduler"])
     return {**saved["extra"], "saved_world_size": saved["world_size"]}
+
+
+def _checkpoint_state(model, optimizer) -> tuple[dict, dict]:
+    """What a checkpoint holds: the model's and the optimizer's state dicts; with LoRA, of the adapters only (the
+    frozen base, a tied lm_head included, comes from the model's path)."""
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    if getattr(model, "lora_config", None):
+        trainable = {name for name, p in model.named_parameters() if p.requires_grad}
+        model_sd = {k: v for k, v in model_sd.items() if k in trainable}
+    return model_sd, optim_sd
 
 
 def _check_same_lora(path: str, saved: dict | None, current: dict | None) -> None:
