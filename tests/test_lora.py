@@ -9,12 +9,14 @@ fp32 bounds are fp32_noise.FACTOR x the fp32 noise measured at test time (tests/
 
 import copy
 import json
+import os
 
 import pytest
 import torch
 from peft import LoraConfig, PeftModel, get_peft_model
 from peft.tuners.lora.layer import Linear as PeftLinear
 from test_fsdp_train import check_run, reference_run
+from test_grpo import VAL_KEY, one_error_line, read_jsonl, read_metrics, run_grpo
 from train_worker import lora_settings
 from transformers import AutoModelForCausalLM
 
@@ -22,7 +24,7 @@ import fp32_noise
 import fsdp_train as ft
 import rollout
 import sync
-from conftest import run_torchrun
+from conftest import ROOT, run_torchrun
 
 RANK, ALPHA = 4, 8  # scaling 2: a broken scaling cannot hide behind 1
 
@@ -374,3 +376,96 @@ def test_vllm_serves_the_merged_policy_after_a_push(trained, random_models, monk
     monkeypatch.undo()
     assert sync.check_sync(llm, model) > 1e-2
     del llm
+
+
+# ------------------------------------------------------------------ the keys and the loop
+@pytest.fixture(scope="module")
+def peft_adapter(random_models, tmp_path_factory) -> str:
+    """A PEFT-written rank-2 adapter (all-linear) of the tied random model."""
+    out = str(tmp_path_factory.mktemp("peft") / "adapter")
+    return write_peft_adapter(random_models["tied"], out, r=2, lora_alpha=4, target_modules="all-linear")
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["model.lora_rank=-1"], "config: model.lora_rank = -1; accepted: >= 0 (0: full fine-tuning)"),
+        (["model.lora_rank=8", "model.lora_alpha=0"], "config: model.lora_alpha = 0; accepted: > 0"),
+        (
+            ["model.target_modules=[q_proj]"],
+            "model.target_modules = ['q_proj'], model.exclude_modules = None with LoRA",
+        ),
+        (["model.lora_rank=8", "model.target_modules=[q_proj, 3]"], "model.target_modules = ['q_proj', 3]; accepted"),
+        (
+            ["model.lora_adapter_path=/no/adapter"],
+            "'/no/adapter': no adapter_config.json and adapter_model.safetensors",
+        ),
+        (["model.lora_rank=8", "model.lora_adapter_path={adapter}"], "model.lora_rank = 8, but the adapter in model.l"),
+    ],
+)
+def test_lora_keys_stop_with_one_line(peft_adapter, overrides, message):
+    import config
+
+    with pytest.raises(config.ConfigError) as error:
+        config.load_config(None, [o.format(adapter=peft_adapter) for o in overrides])
+    assert message.format(adapter=peft_adapter) in str(error.value)
+    ok = config.load_config(None, ["model.lora_adapter_path=" + peft_adapter])  # rank 0: the adapter's
+    assert ok["model"]["lora_rank"] == 0
+    for path in ("gsm8k.yaml", "gsm8k_lora.yaml"):
+        assert config.load_config(os.path.join(ROOT, path), [])["model"]["lora_rank"] == (32 if "lora" in path else 0)
+
+
+def test_an_adapter_of_another_base_stops(peft_adapter, random_models):
+    import config
+
+    m = {"path": random_models["tied"], "lora_adapter_path": peft_adapter}
+    config.check_adapter_base(m, random_models["tied"])  # its own base: by path
+    with pytest.raises(config.ConfigError, match="was trained on .*tied.*, not on model.path = .*untied"):
+        config.check_adapter_base({**m, "path": random_models["untied"]}, random_models["untied"])
+
+
+@pytest.fixture(scope="module")
+def lora_run(tiny_build, tmp_path_factory):
+    """(out dir, metrics) of a 3-step LoRA run at 2 ranks, one mini-batch per step (the step-1 KL is exactly 0),
+    validating and saving at steps 2 and 3, exporting hf/ and hf/lora_adapter."""
+    out = tmp_path_factory.mktemp("lora_e2e") / "run"
+    lora = ["model.lora_rank=4", "model.lora_alpha=8", "actor.lr=2e-3", "actor.ppo_mini_batch_size=8"]
+    run_grpo(out, 2, *lora, "trainer.save_every=2")
+    return out, read_metrics(out)
+
+
+def test_the_loop_trains_lora_against_the_base_and_vllm_serves_it(lora_run):
+    out, rows = lora_run
+    assert [r["step"] for r in rows] == [0, 1, 2, 3]
+    assert rows[1]["actor/kl_loss"] == 0.0  # the policy IS the base at step 1 (B = 0)
+    assert rows[2]["actor/kl_loss"] > 0 and rows[3]["actor/kl_loss"] > 0  # the reference stays the base
+    for r in rows[1:]:
+        assert r["rollout/sync_check"] < 1e-3 and r["rollout/logprob_diff_max"] < 1e-3  # vLLM serves the merged policy
+    assert os.path.exists(out / "hf" / "model.safetensors")
+    assert json.loads((out / "hf" / "lora_adapter" / "adapter_config.json").read_text())["r"] == 4
+    from torch.distributed.checkpoint import FileSystemReader
+
+    keys = FileSystemReader(str(out / "checkpoints" / "step_3")).read_metadata().state_dict_metadata
+    assert not [k for k in keys if k.startswith("model.") and ".lora_" not in k]  # the adapters only
+
+
+def test_resume_with_other_lora_settings_and_unknown_targets_stop_with_one_line(lora_run, tiny_build):
+    out, _ = lora_run
+    proc = run_grpo(out, 1, "model.lora_rank=8", "trainer.total_steps=4", "trainer.resume=auto", check=False)
+    assert one_error_line(proc).startswith(
+        f"error: trainer.resume: {out / 'checkpoints' / 'step_3'} was written by LoRA rank 4, alpha 8 on 28 modules, "
+        "this run has LoRA rank 8, alpha 16 on 28 modules"
+    )
+    proc = run_grpo(out.parent / "bad", 1, "model.lora_rank=4", "model.target_modules=[qproj]", check=False)
+    assert one_error_line(proc) == (
+        "error: config: model.target_modules: 'qproj' matches no linear layer of the model; its linear layers: "
+        "down_proj, gate_proj, k_proj, o_proj, q_proj, up_proj, v_proj (or all-linear)"
+    )
+
+
+def test_val_only_evaluates_the_base_with_the_adapter(lora_run, tmp_path):
+    """trainer.val_only with model.lora_adapter_path = the run's exported adapter validates what the run validated
+    after its last step (the same merged weights in the engine: the same greedy samples)."""
+    out, rows = lora_run
+    run_grpo(tmp_path / "eval", 1, "trainer.val_only=true", f"model.lora_adapter_path={out / 'hf' / 'lora_adapter'}")
+    assert read_jsonl(tmp_path / "eval" / "val_metrics.jsonl") == [{"step": 0, VAL_KEY: rows[-1][VAL_KEY]}]
