@@ -448,11 +448,15 @@ def make_optimizer(
         raise ValueError(f"make_optimizer: schedule={schedule!r}; accepted: constant, cosine")
     if hasattr(model, "reshard"):  # FSDP2: after a forward the root is unsharded, and parameters() would list
         model.reshard()  # its temporary full tensors, freed at the next reshard (AdamW: a crash)
-    trainable = [p for p in model.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(trainable, lr=lr, betas=betas, weight_decay=weight_decay)
+    optimizer = torch.optim.AdamW(trainable_params(model), lr=lr, betas=betas, weight_decay=weight_decay)
     return optimizer, torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda step: lr_factor(step, warmup_steps, total_steps, schedule, min_lr_ratio)
     )
+
+
+def trainable_params(model) -> list[torch.nn.Parameter]:
+    """The parameters that train: all of them, or with LoRA the adapters only (the base is frozen)."""
+    return [p for p in model.parameters() if p.requires_grad]
 
 
 def lr_factor(step: int, warmup_steps: int, total_steps: int, schedule: str, min_lr_ratio: float = 0.0) -> float:
@@ -740,8 +744,7 @@ def train_step(
         loss, metrics = loss_fn(logp, entropy, mb, counts)
         (loss * world).backward()  # FSDP averages gradients over ranks: * world makes it the global sum
         _accumulate(sums, metrics)
-    trainable = [p for p in model.parameters() if p.requires_grad]  # with LoRA: the adapters' norm only
-    grad_norm = torch.nn.utils.clip_grad_norm_(trainable, max_norm=grad_clip)
+    grad_norm = torch.nn.utils.clip_grad_norm_(trainable_params(model), max_norm=grad_clip)  # LoRA: the adapters
     grad_norm = (grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm).item()
     skipped = not math.isfinite(grad_norm)
     if not skipped:

@@ -539,7 +539,7 @@ def setup(cfg: dict) -> Run:
     run.capture = rc["bypass_mode"] or on_policy_shortcut(cfg)
     if not tr["replay_batches"]:  # the engine, one per rank, AFTER torch.distributed (replay needs none)
         run.llm = start_engine(cfg, model_path, rank)
-        if start > 1:
+        if start > 1 or cfg["model"]["lora_adapter_path"]:  # the engine loaded model.path: push what trains
             sync.push_weights(run.llm, sync.full_params(policy, sync.engine_dtype(run.llm)))
     engine_fp32 = run.llm is None or sync.engine_dtype(run.llm) == torch.float32
     run.exact = cfg["model"]["compute_dtype"] == "float32" and engine_fp32

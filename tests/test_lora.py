@@ -469,3 +469,15 @@ def test_val_only_evaluates_the_base_with_the_adapter(lora_run, tmp_path):
     out, rows = lora_run
     run_grpo(tmp_path / "eval", 1, "trainer.val_only=true", f"model.lora_adapter_path={out / 'hf' / 'lora_adapter'}")
     assert read_jsonl(tmp_path / "eval" / "val_metrics.jsonl") == [{"step": 0, VAL_KEY: rows[-1][VAL_KEY]}]
+
+
+def test_training_from_an_adapter_samples_with_it_and_keeps_the_base_as_reference(lora_run, tmp_path):
+    """model.lora_adapter_path (veRL's): the engine serves base + adapter from the first step on (vLLM's sampling
+    log-probs match the trainer's), and the KL is against the base (veRL's reference), so not 0 at step 1."""
+    out, _ = lora_run
+    adapter = f"model.lora_adapter_path={out / 'hf' / 'lora_adapter'}"
+    run_grpo(
+        tmp_path / "more", 1, adapter, "trainer.total_steps=1", "actor.ppo_mini_batch_size=8", "trainer.val_every=0"
+    )
+    step1 = read_metrics(tmp_path / "more")[-1]
+    assert step1["rollout/logprob_diff_max"] < 1e-3 and step1["actor/kl_loss"] > 0
