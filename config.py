@@ -16,6 +16,7 @@ import re
 import torch
 import yaml
 
+import fsdp_train
 import losses
 
 # The schema: section -> key -> default, or (default, accepted). A dict is a sub-section
@@ -31,6 +32,12 @@ SCHEMA = {
         "activation_checkpointing": False,
         "compute_dtype": ("float32", ("float32", "bfloat16", "float16")),
         "tiny_seed": (0, GE0),
+        # LoRA, veRL's keys (actor_rollout_ref.model.*): README "LoRA"
+        "lora_rank": (0, ">= 0 (0: full fine-tuning)"),
+        "lora_alpha": (16, "> 0"),
+        "target_modules": ("all-linear", (str, list)),
+        "exclude_modules": (None, (str, list)),
+        "lora_adapter_path": (None, str),
     },
     "data": {
         "train": "tiny",
@@ -319,6 +326,7 @@ def check_config(cfg: dict) -> dict:
             f"config: algorithm.rollout_correction.rollout_is = {rc['rollout_is']!r} with bypass_mode=true; "
             "accepted: null (the PPO ratio is then pi / pi_rollout: veRL's bypass applies no weights)"
         )
+    check_lora(cfg["model"])
     one = torch.zeros(1, 1), torch.zeros(1, 1), torch.ones(1, 1)  # the specs, parsed by the code that uses them
     try:
         if rc["rollout_is"]:
@@ -329,3 +337,43 @@ def check_config(cfg: dict) -> dict:
         specs = ", ".join(f"{k} = {rc[k]!r}" for k in rc if k.startswith("rollout_"))
         raise ConfigError(f"config: algorithm.rollout_correction.{specs}: {e}") from None
     return cfg
+
+
+def check_lora(m: dict) -> None:
+    """The LoRA keys: names are strings; targets only with LoRA on; an adapter directory is a PEFT LoRA adapter
+    flatgrpo can train (fsdp_train.read_adapter_config) of the rank asked for (0: the adapter's)."""
+    for key in ("target_modules", "exclude_modules"):
+        if isinstance(m[key], list) and not all(isinstance(x, str) and x for x in m[key]):
+            raise ConfigError(f"config: model.{key} = {m[key]!r}; accepted: all-linear, a regex, or a list of names")
+    lora_on = m["lora_rank"] > 0 or m["lora_adapter_path"]
+    if not lora_on and (m["target_modules"] != "all-linear" or m["exclude_modules"]):
+        raise ConfigError(
+            f"config: model.target_modules = {m['target_modules']!r}, model.exclude_modules = "
+            f"{m['exclude_modules']!r} with LoRA off; set model.lora_rank > 0 (or model.lora_adapter_path)"
+        )
+    if not m["lora_adapter_path"]:
+        return
+    try:
+        adapter = fsdp_train.read_adapter_config(m["lora_adapter_path"])
+    except fsdp_train.LoraError as e:
+        raise ConfigError(f"config: {e}") from None
+    if m["lora_rank"] and m["lora_rank"] != adapter["r"]:
+        raise ConfigError(
+            f"config: model.lora_rank = {m['lora_rank']}, but the adapter in model.lora_adapter_path = "
+            f"{m['lora_adapter_path']!r} has rank {adapter['r']}; accepted: {adapter['r']}, or 0 (the adapter's)"
+        )
+
+
+def check_adapter_base(m: dict, model_path: str) -> None:
+    """model.lora_adapter_path was trained on model.path: its base_model_name_or_path names the same model, as
+    written (a hub id), as the same directory, or by its last path component ("Qwen/Qwen2.5-0.5B-Instruct" and
+    "/models/Qwen2.5-0.5B-Instruct"). Another base with the same shapes would load and train without error."""
+    base = fsdp_train.read_adapter_config(m["lora_adapter_path"]).get("base_model_name_or_path")
+    if not base:
+        return
+    names = {m["path"], os.path.realpath(model_path), os.path.basename(m["path"].rstrip("/"))}
+    if not names & {base, os.path.realpath(base), os.path.basename(base.rstrip("/"))}:
+        raise ConfigError(
+            f"config: model.lora_adapter_path = {m['lora_adapter_path']!r} was trained on {base!r}, not on "
+            f"model.path = {m['path']!r} ({model_path}); accepted: an adapter of model.path's model"
+        )

@@ -224,7 +224,8 @@ def score_samples(run: "Run", samples: list, prompts: list[dict]) -> tuple[torch
 def old_and_ref_logprobs(run: "Run", batch: dict, t: dict) -> dict:
     """old_log_prob: the sampling policy's log-probs (the PPO ratio's denominator), with actor/entropy and the
     sync proof; ref: the reference model's, for the KL loss. bypass_mode takes vLLM's log-probs as the old
-    ones (no pass); the on-policy shortcut (see setup) takes them from the update's own forward."""
+    ones (no pass); the on-policy shortcut (see setup) takes them from the update's own forward. With LoRA the
+    reference is the policy itself with its adapters off: the base model (veRL's ref_in_actor)."""
     ac, out = run.cfg["actor"], {}
     logprobs = functools.partial(
         fsdp_train.compute_logprobs,
@@ -243,7 +244,7 @@ def old_and_ref_logprobs(run: "Run", batch: dict, t: dict) -> dict:
         out = metrics.old_logprob_metrics(batch, old, entropy, run.cfg)
         batch.setdefault("old_logprobs", old)  # a replayed batch keeps its dumped ones
     if run.ref is not None and "ref_logprobs" not in batch:
-        with timed(t, "ref"):
+        with timed(t, "ref"), fsdp_train.adapters_off(run.ref):
             batch["ref_logprobs"], _ = logprobs(run.ref)
     return out
 
@@ -538,7 +539,7 @@ def setup(cfg: dict) -> Run:
     run.capture = rc["bypass_mode"] or on_policy_shortcut(cfg)
     if not tr["replay_batches"]:  # the engine, one per rank, AFTER torch.distributed (replay needs none)
         run.llm = start_engine(cfg, model_path, rank)
-        if start > 1:
+        if start > 1 or cfg["model"]["lora_adapter_path"]:  # the engine loaded model.path: push what trains
             sync.push_weights(run.llm, sync.full_params(policy, sync.engine_dtype(run.llm)))
     engine_fp32 = run.llm is None or sync.engine_dtype(run.llm) == torch.float32
     run.exact = cfg["model"]["compute_dtype"] == "float32" and engine_fp32
@@ -617,21 +618,53 @@ def read_split(source: str, split: str, tiny_paths: dict | None, tokenizer, data
     return cluster.node_first(read)
 
 
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
 def load_models(cfg: dict, model_path: str, device) -> tuple:
-    """(policy, reference or None): FSDP2-sharded; the reference only when the KL loss is on."""
+    """(policy, reference or None): FSDP2-sharded; the reference only when the KL loss is on. With LoRA the
+    policy's base is frozen and the reference is the policy itself (run with its adapters off, veRL's
+    ref_in_actor): no second model."""
     m, ac = cfg["model"], cfg["actor"]
-    dtypes = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-    common = dict(device=device, param_dtype=dtypes[m["param_dtype"]], compute_dtype=dtypes[m["compute_dtype"]])
-    policy = fsdp_train.load_model(model_path, activation_checkpointing=m["activation_checkpointing"], **common)
+    common = dict(device=device, param_dtype=DTYPES[m["param_dtype"]], compute_dtype=DTYPES[m["compute_dtype"]])
+    try:
+        policy = fsdp_train.load_model(
+            model_path,
+            activation_checkpointing=m["activation_checkpointing"],
+            lora=lora_spec(cfg, model_path),
+            **common,
+        )
+    except fsdp_train.LoraError as e:
+        raise ConfigError(f"config: {e}") from None
     use_ref = ac["use_kl_loss"] and ac["kl_loss_coef"] != 0
     if not use_ref:
         return policy, None
+    if policy.lora_config:
+        return policy, policy
     # The reference is never trained: held in the compute dtype (bf16 on GPU, as veRL computes it), no fp32 copy.
     compute_dtype = common["compute_dtype"]
     ref = fsdp_train.load_model(
         model_path, trainable=False, device=device, param_dtype=compute_dtype, compute_dtype=compute_dtype
     )
     return policy, ref
+
+
+def lora_spec(cfg: dict, model_path: str) -> dict | None:
+    """fsdp_train.load_model's `lora` from the model.lora_* keys (None: full fine-tuning); the adapters'
+    initialisation is seeded by trainer.seed. An adapter directory must belong to model.path's model."""
+    m = cfg["model"]
+    if not m["lora_rank"] and not m["lora_adapter_path"]:
+        return None
+    if m["lora_adapter_path"]:
+        config.check_adapter_base(m, model_path)
+    return {
+        "rank": m["lora_rank"],
+        "alpha": m["lora_alpha"],
+        "target_modules": m["target_modules"],
+        "exclude_modules": m["exclude_modules"],
+        "adapter_path": m["lora_adapter_path"],
+        "seed": cfg["trainer"]["seed"],
+    }
 
 
 def build_optimizer(cfg: dict, policy, total_steps: int) -> tuple:
@@ -665,7 +698,10 @@ def resume(cfg: dict, policy, optimizer, scheduler, rank: int, world: int) -> tu
         path = cluster.broadcast(newest)  # rank 0's choice, for all: ranks must not resume different steps
     if not path:
         return 1, {}
-    extra = fsdp_train.load_checkpoint(path, policy, optimizer, scheduler)
+    try:
+        extra = fsdp_train.load_checkpoint(path, policy, optimizer, scheduler)
+    except fsdp_train.LoraError as e:  # written with other LoRA settings
+        raise ConfigError(str(e)) from None
     log0(rank, f"resumed from {path} (step {extra['step']})")
     if extra["saved_world_size"] != world:
         extra.pop("rng", None)
@@ -735,16 +771,28 @@ def close(run: Run):
 def evaluate(cfg: dict):
     """trainer.val_only: the model (model.path: a local directory, a hub id or a run's hf/ export) is loaded
     into vLLM only, validated, and the metrics printed and written to <output_dir>/val_metrics.jsonl (step 0).
-    No trainer, optimizer, reference model, checkpoint or export."""
-    rank, world, _ = fsdp_train.init_distributed()
+    No trainer, optimizer, reference model, checkpoint or export. With model.lora_adapter_path: model.path plus
+    that adapter, merged into the engine as a training step pushes it."""
+    rank, world, device = fsdp_train.init_distributed()
     score = data.make_scorer(cfg)
     logs.route_library_logs(cfg["trainer"]["output_dir"], rank, cfg["trainer"]["verbose"])
     model_path, _, _, val_rows, _ = load_data(cfg, rank, world, train=False)
     run = Run(cfg=cfg, rank=rank, world=world, val_rows=val_rows, score=score, llm=start_engine(cfg, model_path, rank))
+    if cfg["model"]["lora_adapter_path"]:
+        push_adapter(run, model_path, device)
     logger = logs.MetricsLogger(cfg, rank, resume_step=0, file="val_metrics.jsonl")
     logger.log(0, validate(run, 0))
     logger.close()
     close(run)
+
+
+def push_adapter(run: Run, model_path: str, device) -> None:
+    """val_only with model.lora_adapter_path: the base with the adapter, pushed merged into the engine."""
+    try:
+        model = fsdp_train.load_model(model_path, device=device, trainable=False, lora=lora_spec(run.cfg, model_path))
+    except fsdp_train.LoraError as e:
+        raise ConfigError(f"config: {e}") from None
+    sync.push_weights(run.llm, sync.full_params(model, sync.engine_dtype(run.llm)))
 
 
 def sample_seed(seed: int, gen_batch: int, rank: int) -> int:

@@ -3,6 +3,7 @@ and 8 GPUs, computed from the model shapes and the figures bench/memory.py measu
 
     .venv/bin/python bench/fit_table.py                    # the markdown table in the README
     .venv/bin/python bench/fit_table.py --tokens 8192 --gpu-memory-utilization 0.3
+    .venv/bin/python bench/fit_table.py --lora             # gsm8k_lora.yaml on ONE 24, 48 or 80 GB GPU
 
 What is counted, per GPU, with FSDP2 sharding every parameter over all N GPUs (bytes; P parameters):
   model states     fp32 policy parameters 4P/N + fp32 gradients 4P/N + AdamW's two moments 8P/N
@@ -20,6 +21,12 @@ What is counted, per GPU, with FSDP2 sharding every parameter over all N GPUs (b
   vLLM             during generation: gpu_memory_utilization x GPU memory (weights, KV cache, activations);
                    during the update it sleeps (level 1: weights to CPU, KV cache dropped): ~1 GB left.
   overhead         CUDA contexts and allocator slack of the two frameworks: 3 GB.
+LoRA (--lora, gsm8k_lora.yaml, one GPU): the frozen base in bf16 2P (no gradients, no optimizer state); the adapters,
+A = r (7h + 2Hd + 2Kd + 3I) parameters per layer on all-linear, 16 bytes each (fp32 weight, gradient, AdamW's
+two moments; 12 during generation, the gradients freed); no reference model (the policy with its adapters off);
+the same unsharded root; activations as above but from the measured LoRA train step's marginal (memory.json
+"train/lora") when present, else the full step's (an upper bound: LoRA skips the base's weight gradients, not
+the activations). vLLM must also hold its own bf16 weights (2P) plus at least 1 GB of KV cache within its share.
 A phase fits when its sum is below the GPU's memory. These are estimates from measured pieces, not a run
 on GPUs (none could be used here); they say which knob to turn, not the last gigabyte.
 """
@@ -36,6 +43,12 @@ MODELS = {  # Qwen2.5's config.json values
     "Qwen2.5-0.5B": dict(h=896, inter=4864, layers=24, heads=14, kv=2, vocab=151936, tied=True),
     "Qwen2.5-1.5B": dict(h=1536, inter=8960, layers=28, heads=12, kv=2, vocab=151936, tied=True),
     "Qwen2.5-7B": dict(h=3584, inter=18944, layers=28, heads=28, kv=4, vocab=152064, tied=False),
+}
+LORA_MODELS = {  # the LoRA table's rows: one GPU
+    "Qwen2.5-0.5B": MODELS["Qwen2.5-0.5B"],
+    "Qwen2.5-1.5B": MODELS["Qwen2.5-1.5B"],
+    "Qwen2.5-3B": dict(h=2048, inter=11008, layers=36, heads=16, kv=2, vocab=151936, tied=True),
+    "Qwen2.5-7B": MODELS["Qwen2.5-7B"],
 }
 OVERHEAD_GB, VLLM_ASLEEP_GB = 3.0, 1.0
 HEAD_COPIES = 6  # fp32 [chunk, V] tensors one chunk's backward holds at most: logits, / T, log-softmax, softmax, grads
@@ -102,6 +115,80 @@ def fit_rows(cfg: dict, measured: dict, gpu_gb: float) -> list[dict]:
     return rows
 
 
+def lora_parameters(m: dict, rank: int) -> int:
+    """Adapter parameters on every linear layer of the decoder: r * (in + out) per layer, summed."""
+    d = m["h"] // m["heads"]
+    per_layer = 7 * m["h"] + 2 * m["heads"] * d + 2 * m["kv"] * d + 3 * m["inter"]
+    return m["layers"] * rank * per_layer
+
+
+def lora_rows(cfg: dict, measured: dict, gpus_gb: list[float]) -> list[dict]:
+    """gsm8k_lora.yaml on one GPU of each size: see the docstring's LoRA paragraph."""
+    tokens, chunk = cfg["actor"]["ppo_max_token_len_per_gpu"], cfg["actor"]["logprob_chunk_size"]
+    util, rank = cfg["rollout"]["gpu_memory_utilization"], cfg["model"]["lora_rank"]
+    source = measured
+    if "train/lora" in measured["points"]:  # activations from the LoRA step's own marginal
+        source = {**measured, "points": {**measured["points"], "train/chunked": measured["points"]["train/lora"]}}
+    rows = []
+    for name, m in LORA_MODELS.items():
+        P, A = parameters(m), lora_parameters(m, rank)
+        base, root = 2 * P / GB, 2 * m["vocab"] * m["h"] * (1 if m["tied"] else 2) / GB
+        act = activations_gb(m, source, tokens, chunk, chunked=chunk > 0)
+        for gpu_gb in gpus_gb:
+            update = base + 16 * A / GB + root + act + VLLM_ASLEEP_GB + OVERHEAD_GB
+            generation = base + 12 * A / GB + util * gpu_gb + OVERHEAD_GB
+            vllm_short = util * gpu_gb < base + 1.0  # its bf16 weights and a minimal KV cache
+            fits = max(update, generation) <= gpu_gb and not vllm_short
+            rows.append(
+                dict(
+                    model=name,
+                    params_b=P / 1e9,
+                    gpu_gb=gpu_gb,
+                    base=base,
+                    adapters_m=A / 1e6,
+                    adapter_states=16 * A / GB,
+                    act=act,
+                    update=update,
+                    generation=generation,
+                    vllm=util * gpu_gb,
+                    vllm_short=vllm_short,
+                    fits=fits,
+                )
+            )
+    return rows
+
+
+def lora_verdict(r: dict) -> str:
+    if r["fits"]:
+        return "fits"
+    if r["base"] + r["adapter_states"] + OVERHEAD_GB > r["gpu_gb"]:
+        return "no: the base alone exceeds the GPU"
+    if r["base"] * 2 + OVERHEAD_GB > r["gpu_gb"]:
+        return "no: the trainer's and vLLM's bf16 copies of the base do not both fit"
+    if r["vllm_short"]:
+        needed = (r["base"] + 1.0) / r["gpu_gb"]
+        return f"no: vLLM's share cannot hold its weights: rollout.gpu_memory_utilization >= {needed:.2f}"
+    if r["generation"] > r["gpu_gb"]:
+        return "no: lower rollout.gpu_memory_utilization"
+    return "no: lower actor.ppo_max_token_len_per_gpu"
+
+
+def lora_table(rows: list[dict], cfg: dict) -> str:
+    tokens, util = cfg["actor"]["ppo_max_token_len_per_gpu"], cfg["rollout"]["gpu_memory_utilization"]
+    out = [
+        f"| model | GPU GB | base (bf16, frozen) | adapters r={cfg['model']['lora_rank']} (fp32 + grads + AdamW) | "
+        f"activations at {tokens} tokens | update peak | generation (vLLM {util:g} x GPU) | one GPU |",
+        "|" + "---|" * 8,
+    ]
+    for r in rows:
+        out.append(
+            f"| {r['model']} ({r['params_b']:.2f}B) | {r['gpu_gb']:g} | {r['base']:.1f} | {r['adapters_m']:.1f} M: "
+            f"{r['adapter_states']:.2f} | {r['act']:.1f} | {r['update']:.1f} | {r['generation']:.1f} | "
+            f"{lora_verdict(r)} |"
+        )
+    return "\n".join(out)
+
+
 def knob(r: dict, gpu_gb: float) -> str:
     if r["fits"]:
         return "fits"
@@ -136,7 +223,10 @@ def main():
     ap.add_argument("--gpu-gb", type=float, default=80.0)
     ap.add_argument("--tokens", type=int, help="override actor.ppo_max_token_len_per_gpu")
     ap.add_argument("--gpu-memory-utilization", type=float, help="override rollout.gpu_memory_utilization")
+    ap.add_argument("--lora", action="store_true", help="gsm8k_lora.yaml on one 24, 48 or 80 GB GPU")
     args = ap.parse_args()
+    if args.lora and args.config.endswith("gsm8k.yaml"):
+        args.config = os.path.join(HERE, "..", "gsm8k_lora.yaml")
     with open(args.config) as f:
         cfg = yaml.safe_load(f)
     if args.tokens:
@@ -145,8 +235,12 @@ def main():
         cfg["rollout"]["gpu_memory_utilization"] = args.gpu_memory_utilization
     with open(args.measured) as f:
         measured = json.load(f)
-    rows = fit_rows(cfg, measured, args.gpu_gb)
-    print(table(rows, args.gpu_gb, cfg["actor"]["ppo_max_token_len_per_gpu"], cfg["rollout"]["gpu_memory_utilization"]))
+    if args.lora:
+        print(lora_table(lora_rows(cfg, measured, [24.0, 48.0, 80.0]), cfg))
+    else:
+        rows = fit_rows(cfg, measured, args.gpu_gb)
+        tokens, util = cfg["actor"]["ppo_max_token_len_per_gpu"], cfg["rollout"]["gpu_memory_utilization"]
+        print(table(rows, args.gpu_gb, tokens, util))
     print(
         f"\nGB per GPU; measured figures from {os.path.relpath(args.measured)} ({measured['device']}, "
         f"`{measured['command'].strip()}`); the sums and scalings are in bench/fit_table.py's docstring."

@@ -5,6 +5,7 @@ logits kept for the backward, what flatgrpo did before).
     .venv/bin/python bench/memory.py                     # both parts, Qwen2.5-0.5B shape, ~20 min on 2 cores
     .venv/bin/python bench/memory.py --only memory --rows-plain 2,4 --rows-chunked 4,8
     .venv/bin/python bench/memory.py --only time --rounds 3
+    .venv/bin/python bench/memory.py --only lora         # a LoRA train step beside the full one (3 points, ~10 min)
 
 memory: one fsdp_train.train_step (GRPO loss with entropy and KL, activation checkpointing on, AdamW
         states already allocated) and one no-grad compute_logprobs pass (with entropy, as the old-log-prob
@@ -15,6 +16,10 @@ memory: one fsdp_train.train_step (GRPO loss with entropy and KL, activation che
         returns every allocation >= 64 KiB to the OS, MALLOC_MMAP_THRESHOLD_); on GPU max_memory_allocated.
 time:   the train step of both paths in ONE process, alternating (A B A B ...) after a warm-up of each, so
         the machine's drift hits both; median seconds per micro-batch token and the ratio.
+lora:   the chunked train step with LoRA (rank 32, alpha 32, all-linear: gsm8k_lora.yaml's adapters on the fp32
+        base) at two sizes, and the full step at the smaller one, each with what is resident before the step
+        (model + AdamW states): the memory.json points "train/lora" and "train/full (resident)", which
+        bench/fit_table.py's LoRA rows read.
 Target: <= 0.3 MB per micro-batch token for the chunked train step; time within 10% of the plain.
 """
 
@@ -100,8 +105,13 @@ def point(args) -> dict:
     _, _, device = ft.init_distributed()
     if args.point == "layer":
         return layer_point(args.model, int(args.rows), device)
+    lora = {"rank": args.lora, "alpha": args.lora, "target_modules": "all-linear", "seed": 0} if args.lora else None
     model = ft.load_model(
-        args.model, device=device, activation_checkpointing=args.point == "train", trainable=args.point == "train"
+        args.model,
+        device=device,
+        activation_checkpointing=args.point == "train",
+        trainable=args.point == "train",
+        lora=lora,
     )
     batch = micro_batch(int(args.rows), model.config.vocab_size)
     tokens, kw = int(batch["attention_mask"].sum()), dict(temperature=1.0, max_tokens=10**9, chunk_size=args.chunk)
@@ -113,9 +123,12 @@ def point(args) -> dict:
         run = lambda: step(batch)  # noqa: E731
     else:
         run = lambda: ft.compute_logprobs(model, batch, entropy_fn=losses.entropy_from_logits, **kw)  # noqa: E731
+    gc.collect()
+    ctypes.CDLL("libc.so.6").malloc_trim(0)
+    resident = resident_mb("VmRSS:") if device.type == "cpu" else torch.cuda.memory_allocated() / 2**20
     start = time.perf_counter()
     peak = measure(run, device)
-    return {"tokens": tokens, "peak_mb": peak, "seconds": time.perf_counter() - start}
+    return {"tokens": tokens, "peak_mb": peak, "seconds": time.perf_counter() - start, "resident_mb": resident}
 
 
 def layer_point(model_path: str, rows: int, device) -> dict:
@@ -132,6 +145,31 @@ def layer_point(model_path: str, rows: int, device) -> dict:
         (out[0] if isinstance(out, tuple) else out).sum().backward()
 
     return {"tokens": rows * (PROMPT + RESPONSE), "peak_mb": measure(run, device), "seconds": 0.0}
+
+
+def lora_table(model: str, chunk: int, rank: int) -> dict:
+    """The LoRA train step at 4 and 6 rows and the full one at 4, each in a fresh process; returns their points
+    (peak above the resident model and states, and that resident size) and prints them."""
+    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536"}
+    results = {}
+    print(f"{'step':<24} {'tokens':>7} {'resident MB':>12} {'peak MB':>9} {'s':>7} {'marginal MB/token':>18}")
+    for name, lora, rows in (("train/full (resident)", 0, [4]), ("train/lora", rank, [4, 6])):
+        points = results.setdefault(name, [])
+        for r in rows:
+            cmd = [sys.executable, __file__, "--point", "train", "--chunk", str(chunk), "--rows", str(r)]
+            cmd += ["--model", model, "--lora", str(lora)]
+            run = subprocess.run(cmd, env=env, capture_output=True, text=True, check=True)
+            out = json.loads(run.stdout.splitlines()[-1])
+            marginal = None
+            if points:
+                marginal = (out["peak_mb"] - points[-1]["peak_mb"]) / (out["tokens"] - points[-1]["tokens"])
+            points.append({**out, "marginal_mb_per_token": marginal})
+            print(
+                f"{name:<24} {out['tokens']:>7} {out['resident_mb']:>12.0f} {out['peak_mb']:>9.0f} "
+                f"{out['seconds']:>7.1f} {'' if marginal is None else f'{marginal:.3f}':>18}",
+                flush=True,
+            )
+    return results
 
 
 def memory_table(model: str, rows: dict, chunk: int) -> dict:
@@ -207,7 +245,8 @@ def time_table(model: str, rows: int, chunk: int, rounds: int) -> None:
 
 
 def save_results(results: dict, model: str, chunk: int) -> None:
-    """bench/results/memory.json: what bench/fit_table.py scales to the real models."""
+    """bench/results/memory.json: what bench/fit_table.py scales to the real models (--only lora adds its points
+    to the file's others)."""
     from transformers import AutoConfig
 
     c = AutoConfig.from_pretrained(model)
@@ -232,6 +271,12 @@ def save_results(results: dict, model: str, chunk: int) -> None:
         "command": "python bench/memory.py " + " ".join(sys.argv[1:]),
     }
     path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "memory.json")
+    if "train/lora" in results and os.path.exists(path):  # --only lora: beside the earlier measurements
+        with open(path) as f:
+            earlier = json.load(f)
+        earlier["points"].update(results)
+        earlier["lora_command"] = out["command"]
+        out = earlier
     os.makedirs(os.path.dirname(path), exist_ok=True)
     with open(path, "w") as f:
         json.dump(out, f, indent=1)
@@ -240,7 +285,8 @@ def save_results(results: dict, model: str, chunk: int) -> None:
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--only", choices=["memory", "time"])
+    ap.add_argument("--only", choices=["memory", "time", "lora"])
+    ap.add_argument("--lora", type=int, default=0, help="LoRA rank of a --point (--only lora: 32 when 0)")
     ap.add_argument("--rows-plain", default="2,4,6", help="rows per micro-batch at each memory point, plain path")
     ap.add_argument("--rows-chunked", default="4,6,8", help="the same for the chunked path (>= 2 chunks at each)")
     ap.add_argument("--chunk", type=int, default=ft.LOGPROB_CHUNK)
@@ -263,6 +309,8 @@ def main():
         save_results(results, model, args.chunk)
     if args.only in (None, "time"):
         time_table(model, args.time_rows, args.chunk, args.rounds)
+    if args.only == "lora":
+        save_results(lora_table(model, args.chunk, args.lora or 32), model, args.chunk)
 
 
 if __name__ == "__main__":

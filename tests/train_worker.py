@@ -2,11 +2,14 @@
 
     torchrun --nproc_per_node N tests/train_worker.py MODEL_PATH OUT_DIR --steps 3 [--save-at 2 --kill-after-save]
                                                       [--resume] [--nan-at 2] [--crash-save-at 2] [--export]
+                                                      [--lora 4]
 
 Every step trains on a synthetic GRPO mini-batch that is identical whatever the world size (seeded by
 the step): 8 sequences whose response lengths differ wildly, split across ranks so that rank 0 holds
 most of the tokens. Each rank reports the metrics of every step (tests/reporting.py), and how many of
-its rows were longer than --max-tokens (they get a micro-batch of their own).
+its rows were longer than --max-tokens (they get a micro-batch of their own). --lora R trains LoRA adapters
+(lora_settings) instead of the whole model, and reports lora_checks before training (step0) and after (trained):
+whether the policy's and its adapters-off reference's log-probs equal the base model's bit for bit, and their KL.
 """
 
 import argparse
@@ -23,6 +26,11 @@ from reporting import report, shut_down
 
 CLIP = dict(clip_low=0.2, clip_high=0.28, clip_c=3.0)
 ENTROPY_COEF, KL_COEF = 0.003, 0.001
+
+
+def lora_settings(rank: int) -> dict:
+    """load_model's `lora` for --lora R: alpha 2R (scaling 2), every linear layer, adapters drawn from seed 0."""
+    return {"rank": rank, "alpha": 2 * rank, "target_modules": "all-linear", "seed": 0}
 
 
 def global_batch(step: int, vocab: int) -> dict:
@@ -80,6 +88,23 @@ def full_weights(model) -> dict:
     }
 
 
+def lora_checks(path: str, model, rank: int, world: int, device) -> dict:
+    """On a probe: does the LoRA model (adapters on) give the base model's log-probs bit for bit (the base loaded
+    without LoRA), does its reference (the same model, adapters off) give them, and the low_var_kl between the two."""
+    probe = ft.select(global_batch(98, model.config.vocab_size), rows_of_rank(rank, world))
+    policy, _ = ft.compute_logprobs(model, probe, temperature=1.0, max_tokens=64)
+    with ft.adapters_off(model):
+        ref, _ = ft.compute_logprobs(model, probe, temperature=1.0, max_tokens=64)
+    base, _ = ft.compute_logprobs(ft.load_model(path, device=device), probe, temperature=1.0, max_tokens=64)
+    kl = losses.kl_penalty(policy, ref, "low_var_kl") * probe["response_mask"]
+    return {
+        "policy_equals_base": torch.equal(policy, base),
+        "reference_equals_base": torch.equal(ref, base),
+        "kl_max": kl.abs().max().item(),
+        "tokens": int(probe["response_mask"].sum()),
+    }
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("model")
@@ -95,6 +120,7 @@ def main():
     ap.add_argument("--export", action="store_true")
     ap.add_argument("--activation-checkpointing", action="store_true")
     ap.add_argument("--bf16", action="store_true", help="bf16 compute, fp32 master weights")
+    ap.add_argument("--lora", type=int, default=0, help="LoRA rank (0: full fine-tuning)")
     args = ap.parse_args()
 
     rank, world, device = ft.init_distributed()
@@ -105,7 +131,9 @@ def main():
         device=device,
         activation_checkpointing=args.activation_checkpointing,
         compute_dtype=torch.bfloat16 if args.bf16 else None,
+        lora=lora_settings(args.lora) if args.lora else None,
     )
+    step0 = {"step0": lora_checks(args.model, model, rank, world, device)} if args.lora and not args.resume else {}
     optimizer, scheduler = ft.make_optimizer(model, lr=args.lr, warmup_steps=2, total_steps=6, schedule="cosine")
     ckpt_root = os.path.join(args.out, "ckpt")
     start = 1
@@ -169,7 +197,9 @@ def main():
     weights = full_weights(model)
     if rank == 0:
         torch.save(weights, os.path.join(args.out, f"final_ws{world}.pt"))
-    report(rank, {"history": history, "over_budget_rows": over_budget})
+    if args.lora:
+        step0["trained"] = lora_checks(args.model, model, rank, world, device)
+    report(rank, {"history": history, "over_budget_rows": over_budget, **step0})
     shut_down()
 
 
