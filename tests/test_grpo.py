@@ -129,6 +129,20 @@ def test_config_errors_name_the_key_and_the_accepted_values(override, message):
         config.load_config(None, override.split(" "))
 
 
+def test_an_overlong_buffer_as_long_as_the_responses_is_accepted():
+    """reward.overlong_buffer.len = data.max_response_length is the boundary veRL accepts (its DAPO manager asserts
+    max_resp_len >= len): every response is then in the buffer; one token more is refused."""
+    on = [
+        "reward.overlong_buffer.enable=true",
+        "data.max_response_length=48",
+        "reward.overlong_buffer.penalty_factor=1",
+    ]
+    assert config.load_config(None, [*on, "reward.overlong_buffer.len=48"])["reward"]["overlong_buffer"]["len"] == 48
+    with pytest.raises(config.ConfigError, match=r"len = 49; accepted: 0 < value <= data.max_response_length \(48\)"):
+        config.load_config(None, [*on, "reward.overlong_buffer.len=49"])
+    assert [reward.overlong_penalty(length, 48, 48, 1.0) for length in (0, 12, 48)] == [0.0, -0.25, -1.0]
+
+
 def test_config_file_errors(tmp_path):
     bad = tmp_path / "bad.yaml"
     bad.write_text("actor:\n  lr: 1e-5\n  cliprange: 0.2\n")
@@ -222,21 +236,141 @@ def test_model_directory_without_weights_or_config(tmp_path):
         data.resolve_model(str(tmp_path), download=False)
 
 
-def test_print_config_and_help():
+@pytest.fixture(scope="module")
+def cli(tiny_build, tmp_path_factory) -> tuple[dict, dict]:
+    """The command lines of these tests that stop before a model loads, run in ONE process (tests/cli_calls.py:
+    importing vLLM costs seconds per process): ({name: {"stdout", "exit"}}, {name: a data file they read})."""
+    root = tmp_path_factory.mktemp("cli")
+    files = {"gsm": write_jsonl(root / "gsm.jsonl", GSM), "other": write_jsonl(root / "other.jsonl", VERL)}
+    small = ["data.train_batch_size=2", "actor.ppo_mini_batch_size=2", "rollout.n=2", "trainer.total_steps=1"]
+    gsm8k = ["--print-config", "--config", "gsm8k.yaml"]
+    calls = {
+        "defaults": ["--print-config"],
+        "tiny": ["--print-config", "--config", "tiny.yaml"],
+        "gsm8k": gsm8k,
+        "gsm8k lr": [*gsm8k, "actor.lr=3e-6"],
+        "help": ["--help"],
+        # VERL's row 1 is of data source my/task: no built-in scorer
+        "train rows": ["--config", "tiny.yaml", *small, f"data.train={files['other']}", f"data.val={files['gsm']}"],
+        "val rows": ["--config", "tiny.yaml", *small, f"data.train={files['gsm']}", f"data.val={files['other']}"],
+        "val_only rows": ["--config", "tiny.yaml", "trainer.val_only=true", f"data.val={files['other']}"],
+    }
+    for name in ("train rows", "val rows", "val_only rows"):
+        calls[name].append(f"trainer.output_dir={root / name.replace(' ', '_')}")
+    (root / "calls.json").write_text(json.dumps(calls))
     proc = subprocess.run(
-        [sys.executable, "grpo.py", "--print-config", "--config", "gsm8k.yaml", "actor.lr=3e-6"],
+        [sys.executable, "tests/cli_calls.py", str(root / "calls.json")],
         cwd=ROOT,
         capture_output=True,
         text=True,
-        timeout=300,
+        timeout=900,
     )
-    printed = yaml.safe_load(proc.stdout)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1]), files
+
+
+def test_print_config_and_help(cli):
+    results, _ = cli
+    printed = yaml.safe_load(results["gsm8k lr"]["stdout"])
     assert printed == config.load_config(os.path.join(ROOT, "gsm8k.yaml"), ["actor.lr=3e-6"])
     assert printed["actor"]["lr"] == 3e-6 and printed["trainer"]["verbose"] is False
-    text = subprocess.run(
-        [sys.executable, "grpo.py", "--help"], cwd=ROOT, capture_output=True, text=True, timeout=300
-    ).stdout
+    text = results["help"]["stdout"]
+    assert results["help"]["exit"] == 0
     assert "the new\nweights go back into the same vLLM engine, every step." in text and "--print-config" in text
+
+
+def yaml_value(value) -> str:
+    """A value as one line of YAML, as the table writes it: "off" -> 'off', None -> null, [0.9, 0.999]."""
+    return yaml.safe_dump(value, default_flow_style=True).removesuffix("...\n").strip()
+
+
+def documented_keys() -> dict[str, list]:
+    """docs/verl-mapping.md section 16 as {key: [default, tiny.yaml's value, gsm8k.yaml's value]}: each cell a
+    YAML value, an empty file cell the default."""
+    with open(os.path.join(ROOT, "docs", "verl-mapping.md")) as f:
+        section = f.read().split("\n## 16.")[1].split("\n## ")[0]
+    table = {}
+    for line in section.splitlines():
+        if line.startswith("| `"):
+            key, default, *files = [cell.strip().strip("`") for cell in line.strip("|").split("|")][:4]
+            default = yaml.safe_load(default)
+            table[key] = [default] + [yaml.safe_load(value) if value else default for value in files]
+    return table
+
+
+def test_every_printed_key_is_documented_with_its_value(cli):
+    """Golden defaults: `grpo.py --print-config` with no file, with tiny.yaml and with gsm8k.yaml prints exactly
+    the keys of docs/verl-mapping.md section 16, each with the value the table gives (the default, or the file's).
+    A new key fails here until its row is written; a changed default or shipped value until the table says so."""
+    results, _ = cli
+    table = documented_keys()
+    assert len(table) > 80
+    for column, name in enumerate(("defaults", "tiny", "gsm8k")):
+        printed = config._flat(yaml.safe_load(results[name]["stdout"]))
+        missing = [f"| `{k}` | `{yaml_value(v)}` | | | veRL's key |" for k, v in printed.items() if k not in table]
+        assert not missing, "docs/verl-mapping.md section 16 lacks the rows\n" + "\n".join(missing)
+        assert set(table) <= set(printed), f"documented, never printed: {sorted(set(table) - set(printed))}"
+        wrong = {k: (v, table[k][column]) for k, v in printed.items() if v != table[k][column]}
+        assert not wrong, (
+            f"--print-config ({name}) vs docs/verl-mapping.md section 16, key: (printed, documented): {wrong}"
+        )
+
+
+def stated_values(text: str) -> list[tuple[str, object]]:
+    """(key, value) of every "`key` (value)" in a text, where key is a flatgrpo key and value one YAML value that
+    the key accepts (not a remark: "`actor.ppo_max_token_len_per_gpu` (activations)")."""
+    stated = []
+    for m in re.finditer(r"`([\w.]+)` \(([^()\s,]+)\)", text):
+        if m[1] in config.FLAT:
+            try:
+                stated.append((m[1], config._check(m[1], yaml.safe_load(m[2]), config.FLAT[m[1]])))
+            except config.ConfigError:
+                pass
+    return stated
+
+
+def recipe_values(readme: str) -> list[tuple[str, object]]:
+    """(flatgrpo key, value) of the README's veRL key mapping rows "`verl.key=value` | `flatgrpo.key` | note" (one
+    key each side), except where the note says gsm8k.yaml differs: the seed recipe's values, as gsm8k.yaml's."""
+    section = readme.split("\n## veRL key mapping")[1].split("\n## ")[0]
+    out = []
+    for line in section.splitlines():
+        cells = [cell.strip() for cell in line.strip("|").split("|")]
+        verl, ours = (
+            re.fullmatch(r"`[\w.]+=([^`]+)`", cells[0]),
+            re.fullmatch(r"`([\w.]+)`", cells[1] if cells[1:] else ""),
+        )
+        if verl and ours and ours[1] in config.FLAT and "gsm8k.yaml" not in line:
+            out.append((ours[1], config._check(ours[1], yaml.safe_load(verl[1]), config.FLAT[ours[1]])))
+    return out
+
+
+def test_the_readme_states_the_defaults_and_the_recipe_values(cli):
+    """Where README.md or docs/verl-mapping.md say "`key` (value)", value is the key's default; the README's veRL
+    key mapping gives the seed recipe's values, which gsm8k.yaml must hold."""
+    results, _ = cli
+    defaults, gsm8k = (config._flat(yaml.safe_load(results[name]["stdout"])) for name in ("defaults", "gsm8k"))
+    with open(os.path.join(ROOT, "README.md")) as f:
+        readme = f.read()
+    with open(os.path.join(ROOT, "docs", "verl-mapping.md")) as f:
+        stated = stated_values(readme + f.read())
+    assert len(stated) >= 5
+    assert [(k, defaults[k]) for k, _ in stated] == stated
+    recipe = recipe_values(readme)
+    assert len(recipe) >= 15
+    assert [(k, gsm8k[k]) for k, _ in recipe] == recipe
+
+
+@pytest.mark.parametrize("call", ["train rows", "val rows", "val_only rows"])
+def test_rows_without_a_scorer_stop_at_start_up(cli, call):
+    """Without a reward file only GSM8K rows can be scored: training rows, validation rows and val_only's rows of
+    another data source stop the run before a model loads, in one line naming the file and the row."""
+    results, files = cli
+    assert results[call]["exit"] == (
+        f"error: data: {files['other']} row 1: data_source 'my/task' has no built-in scorer; accepted: "
+        "openai/gsm8k, or a reward file in custom_reward_function.path"
+    )
+    assert "train prompts" not in results[call]["stdout"]  # load_data's summary: the rows were refused before it
 
 
 def test_cli_bad_data_and_world_size_stop_with_one_line(tmp_path, tiny_build):
@@ -576,6 +710,13 @@ def test_end_to_end_tiny_run(e2e, val_file, nproc):
     with open(out / "engine.log") as f:
         engine_log = f.read()
     assert "vllm" in engine_log and "Failed to load weights" in engine_log  # routed there, not lost
+    step_lines = [line for line in console if re.match(r"step +\d+  score ", line)]
+    assert [int(line.split()[1]) for line in step_lines] == [1, 2, 3]  # one line per step, by rank 0 only
+    assert [line.split(":")[0] for line in console if line.startswith("step ") and VAL_KEY in line] == [
+        "step 0",
+        "step 2",
+        "step 3",
+    ]
     rows = read_metrics(out)
     assert [r["step"] for r in rows] == [0, 1, 2, 3]
     assert set(rows[0]) == {"step", VAL_KEY}
@@ -835,7 +976,8 @@ def reward_files(tmp_path_factory) -> dict:
     files = {
         "constant": f"def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
         f"    return {CONSTANT}\n",
-        "text": "def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n    return 'abc'\n",
+        "nan_at_row_2": "def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
+        "    return float('nan') if extra_info['index'] == 2 else 1.0\n",
         "broken": "import no_such_module\n",
     }
     for name, text in files.items():
@@ -876,7 +1018,7 @@ def test_a_constant_reward_file_gives_exactly_that_score(tiny_build, val_file, r
             "path={broken}",
             "error: config: custom_reward_function.path = '{broken}': importing it failed (ModuleNotFoundError",
         ),
-        ("path={text}", "error: custom_reward_function: {text}:compute_score returned 'abc' for "),
+        ("path={nan_at_row_2}", "error: custom_reward_function: {nan_at_row_2}:compute_score returned nan for "),
     ],
 )
 def test_bad_reward_files_stop_with_one_line(tiny_build, reward_files, tmp_path, key, message):
@@ -885,8 +1027,29 @@ def test_bad_reward_files_stop_with_one_line(tiny_build, reward_files, tmp_path,
         overrides.append(f"custom_reward_function.path={reward_files['constant']}")
     proc = run_grpo(tmp_path / "run", 1, *overrides, check=False)
     assert one_error_line(proc).startswith(message.format(**reward_files))
-    if key.startswith("path={text}"):
-        assert one_error_line(proc).endswith("; accepted: a finite number, or a dict with a numeric 'score'")
+    if key.startswith("path={nan_at_row_2}"):  # the row that returned it: row 2 of the validation file
+        assert one_error_line(proc).endswith(
+            "test.jsonl row 2; accepted: a finite number, or a dict with a numeric 'score'"
+        )
+
+
+@pytest.mark.parametrize(
+    "returned", ["float('nan')", "float('inf')", "-float('inf')", "{'score': float('nan')}", "'abc'"]
+)
+def test_a_reward_file_must_return_a_finite_number(tmp_path, returned):
+    """data.make_scorer: a reward that is not a finite number (NaN, +-inf, a dict whose score is NaN, text) stops
+    the run with the file, the function, what it returned and the row it was scoring."""
+    path = tmp_path / "reward.py"
+    path.write_text(
+        f"def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n    return {returned}\n"
+    )
+    score = data.make_scorer(config.load_config(None, [f"custom_reward_function.path={path}"]))
+    row = {"data_source": "my/task", "ground_truth": "1", "extra_info": {}, "where": "val.jsonl row 5"}
+    with pytest.raises(
+        config.ConfigError,
+        match=rf"^custom_reward_function: {path}:compute_score returned .+ for val.jsonl row 5; accepted",
+    ):
+        score(row, "text")
 
 
 def test_the_example_reward_file_trains(tiny_build, tmp_path):
