@@ -829,6 +829,26 @@ def test_dump_at_one_rank_replay_at_two(e2e, tmp_path):
         assert y["rollout/logprob_diff_max"] < 1e-4  # recomputed old log-probs == the dumped ones
 
 
+def test_the_on_policy_shortcut_only_where_the_sampling_policy_is_the_one_updated():
+    """grpo.on_policy_shortcut: one mini-batch and one epoch, nothing that needs the old log-probs before the
+    update, no dump or replay. Each condition alone turns it off (the end-to-end runs take one configuration each)."""
+    import grpo
+
+    base = ["data.train_batch_size=8", "actor.ppo_mini_batch_size=8"]
+    assert grpo.on_policy_shortcut(config.load_config(None, base))
+    rs = ["algorithm.rollout_correction.rollout_rs=token_k1", "algorithm.rollout_correction.rollout_rs_threshold=2"]
+    for extra in (
+        ["actor.ppo_mini_batch_size=4"],
+        ["actor.ppo_epochs=2"],
+        ["actor.recompute_old_log_prob=true"],
+        ["algorithm.rollout_correction.rollout_is=token"],
+        rs,
+        ["trainer.dump_batches=dump"],
+        ["trainer.replay_batches=dump"],
+    ):
+        assert not grpo.on_policy_shortcut(config.load_config(None, base + extra)), extra
+
+
 def test_on_policy_shortcut_equals_the_separate_old_log_prob_pass(tmp_path, tiny_build):
     """One mini-batch, one epoch: the update's own forward replaces veRL's old-log-prob pass (ratio = 1).
     In a sequence-level aggregation mode, so that every metric's aggregation is checked on both paths,
@@ -934,22 +954,32 @@ def test_val_only_logs_what_the_training_run_validated(e2e, val_file, hub_cache,
     assert sorted(os.listdir(out)) == ["engine.log", "val_metrics.jsonl"]  # no checkpoint, export, config, curves
 
 
-def test_sampled_validation_metrics_equal_verls_computation_on_the_samples(tiny_build, val_file, tmp_path):
+@pytest.fixture(scope="module")
+def sampled_validation(tiny_build, val_file, tmp_path_factory) -> dict:
+    """{nproc: (the samples trainer.validation_data_dir dumped, the logged metrics)} of trainer.val_only with
+    rollout.val_n=4 at temperature 1 on the 7 rows of val_file, at 1 and at 2 ranks (4 + 3 rows)."""
+    out = {}
+    for nproc in (1, 2):
+        root = tmp_path_factory.mktemp(f"sampled{nproc}")
+        run_grpo(
+            root / "eval",
+            nproc,
+            "trainer.val_only=true",
+            f"data.val={val_file[0]}",
+            "reward.method=flexible",
+            "rollout.val_n=4",
+            "rollout.val_temperature=1.0",
+            f"trainer.validation_data_dir={root / 'generations'}",
+        )
+        out[nproc] = read_jsonl(root / "generations" / "0.jsonl"), read_jsonl(root / "eval" / "val_metrics.jsonl")[0]
+    return out
+
+
+def test_sampled_validation_metrics_equal_verls_computation_on_the_samples(sampled_validation):
     """rollout.val_n=4 at temperature 1, 2 ranks: the logged val-core mean@4, best@4/mean and maj@4/mean (and every
     other key) equal veRL's process_validation_metrics written out literally (tests/test_val_metrics.py) on the
     dumped samples, whose rewards and votes are veRL's GSM8K scores and answers of their texts."""
-    out, dump = tmp_path / "eval", tmp_path / "generations"
-    run_grpo(
-        out,
-        2,
-        "trainer.val_only=true",
-        f"data.val={val_file[0]}",
-        "reward.method=flexible",
-        "rollout.val_n=4",
-        "rollout.val_temperature=1.0",
-        f"trainer.validation_data_dir={dump}",
-    )
-    samples = read_jsonl(dump / "0.jsonl")
+    samples, logged = sampled_validation[2]
     assert sorted(s["uid"] for s in samples) == sorted(list(range(7)) * 4)
     for s in samples:
         assert s["reward"] == reward.compute_score(s["output"], s["gts"], method="flexible")
@@ -957,7 +987,6 @@ def test_sampled_validation_metrics_equal_verls_computation_on_the_samples(tiny_
     from test_val_metrics import reference
 
     expected = reference([{k: s[k] for k in ("data_source", "uid", "reward", "pred")} for s in samples])
-    logged = read_jsonl(out / "val_metrics.jsonl")[0]
     core, aux = "val-core/openai/gsm8k/reward/", "val-aux/openai/gsm8k/reward/"
     assert {core + k for k in ("mean@4", "best@4/mean", "maj@4/mean")} | {
         aux + "best@2/mean",
@@ -965,6 +994,22 @@ def test_sampled_validation_metrics_equal_verls_computation_on_the_samples(tiny_
     } <= set(logged)
     assert {k: v for k, v in logged.items() if k != "step"} == pytest.approx(expected, rel=1e-12)
     assert len({s["output"] for s in samples}) > 7  # sampled, not greedy
+
+
+def test_sampled_validation_is_the_same_at_one_and_two_ranks(sampled_validation):
+    """Validation seeds follow the global prompt index (trainer.seed + index * val_n), not the rank's share: 1 rank
+    (7 prompts) and 2 ranks (4 + 3) draw the same samples of every prompt, in the same order, and log the same
+    metrics."""
+
+    def by_prompt(samples: list[dict]) -> dict[int, list[str]]:
+        outputs = {}
+        for s in samples:
+            outputs.setdefault(s["uid"], []).append(s["output"])
+        return outputs
+
+    (one, logged_one), (two, logged_two) = sampled_validation[1], sampled_validation[2]
+    assert by_prompt(one) == by_prompt(two) and len(by_prompt(one)) == 7
+    assert logged_one == logged_two
 
 
 CONSTANT = 0.375  # a float32 number, as veRL's reward tensor holds it

@@ -11,6 +11,10 @@ formulas in float32 at 1 and 2 threads (tests/fp32_noise.py). Measured (2 x86 co
 error / the noise at world sizes 1 and 2: the SGD step (= the gradient, read back from the weights; its noise
 is the weights' rounding, 6e-8) 1.0-1.01, pg_loss <= 1.18, grad_norm <= 1.0, every other metric <= 0.77
 (exactly 0 where the reference is: on-policy clip fractions and ppo_kl), advantages and batch metrics 0.11.
+
+The rollout correction's wiring (loop_worker's corrected and bypass updates) is checked the same way: the
+whole-batch IS weights and rejection mask each rank got back, the update over two mini-batches (SGD steps
+1.0-1.05, metrics <= 0.6 x the noise), and bypass_mode's rejection against the current policy (<= 1.0).
 """
 
 import copy
