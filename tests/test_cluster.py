@@ -53,9 +53,9 @@ def test_node_first_fetches_once_per_node_without_a_shared_disk(tmp_path, fail_n
 
 # ------------------------------------------------------------------------------ end to end
 # 4 prompts x 4 samples per step in 2 mini-batches, DAPO's dynamic sampling on with generation batches of 3 prompts
-# (more than the 2 ranks, an uneven split: 2 and 1; several batches per step), rewards from tests/parity_reward.py
-# (every third prompt has no signal), checkpoints every 2 steps; a straight 2-rank run is what every interrupted run
-# must equal.
+# (more than the 2 ranks, an uneven split: 2 and 1; 2 or 3 batches per step), rewards from tests/parity_reward.py
+# (which prompts have no signal is set by their index), checkpoints every 2 steps; a straight 2-rank run is what
+# every interrupted run must equal.
 GEN_BATCH, N = 3, 4
 CLUSTER = [
     f"rollout.n={N}",
@@ -137,7 +137,7 @@ def test_dynamic_sampling_keeps_the_first_groups_with_signal_in_generation_order
     scores = handed_out(out / "rewards")
     assert all(len(s) == N for s in scores.values())
     expected = dapo_steps(scores, 4, 4)
-    assert len(scores) > 4 * 4 and max(taken for _, taken in expected) > 1  # groups were dropped
+    assert len(scores) > 4 * 4 and {taken for _, taken in expected} == {2, 3}  # groups were dropped
     for step, (kept, taken) in enumerate(expected, 1):
         d = torch.load(out / "dump" / f"step_{step}.pt")
         width = d["response_mask"].shape[1]
@@ -153,8 +153,8 @@ def test_dynamic_sampling_keeps_the_first_groups_with_signal_in_generation_order
 
 def test_max_num_gen_batches_stops_after_exactly_that_many(tiny_build, tmp_path):
     """algorithm.filter_groups.max_num_gen_batches=2 with prompts that never have a signal (tests/parity_reward.py
-    scores prompts whose index is a multiple of 3 alike): the run stops with its one line after exactly 2
-    generation batches of 2 prompts (the rewards handed out: 2 x 2 x 4)."""
+    scores the samples of a prompt whose index is a multiple of 3 alike): the run stops with its one line after
+    exactly 2 generation batches of 2 prompts (the rewards handed out: 2 x 2 x 4)."""
     import reward
 
     data_file = tmp_path / "no_signal.jsonl"
@@ -222,8 +222,11 @@ def test_a_stop_signal_to_one_rank_stops_every_rank_after_the_step(straight, tmp
         wait_for_step(out, 1, proc)
         os.kill(worker_of_rank(proc.pid, 1), signal.SIGTERM)
         assert proc.wait(timeout=300) != 0
-    exits = re.findall(r"exitcode\s*:\s*(-?\d+)", (tmp_path / "torchrun.log").read_text())
-    assert exits and set(exits) == {"143"}, exits  # each worker that torchrun reports ended by stop(), none killed
+    # The first worker to end exits 143 from stop(); torchrun then SIGTERMs the others, and one that is past
+    # stop() already, in the interpreter's shutdown (Python's handlers are gone), may end by that signal (-15).
+    report = (tmp_path / "torchrun.log").read_text()
+    assert re.search(r"Root Cause.*?exitcode\s*:\s*143\b", report, re.DOTALL), report[-3000:]
+    assert set(re.findall(r"exitcode\s*:\s*(-?\d+)", report)) <= {"143", "-15"}, report[-3000:]
     stopped = max(r["step"] for r in read_metrics(out))
     assert stopped < 4
     assert [os.path.basename(p) for p in fsdp_train.list_checkpoints(str(out / "checkpoints"))] == [f"step_{stopped}"]
