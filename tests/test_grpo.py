@@ -156,18 +156,10 @@ def test_config_file_errors(tmp_path):
         config.load_config(str(bad), [])
 
 
-def test_cli_stops_with_one_line_before_loading_anything(tmp_path):
-    out = tmp_path / "never"
-    proc = subprocess.run(
-        [sys.executable, "grpo.py", "--config", "tiny.yaml", "actor.lr=x", f"trainer.output_dir={out}"],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert proc.returncode != 0
-    assert proc.stderr.strip().splitlines()[-1] == "error: config: actor.lr = 'x' has type str; expected float"
-    assert "Traceback" not in proc.stderr and not out.exists()
+def test_cli_stops_with_one_line_before_loading_anything(cli):
+    results, files = cli
+    assert results["bad override"]["exit"] == "error: config: actor.lr = 'x' has type str; expected float"
+    assert not os.path.exists(files["never"])
 
 
 def test_every_ranged_key_is_a_known_key_and_every_default_is_accepted():
@@ -237,11 +229,13 @@ def test_model_directory_without_weights_or_config(tmp_path):
 
 
 @pytest.fixture(scope="module")
-def cli(tiny_build, tmp_path_factory) -> tuple[dict, dict]:
+def cli(tiny_build, reward_files, tmp_path_factory) -> tuple[dict, dict]:
     """The command lines of these tests that stop before a model loads, run in ONE process (tests/cli_calls.py:
-    importing vLLM costs seconds per process): ({name: {"stdout", "exit"}}, {name: a data file they read})."""
+    importing vLLM costs seconds per process): ({name: {"stdout", "exit"}}, {name: a file they read or write})."""
     root = tmp_path_factory.mktemp("cli")
     files = {"gsm": write_jsonl(root / "gsm.jsonl", GSM), "other": write_jsonl(root / "other.jsonl", VERL)}
+    files["bad"] = write_jsonl(root / "bad.jsonl", [GSM[0], {"question": "no answer"}])
+    files["never"] = str(root / "never")
     small = ["data.train_batch_size=2", "actor.ppo_mini_batch_size=2", "rollout.n=2", "trainer.total_steps=1"]
     gsm8k = ["--print-config", "--config", "gsm8k.yaml"]
     calls = {
@@ -254,9 +248,16 @@ def cli(tiny_build, tmp_path_factory) -> tuple[dict, dict]:
         "train rows": ["--config", "tiny.yaml", *small, f"data.train={files['other']}", f"data.val={files['gsm']}"],
         "val rows": ["--config", "tiny.yaml", *small, f"data.train={files['gsm']}", f"data.val={files['other']}"],
         "val_only rows": ["--config", "tiny.yaml", "trainer.val_only=true", f"data.val={files['other']}"],
+        "bad override": ["--config", "tiny.yaml", "actor.lr=x", f"trainer.output_dir={files['never']}"],
+        "bad data": ["--config", "tiny.yaml", f"data.train={files['bad']}"],
     }
-    for name in ("train rows", "val rows", "val_only rows"):
-        calls[name].append(f"trainer.output_dir={root / name.replace(' ', '_')}")
+    for key in ("path=/no/such/reward.py", "name=nope", "path={broken}"):  # test_bad_reward_files_stop_with_one_line
+        path = [] if key.startswith("path") else [f"custom_reward_function.path={reward_files['constant']}"]
+        calls[key] = ["--config", "tiny.yaml", *SMALL, "trainer.val_only=true", *path]
+        calls[key].append(f"custom_reward_function.{key.format(**reward_files)}")
+    for k, argv in enumerate(calls.values()):  # an output directory of its own for every call that would write one
+        if argv[0] == "--config" and not any(a.startswith("trainer.output_dir=") for a in argv):
+            argv.append(f"trainer.output_dir={root / f'run{k}'}")
     (root / "calls.json").write_text(json.dumps(calls))
     proc = subprocess.run(
         [sys.executable, "tests/cli_calls.py", str(root / "calls.json")],
@@ -373,31 +374,16 @@ def test_rows_without_a_scorer_stop_at_start_up(cli, call):
     assert "train prompts" not in results[call]["stdout"]  # load_data's summary: the rows were refused before it
 
 
-def test_cli_bad_data_and_world_size_stop_with_one_line(tmp_path, tiny_build):
-    bad = write_jsonl(tmp_path / "bad.jsonl", [GSM[0], {"question": "no answer"}])
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "grpo.py",
-            "--config",
-            "tiny.yaml",
-            f"data.train={bad}",
-            f"trainer.output_dir={tmp_path / 'never'}",
-        ],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert proc.returncode != 0 and "Traceback" not in proc.stderr
-    assert (
-        proc.stderr.strip().splitlines()[-1] == f"error: data: {bad}: row 1: missing field 'answer' "
+def test_cli_bad_data_and_world_size_stop_with_one_line(cli, tmp_path, tiny_build):
+    results, files = cli
+    assert results["bad data"]["exit"] == (
+        f"error: data: {files['bad']}: row 1: missing field 'answer' "
         "(accepted layouts: question/answer, or prompt/reward_model.ground_truth)"
     )
     proc = run_grpo(tmp_path / "ws", 2, "data.train_batch_size=3", "actor.ppo_mini_batch_size=3", check=False)
     assert proc.returncode != 0 and "ConfigError" not in proc.stderr  # torchrun adds its own traceback, ranks none
     assert "error: config: actor.ppo_mini_batch_size (3) must be a multiple of the world size (2)" in proc.stderr
-    assert not (tmp_path / "never" / "metrics.jsonl").exists() and not (tmp_path / "ws" / "metrics.jsonl").exists()
+    assert not (tmp_path / "ws" / "metrics.jsonl").exists()
 
 
 # ------------------------------------------------------------------------------------- data
@@ -1063,19 +1049,23 @@ def test_a_constant_reward_file_gives_exactly_that_score(tiny_build, val_file, r
             "path={broken}",
             "error: config: custom_reward_function.path = '{broken}': importing it failed (ModuleNotFoundError",
         ),
-        ("path={nan_at_row_2}", "error: custom_reward_function: {nan_at_row_2}:compute_score returned nan for "),
     ],
 )
-def test_bad_reward_files_stop_with_one_line(tiny_build, reward_files, tmp_path, key, message):
-    overrides = [f"custom_reward_function.{key.format(**reward_files)}", "trainer.val_only=true"]
-    if key.startswith("name"):
-        overrides.append(f"custom_reward_function.path={reward_files['constant']}")
-    proc = run_grpo(tmp_path / "run", 1, *overrides, check=False)
-    assert one_error_line(proc).startswith(message.format(**reward_files))
-    if key.startswith("path={nan_at_row_2}"):  # the row that returned it: row 2 of the validation file
-        assert one_error_line(proc).endswith(
-            "test.jsonl row 2; accepted: a finite number, or a dict with a numeric 'score'"
-        )
+def test_bad_reward_files_stop_with_one_line(cli, reward_files, key, message):
+    results, _ = cli
+    assert results[key]["exit"].startswith(message.format(**reward_files))
+
+
+def test_a_reward_of_nan_stops_the_run_with_one_line_naming_the_row(tiny_build, reward_files, tmp_path):
+    """val_only with a reward file that returns NaN for the validation file's row 2 only: the run stops at that
+    row, with the one line that names it."""
+    nan_file = reward_files["nan_at_row_2"]
+    proc = run_grpo(
+        tmp_path / "run", 1, f"custom_reward_function.path={nan_file}", "trainer.val_only=true", check=False
+    )
+    line = one_error_line(proc)
+    assert line.startswith(f"error: custom_reward_function: {nan_file}:compute_score returned nan for ")
+    assert line.endswith("test.jsonl row 2; accepted: a finite number, or a dict with a numeric 'score'")
 
 
 @pytest.mark.parametrize(
