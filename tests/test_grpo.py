@@ -1,6 +1,7 @@
 """grpo.py: config loading and its errors, data loaders, and short end-to-end tiny runs
 (world sizes 1 and 2, resume after a kill, dump at 1 rank / replay at 2)."""
 
+import glob
 import json
 import os
 import re
@@ -237,12 +238,11 @@ def cli(tiny_build, reward_files, tmp_path_factory) -> tuple[dict, dict]:
     files["bad"] = write_jsonl(root / "bad.jsonl", [GSM[0], {"question": "no answer"}])
     files["never"] = str(root / "never")
     small = ["data.train_batch_size=2", "actor.ppo_mini_batch_size=2", "rollout.n=2", "trainer.total_steps=1"]
-    gsm8k = ["--print-config", "--config", "gsm8k.yaml"]
-    calls = {
-        "defaults": ["--print-config"],
-        "tiny": ["--print-config", "--config", "tiny.yaml"],
-        "gsm8k": gsm8k,
-        "gsm8k lr": [*gsm8k, "actor.lr=3e-6"],
+    calls = {"defaults": ["--print-config"]}
+    for name in SHIPPED_CONFIGS:  # test_every_printed_key_is_documented_with_its_value
+        calls[name] = ["--print-config", "--config", name]
+    calls |= {
+        "gsm8k lr": ["--print-config", "--config", "gsm8k.yaml", "actor.lr=3e-6"],
         "help": ["--help"],
         # VERL's row 1 is of data source my/task: no built-in scorer
         "train rows": ["--config", "tiny.yaml", *small, f"data.train={files['other']}", f"data.val={files['gsm']}"],
@@ -285,36 +285,42 @@ def yaml_value(value) -> str:
     return yaml.safe_dump(value, default_flow_style=True).removesuffix("...\n").strip()
 
 
-def documented_keys() -> dict[str, list]:
-    """docs/verl-mapping.md section 16 as {key: [default, tiny.yaml's value, gsm8k.yaml's value]}: each cell a
-    YAML value, an empty file cell the default."""
+SHIPPED_CONFIGS = sorted(os.path.basename(p) for p in glob.glob(os.path.join(ROOT, "*.yaml")))  # tiny.yaml, ...
+
+
+def documented_keys() -> tuple[list[str], dict[str, dict]]:
+    """docs/verl-mapping.md's section "Every key" as (its config files, {key: {"defaults": value, file: value}}):
+    the header names the files (`tiny.yaml`, ...), each cell is a YAML value, an empty file cell the default."""
     with open(os.path.join(ROOT, "docs", "verl-mapping.md")) as f:
-        section = f.read().split("\n## 16.")[1].split("\n## ")[0]
+        section = re.search(r"\n## \d+\. Every key[^\n]*\n(.*?)(?=\n## |\Z)", f.read(), re.DOTALL)[1]
+    lines = [line for line in section.splitlines() if line.startswith("| ")]
+    header = [cell.strip().strip("`") for cell in lines[0].strip("|").split("|")]
+    files = [cell for cell in header if cell.endswith(".yaml")]
     table = {}
-    for line in section.splitlines():
-        if line.startswith("| `"):
-            key, default, *files = [cell.strip().strip("`") for cell in line.strip("|").split("|")][:4]
-            default = yaml.safe_load(default)
-            table[key] = [default] + [yaml.safe_load(value) if value else default for value in files]
-    return table
+    for line in lines[1:]:  # the rule line "|---|..." is not among them
+        key, default, *cells = [cell.strip().strip("`") for cell in line.strip("|").split("|")][: 2 + len(files)]
+        table[key] = {"defaults": yaml.safe_load(default)}
+        for file, cell in zip(files, cells, strict=True):
+            table[key][file] = yaml.safe_load(cell) if cell else table[key]["defaults"]
+    return files, table
 
 
 def test_every_printed_key_is_documented_with_its_value(cli):
-    """Golden defaults: `grpo.py --print-config` with no file, with tiny.yaml and with gsm8k.yaml prints exactly
-    the keys of docs/verl-mapping.md section 16, each with the value the table gives (the default, or the file's).
-    A new key fails here until its row is written; a changed default or shipped value until the table says so."""
+    """Golden defaults: `grpo.py --print-config` with no file, and with each config file at the repository's top
+    level (tiny.yaml, gsm8k.yaml, ...), prints exactly the keys of docs/verl-mapping.md's table "Every key", each
+    with the value the table gives (the default, or the file's). A new key fails here until its row is written, a
+    new config file until its column is, a changed default or shipped value until the table says so."""
     results, _ = cli
-    table = documented_keys()
-    assert len(table) > 80
-    for column, name in enumerate(("defaults", "tiny", "gsm8k")):
+    files, table = documented_keys()
+    assert sorted(files) == SHIPPED_CONFIGS and len(table) > 80, files
+    for name in ("defaults", *files):
         printed = config._flat(yaml.safe_load(results[name]["stdout"]))
-        missing = [f"| `{k}` | `{yaml_value(v)}` | | | veRL's key |" for k, v in printed.items() if k not in table]
-        assert not missing, "docs/verl-mapping.md section 16 lacks the rows\n" + "\n".join(missing)
+        row = "| `{}` | `{}` |" + " |" * len(files) + " veRL's key |"
+        missing = [row.format(k, yaml_value(v)) for k, v in printed.items() if k not in table]
+        assert not missing, 'docs/verl-mapping.md, "Every key", lacks the rows\n' + "\n".join(missing)
         assert set(table) <= set(printed), f"documented, never printed: {sorted(set(table) - set(printed))}"
-        wrong = {k: (v, table[k][column]) for k, v in printed.items() if v != table[k][column]}
-        assert not wrong, (
-            f"--print-config ({name}) vs docs/verl-mapping.md section 16, key: (printed, documented): {wrong}"
-        )
+        wrong = {k: (v, table[k][name]) for k, v in printed.items() if v != table[k][name]}
+        assert not wrong, f"--print-config ({name}) vs docs/verl-mapping.md, key: (printed, documented): {wrong}"
 
 
 def stated_values(text: str) -> list[tuple[str, object]]:
@@ -350,7 +356,7 @@ def test_the_readme_states_the_defaults_and_the_recipe_values(cli):
     """Where README.md or docs/verl-mapping.md say "`key` (value)", value is the key's default; the README's veRL
     key mapping gives the seed recipe's values, which gsm8k.yaml must hold."""
     results, _ = cli
-    defaults, gsm8k = (config._flat(yaml.safe_load(results[name]["stdout"])) for name in ("defaults", "gsm8k"))
+    defaults, gsm8k = (config._flat(yaml.safe_load(results[name]["stdout"])) for name in ("defaults", "gsm8k.yaml"))
     with open(os.path.join(ROOT, "README.md")) as f:
         readme = f.read()
     with open(os.path.join(ROOT, "docs", "verl-mapping.md")) as f:
