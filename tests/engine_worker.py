@@ -1,15 +1,20 @@
-"""torchrun worker for test_rollout_sync: FSDP2 model + one vLLM engine per rank, push and check.
+"""torchrun worker for test_rollout_sync: FSDP2 model + one vLLM engine per rank, push and check; then
+grpo.sample_groups (the training loop's sampling, seeded per generation batch and rank) on the SAME prompt on
+every rank.
 
 torchrun --nproc_per_node 2 tests/engine_worker.py MODEL_PATH
 """
 
 import sys
+import types
 
 import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import fully_shard
 from transformers import AutoModelForCausalLM
 
+import config
+import grpo
 import rollout
 import sync
 from reporting import report
@@ -50,9 +55,18 @@ for s in samples:
         logits = model(input_ids=ids).logits[0, len(s.prompt_ids) - 1 : -1].float()
     lp = torch.log_softmax(logits, -1).gather(-1, torch.tensor(s.response_ids)[:, None])[:, 0]
     worst = max(worst, (lp - torch.tensor(s.logprobs)).abs().max().item())
+# the loop's sampling: one prompt twice in generation batch 3, then alone in batch 3 and in batch 4
+cfg = config.load_config(None, ["rollout.n=4", "data.max_response_length=8"])
+run = types.SimpleNamespace(cfg=cfg, llm=llm, rank=rank, gen_cursor=3, score=lambda row, text: (0.0, {}))
+prompt = {"prompt": [{"role": "user", "content": "Tom has 3 apples."}]}
+loop_samples = {"batch 3": grpo.sample_groups(run, [prompt, prompt], {})}
+loop_samples["batch 3 alone"] = grpo.sample_groups(run, [prompt], {})
+run.gen_cursor = 4
+loop_samples["batch 4"] = grpo.sample_groups(run, [prompt], {})
 report(
     rank,
     {
+        "loop_samples": {k: [[s.response_ids for s in g["samples"]] for g in v] for k, v in loop_samples.items()},
         "full_params_equal": full_params_equal,
         "bf16_full_params_equal": bf16_full_params_equal,
         "diff_before_push": diff_before,

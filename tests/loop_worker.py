@@ -11,6 +11,14 @@ SGD with lr 1 and no clipping, so weights_after - weights_before = -gradient. Ra
 weights; every rank reports its metrics (tests/reporting.py). Then 4 global steps with the real AdamW
 and LR schedule (constant with one mini-batch per step, cosine with two) record the lr of every optimizer
 step and the logged actor/lr.
+
+Two more updates (SGD, lr 1) go through the rollout correction's wiring:
+  corrected: grpo.correct_rollout over the whole batch (token IS weights normalised over the batch, token_k1
+    rejection), in TWO mini-batches of 2 prompts, so that at 2 ranks a rank holds prompts 0 and 2 (or 1 and 3),
+    not a contiguous half: each rank reports the IS weights and the response mask it got back, the
+    rollout_corr/* metrics, the update's metrics and the batch metrics;
+  bypass: bypass_mode with token_k1 rejection: old log-probs := vLLM's (ROLLOUT_LOGPROB), the rejection is
+    computed in the loss against the current policy.
 """
 
 import os
@@ -45,6 +53,23 @@ CONFIG = [
 REWARDS = [1, 0, 0, 0, 1, 1, 0, 0, 0, 0, 0, 0, 1, 1, 1, 0]  # 4 prompts x 4 samples: 1, 2, 0 and 3 right
 ROLLOUT_LOGPROB = -6.0  # what "vLLM" reported for every sampled token
 EMPTY_ROW = 3  # the row whose response is emptied for the seq-mean test
+# token_k1 bounds: keep 1/t <= pi_old / pi_rollout <= t. corrected: old log-probs in [-10, -4] against vLLM's -6,
+# |log-ratio| <= ln 10 keeps about 3 tokens in 4; bypass: the current policy's log-probs (-6.8 to -5.1) against
+# vLLM's -6, |log-ratio| <= ln 1.5 keeps about half.
+CORRECTION_RS, BYPASS_RS = 10.0, 1.5
+CORRECTION = [
+    "actor.ppo_mini_batch_size=2",  # two mini-batches: a rank's prompts are not a contiguous half of the batch
+    "algorithm.rollout_correction.rollout_is=token",
+    "algorithm.rollout_correction.rollout_is_threshold=2.0",
+    "algorithm.rollout_correction.rollout_is_batch_normalize=true",  # the weights depend on the WHOLE batch
+    "algorithm.rollout_correction.rollout_rs=token_k1",
+    f"algorithm.rollout_correction.rollout_rs_threshold={CORRECTION_RS}",
+]
+BYPASS = [
+    "algorithm.rollout_correction.bypass_mode=true",
+    "algorithm.rollout_correction.rollout_rs=token_k1",
+    f"algorithm.rollout_correction.rollout_rs_threshold={BYPASS_RS}",
+]
 
 
 def empty_response(batch: dict, row: int) -> dict:
@@ -98,6 +123,40 @@ def one_update(path: str, cfg: dict, batch: dict, on_policy: bool, device) -> tu
     before = full_weights(policy)
     result = grpo.update_actor(run, batch, {})
     return before, full_weights(policy), result
+
+
+def rank_rows(cfg: dict, full: dict) -> tuple[list[int], list[int], dict]:
+    """(positions, rows, batch): this rank's prompt positions (data.local_positions), their rows in the global
+    batch (sample j of the prompt at position p is row p * n + j), and those rows of `full`."""
+    rank, world, n = torch.distributed.get_rank(), torch.distributed.get_world_size(), cfg["rollout"]["n"]
+    positions = data.local_positions(cfg["data"]["train_batch_size"], cfg["actor"]["ppo_mini_batch_size"], world, rank)
+    rows = [p * n + j for p in positions for j in range(n)]
+    return positions, rows, ft.select(full, rows)
+
+
+def corrected_update(path: str, full: dict, device) -> tuple[dict, dict]:
+    """grpo.correct_rollout (then the advantages over the surviving tokens) and grpo.update_actor on this rank's
+    rows, as grpo_step wires them: what the rank got back, the metrics; and the weights before and after."""
+    cfg = config.load_config(None, CONFIG + CORRECTION)
+    positions, rows, batch = rank_rows(cfg, full)
+    run = types.SimpleNamespace(cfg=cfg, world=torch.distributed.get_world_size(), positions=positions)
+    result = {"rows": rows, "correction": grpo.correct_rollout(run, batch, batch["old_logprobs"])}
+    result["is_weights"], result["response_mask"] = batch["is_weights"].tolist(), batch["response_mask"].tolist()
+    batch["advantages"] = grpo.group_advantages(batch["rewards"], batch["response_mask"], cfg)
+    before, after, result["update"] = one_update(path, cfg, batch, False, device)
+    result["batch_metrics"] = metrics.batch_metrics(batch, cfg["data"], {}, run.world)
+    return result, {"before": before, "after": after}
+
+
+def bypass_update(path: str, full: dict, device) -> tuple[dict, dict]:
+    """bypass_mode as grpo_step wires it: no old pass, vLLM's log-probs stand as the old ones (capture)."""
+    cfg = config.load_config(None, CONFIG + BYPASS)
+    _, _, batch = rank_rows(cfg, full)
+    batch = {k: v for k, v in batch.items() if k != "old_logprobs"}  # as sampled: vLLM's and the reference's
+    grpo.old_and_ref_logprobs(types.SimpleNamespace(cfg=cfg, capture=True, ref=None), batch, {})  # old := vLLM's
+    batch["advantages"] = grpo.group_advantages(batch["rewards"], batch["response_mask"], cfg)
+    before, after, result = one_update(path, cfg, batch, True, device)
+    return result, {"before": before, "after": after}
 
 
 def schedule(path: str, overrides: list[str], full: dict, device) -> dict:
@@ -164,6 +223,10 @@ def main():
         full,
         device,
     )
+    for name, update in (("corrected", corrected_update), ("bypass", bypass_update)):
+        result[name], weights = update(path, full, device)
+        if rank == 0:
+            torch.save(weights, os.path.join(out, f"{name}_ws{world}.pt"))
     report(rank, result)
     shut_down()
 

@@ -4,6 +4,7 @@ killed under torchrun --max-restarts. The end-to-end runs are compared with an u
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -13,7 +14,7 @@ import pytest
 from test_grpo import SMALL, comparable, read_metrics, run_grpo
 
 import fsdp_train
-from conftest import ROOT, free_port, run_nodes
+from conftest import ROOT, free_port, run_nodes, run_torchrun
 
 
 def reports(results_dir) -> list[dict]:
@@ -51,10 +52,13 @@ def test_node_first_fetches_once_per_node_without_a_shared_disk(tmp_path, fail_n
 
 
 # ------------------------------------------------------------------------------ end to end
-# 4 prompts x 4 samples per step in 2 mini-batches, DAPO's dynamic sampling on with generation batches of 2 prompts
-# (several per step), checkpoints every 2 steps; a straight 2-rank run is what every interrupted run must equal.
+# 4 prompts x 4 samples per step in 2 mini-batches, DAPO's dynamic sampling on with generation batches of 3 prompts
+# (more than the 2 ranks, an uneven split: 2 and 1; 2 or 3 batches per step), rewards from tests/parity_reward.py
+# (which prompts have no signal is set by their index), checkpoints every 2 steps; a straight 2-rank run is what
+# every interrupted run must equal.
+GEN_BATCH, N = 3, 4
 CLUSTER = [
-    "rollout.n=4",
+    f"rollout.n={N}",
     "data.train_batch_size=4",
     "actor.ppo_mini_batch_size=2",
     "data.max_response_length=24",
@@ -63,16 +67,48 @@ CLUSTER = [
     "trainer.val_every=0",
     "trainer.sync_check_every=0",
     "algorithm.filter_groups.enable=true",
-    "data.gen_batch_size=2",
+    f"data.gen_batch_size={GEN_BATCH}",
+    "custom_reward_function.path=tests/parity_reward.py",
     "trainer.export_hf=false",
 ]
 
 
 @pytest.fixture(scope="module")
 def straight(tiny_build, tmp_path_factory):
+    """(out dir, metrics) of the straight run; it dumps its batches and logs every reward it hands out."""
     out = tmp_path_factory.mktemp("straight")
-    run_grpo(out / "run", 2, *CLUSTER, f"trainer.dump_batches={out / 'dump'}")
+    (out / "rewards").mkdir()
+    run_grpo(out / "run", 2, *CLUSTER, f"trainer.dump_batches={out / 'dump'}", env={"REWARD_LOG": str(out / "rewards")})
     return out, read_metrics(out / "run")
+
+
+def handed_out(folder) -> dict[int, list[float]]:
+    """{prompt index: its rewards} from tests/parity_reward.py's logs (every rank's)."""
+    scores = {}
+    for name in os.listdir(folder):
+        with open(os.path.join(folder, name)) as f:
+            for line in f:
+                call = json.loads(line)
+                scores.setdefault(call["index"], []).append(call["score"])
+    return scores
+
+
+def dapo_steps(scores: dict[int, list[float]], steps: int, batch: int) -> list[tuple[list[int], int]]:
+    """DAPO's classic loop worked out from the rewards handed out: per step, (the prompts it trains on, the
+    generation batches it took). Generation batches of GEN_BATCH consecutive prompts (file order), from where the
+    previous step stopped, until `batch` prompts whose rewards differ (numpy's std > 0) are kept: the first `batch`
+    of them, in prompt order (a batch's surplus is dropped)."""
+    import numpy as np
+
+    cursor, out = 0, []
+    for _ in range(steps):
+        kept, taken = [], 0
+        while len(kept) < batch:
+            kept += [p for p in range(cursor, cursor + GEN_BATCH) if np.std(scores[p]) > 0]
+            cursor, taken = cursor + GEN_BATCH, taken + 1
+        out.append((kept[:batch], taken))
+    assert sorted(scores) == list(range(cursor)), "the run generated other prompts than these batches"
+    return out
 
 
 def same_run(a: list[dict], b: list[dict]):
@@ -80,11 +116,10 @@ def same_run(a: list[dict], b: list[dict]):
     assert [comparable(r) for r in a] == [comparable(r) for r in b]
 
 
-def test_dynamic_sampling_keeps_groups_with_signal_in_generation_order(straight, tiny_build):
-    """Every step trains on exactly 4 groups whose 4 rewards differ (numpy's std > 0), which took several
-    generation batches of 2 prompts; the groups are the first such ones in generation order: with the data
-    in file order, their prompts come from consecutive generation batches, earlier steps first."""
-    import numpy as np
+def test_dynamic_sampling_keeps_the_first_groups_with_signal_in_generation_order(straight, tiny_build):
+    """Each step trains on exactly the groups worked out from the rewards the run handed out (dapo_steps): the first
+    4 with a signal in generation order, over generation batches of 3 prompts split 2 + 1 over the 2 ranks, in that
+    order (the dump is in prompt-position order), each with its 4 rewards; train/num_gen_batches counts the batches."""
     import torch
     from transformers import AutoTokenizer
 
@@ -99,38 +134,113 @@ def test_dynamic_sampling_keeps_groups_with_signal_in_generation_order(straight,
             for i, line in enumerate(f)
             if i < 200
         }
-    used, order = 0, []
-    for step in (1, 2, 3, 4):
+    scores = handed_out(out / "rewards")
+    assert all(len(s) == N for s in scores.values())
+    expected = dapo_steps(scores, 4, 4)
+    assert len(scores) > 4 * 4 and {taken for _, taken in expected} == {2, 3}  # groups were dropped
+    for step, (kept, taken) in enumerate(expected, 1):
         d = torch.load(out / "dump" / f"step_{step}.pt")
         width = d["response_mask"].shape[1]
-        groups = d["rewards"].reshape(4, 4).double().numpy()
-        assert all(np.std(g) > 0 for g in groups)
-        order += [
+        trained = [
             prompts[tuple(d["input_ids"][k, :-width][d["attention_mask"][k, :-width].bool()].tolist())]
-            for k in range(0, 16, 4)
+            for k in range(0, 4 * N, N)
         ]
-        assert rows[step - 1]["train/num_gen_batches"] >= 2
-        used += rows[step - 1]["train/num_gen_batches"]
-    assert order == sorted(order) and len(set(order)) == 16 and order[-1] < 2 * used  # generation order, no repeats
-    assert used > 8  # some groups were dropped: more than the 8 generation batches 16 prompts need
+        assert trained == kept, step
+        for g, prompt in enumerate(kept):
+            assert sorted(d["rewards"][g * N : (g + 1) * N].tolist()) == sorted(scores[prompt])
+        assert rows[step - 1]["train/num_gen_batches"] == taken
 
 
-def test_sigterm_checkpoints_the_step_and_a_resumed_run_continues(straight, tmp_path):
-    """SIGTERM to torchrun (a scheduler's preemption notice), during step 2: the workers finish the step they are in,
-    checkpoint it (no periodic checkpoints in this run), exit 143; trainer.resume=auto continues with the next step,
-    and the run ends with the metrics of the uninterrupted run."""
-    out = tmp_path / "run"
+def test_max_num_gen_batches_stops_after_exactly_that_many(tiny_build, tmp_path):
+    """algorithm.filter_groups.max_num_gen_batches=2 with prompts that never have a signal (tests/parity_reward.py
+    scores the samples of a prompt whose index is a multiple of 3 alike): the run stops with its one line after
+    exactly 2 generation batches of 2 prompts (the rewards handed out: 2 x 2 x 4)."""
+    import reward
+
+    data_file = tmp_path / "no_signal.jsonl"
+    with open(data_file, "w") as f:
+        for i in range(6):
+            row = {"prompt": reward.make_prompt(f"What is {i} + 3?"), "reward_model": {"ground_truth": str(i + 3)}}
+            f.write(json.dumps(row | {"extra_info": {"index": 3 * i}}) + "\n")
+    (tmp_path / "rewards").mkdir()
     proc = run_grpo(
-        out, 2, *CLUSTER, "trainer.save_every=0", background=True
-    )  # no periodic checkpoint: only the stop's
-    wait_for_step(out, 1, proc)
-    os.kill(proc.pid, signal.SIGTERM)
-    assert proc.wait(timeout=300) != 0
+        tmp_path / "run",
+        1,
+        *CLUSTER,
+        f"data.train={data_file}",
+        "data.gen_batch_size=2",
+        "algorithm.filter_groups.max_num_gen_batches=2",
+        check=False,
+        env={"REWARD_LOG": str(tmp_path / "rewards")},
+    )
+    error = (
+        "error: algorithm.filter_groups: 2 generation batches (max_num_gen_batches) gave 0 of 4 prompts whose "
+        "rewards differ; raise it (0: no limit), or use data the policy neither always solves nor always fails"
+    )
+    assert proc.returncode != 0 and proc.stderr.splitlines().count(error) == 1, proc.stderr[-3000:]
+    assert sum(len(s) for s in handed_out(tmp_path / "rewards").values()) == 2 * 2 * N
+
+
+def torchrun_cmd(*args: str) -> list[str]:
+    """torchrun, 2 ranks, grpo.py on tiny.yaml with SMALL + CLUSTER and `args`."""
+    launcher = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node",
+        "2",
+        "--master_port",
+        str(free_port()),
+    ]
+    return [*launcher, "grpo.py", "--config", "tiny.yaml", *SMALL, *CLUSTER, *args]
+
+
+def worker_of_rank(torchrun_pid: int, rank: int) -> int:
+    """The pid of torchrun's worker process with RANK=rank (read from its environment)."""
+    for pid in subprocess.run(["pgrep", "-P", str(torchrun_pid)], capture_output=True, text=True).stdout.split():
+        with open(f"/proc/{pid}/environ", "rb") as f:
+            if f"RANK={rank}".encode() in f.read().split(b"\0"):
+                return int(pid)
+    raise AssertionError(f"no worker with RANK={rank}")
+
+
+def test_a_stop_signal_to_one_rank_stops_every_rank_after_the_step(straight, tmp_path):
+    """SIGTERM to ONE worker, rank 1 (one node preempted; rank 0, which logs and writes the checkpoint's COMPLETE
+    marker, gets nothing), during step 2: every rank finishes that step, the step is checkpointed (the only
+    checkpoint: no periodic ones in this run) and every worker exits 143 (128 + SIGTERM); trainer.resume=auto
+    continues with the next step, and the run ends with the metrics of the uninterrupted run."""
+    out = tmp_path / "run"
+    with open(tmp_path / "torchrun.log", "w") as log:
+        proc = subprocess.Popen(
+            torchrun_cmd(f"trainer.output_dir={out}", "trainer.save_every=0"),
+            cwd=ROOT,
+            env={**os.environ, "OMP_NUM_THREADS": "1"},
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+        wait_for_step(out, 1, proc)
+        os.kill(worker_of_rank(proc.pid, 1), signal.SIGTERM)
+        assert proc.wait(timeout=300) != 0
+    # The first worker to end exits 143 from stop(); torchrun then SIGTERMs the others, and one that is past
+    # stop() already, in the interpreter's shutdown (Python's handlers are gone), may end by that signal (-15).
+    report = (tmp_path / "torchrun.log").read_text()
+    assert re.search(r"Root Cause.*?exitcode\s*:\s*143\b", report, re.DOTALL), report[-3000:]
+    assert set(re.findall(r"exitcode\s*:\s*(-?\d+)", report)) <= {"143", "-15"}, report[-3000:]
     stopped = max(r["step"] for r in read_metrics(out))
+    assert stopped < 4
     assert [os.path.basename(p) for p in fsdp_train.list_checkpoints(str(out / "checkpoints"))] == [f"step_{stopped}"]
     resumed = run_grpo(out, 2, *CLUSTER, "trainer.save_every=0", "trainer.resume=auto")
     assert f"resumed from {out / 'checkpoints' / f'step_{stopped}'}" in resumed.stdout
     same_run(read_metrics(out), straight[1])
+
+
+def test_a_signal_on_one_rank_is_seen_by_every_rank():
+    """tests/stop_worker.py, 2 ranks: cluster.stop_requested() on every rank returns the first stop signal that ANY
+    rank caught: 0 before; SIGINT (Ctrl-C, caught like SIGTERM, not a KeyboardInterrupt) sent to rank 1 twice: 2 on
+    both ranks; then SIGTERM to rank 1: still 2 (a repeat is ignored: torchrun forwards a Ctrl-C once more)."""
+    reports = run_torchrun("stop_worker.py", 2)
+    assert [r["seen"] for r in reports] == [[0, 2, 2], [0, 2, 2]]
 
 
 def test_two_nodes_train_checkpoint_and_resume_like_one(straight, tmp_path):

@@ -1,6 +1,7 @@
 """grpo.py: config loading and its errors, data loaders, and short end-to-end tiny runs
 (world sizes 1 and 2, resume after a kill, dump at 1 rank / replay at 2)."""
 
+import glob
 import json
 import os
 import re
@@ -129,6 +130,20 @@ def test_config_errors_name_the_key_and_the_accepted_values(override, message):
         config.load_config(None, override.split(" "))
 
 
+def test_an_overlong_buffer_as_long_as_the_responses_is_accepted():
+    """reward.overlong_buffer.len = data.max_response_length is the boundary veRL accepts (its DAPO manager asserts
+    max_resp_len >= len): every response is then in the buffer; one token more is refused."""
+    on = [
+        "reward.overlong_buffer.enable=true",
+        "data.max_response_length=48",
+        "reward.overlong_buffer.penalty_factor=1",
+    ]
+    assert config.load_config(None, [*on, "reward.overlong_buffer.len=48"])["reward"]["overlong_buffer"]["len"] == 48
+    with pytest.raises(config.ConfigError, match=r"len = 49; accepted: 0 < value <= data.max_response_length \(48\)"):
+        config.load_config(None, [*on, "reward.overlong_buffer.len=49"])
+    assert [reward.overlong_penalty(length, 48, 48, 1.0) for length in (0, 12, 48)] == [0.0, -0.25, -1.0]
+
+
 def test_config_file_errors(tmp_path):
     bad = tmp_path / "bad.yaml"
     bad.write_text("actor:\n  lr: 1e-5\n  cliprange: 0.2\n")
@@ -142,18 +157,10 @@ def test_config_file_errors(tmp_path):
         config.load_config(str(bad), [])
 
 
-def test_cli_stops_with_one_line_before_loading_anything(tmp_path):
-    out = tmp_path / "never"
-    proc = subprocess.run(
-        [sys.executable, "grpo.py", "--config", "tiny.yaml", "actor.lr=x", f"trainer.output_dir={out}"],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert proc.returncode != 0
-    assert proc.stderr.strip().splitlines()[-1] == "error: config: actor.lr = 'x' has type str; expected float"
-    assert "Traceback" not in proc.stderr and not out.exists()
+def test_cli_stops_with_one_line_before_loading_anything(cli):
+    results, files = cli
+    assert results["bad override"]["exit"] == "error: config: actor.lr = 'x' has type str; expected float"
+    assert not os.path.exists(files["never"])
 
 
 def test_every_ranged_key_is_a_known_key_and_every_default_is_accepted():
@@ -222,48 +229,167 @@ def test_model_directory_without_weights_or_config(tmp_path):
         data.resolve_model(str(tmp_path), download=False)
 
 
-def test_print_config_and_help():
+@pytest.fixture(scope="module")
+def cli(tiny_build, reward_files, tmp_path_factory) -> tuple[dict, dict]:
+    """The command lines of these tests that stop before a model loads, run in ONE process (tests/cli_calls.py:
+    importing vLLM costs seconds per process): ({name: {"stdout", "exit"}}, {name: a file they read or write})."""
+    root = tmp_path_factory.mktemp("cli")
+    files = {"gsm": write_jsonl(root / "gsm.jsonl", GSM), "other": write_jsonl(root / "other.jsonl", VERL)}
+    files["bad"] = write_jsonl(root / "bad.jsonl", [GSM[0], {"question": "no answer"}])
+    files["never"] = str(root / "never")
+    small = ["data.train_batch_size=2", "actor.ppo_mini_batch_size=2", "rollout.n=2", "trainer.total_steps=1"]
+    calls = {"defaults": ["--print-config"]}
+    for name in SHIPPED_CONFIGS:  # test_every_printed_key_is_documented_with_its_value
+        calls[name] = ["--print-config", "--config", name]
+    calls |= {
+        "gsm8k lr": ["--print-config", "--config", "gsm8k.yaml", "actor.lr=3e-6"],
+        "help": ["--help"],
+        # VERL's row 1 is of data source my/task: no built-in scorer
+        "train rows": ["--config", "tiny.yaml", *small, f"data.train={files['other']}", f"data.val={files['gsm']}"],
+        "val rows": ["--config", "tiny.yaml", *small, f"data.train={files['gsm']}", f"data.val={files['other']}"],
+        "val_only rows": ["--config", "tiny.yaml", "trainer.val_only=true", f"data.val={files['other']}"],
+        "bad override": ["--config", "tiny.yaml", "actor.lr=x", f"trainer.output_dir={files['never']}"],
+        "bad data": ["--config", "tiny.yaml", f"data.train={files['bad']}"],
+    }
+    for key in ("path=/no/such/reward.py", "name=nope", "path={broken}"):  # test_bad_reward_files_stop_with_one_line
+        path = [] if key.startswith("path") else [f"custom_reward_function.path={reward_files['constant']}"]
+        calls[key] = ["--config", "tiny.yaml", *SMALL, "trainer.val_only=true", *path]
+        calls[key].append(f"custom_reward_function.{key.format(**reward_files)}")
+    for k, argv in enumerate(calls.values()):  # an output directory of its own for every call that would write one
+        if argv[0] == "--config" and not any(a.startswith("trainer.output_dir=") for a in argv):
+            argv.append(f"trainer.output_dir={root / f'run{k}'}")
+    (root / "calls.json").write_text(json.dumps(calls))
     proc = subprocess.run(
-        [sys.executable, "grpo.py", "--print-config", "--config", "gsm8k.yaml", "actor.lr=3e-6"],
+        [sys.executable, "tests/cli_calls.py", str(root / "calls.json")],
         cwd=ROOT,
         capture_output=True,
         text=True,
-        timeout=300,
+        timeout=900,
     )
-    printed = yaml.safe_load(proc.stdout)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1]), files
+
+
+def test_print_config_and_help(cli):
+    results, _ = cli
+    printed = yaml.safe_load(results["gsm8k lr"]["stdout"])
     assert printed == config.load_config(os.path.join(ROOT, "gsm8k.yaml"), ["actor.lr=3e-6"])
     assert printed["actor"]["lr"] == 3e-6 and printed["trainer"]["verbose"] is False
-    text = subprocess.run(
-        [sys.executable, "grpo.py", "--help"], cwd=ROOT, capture_output=True, text=True, timeout=300
-    ).stdout
+    text = results["help"]["stdout"]
+    assert results["help"]["exit"] == 0
     assert "the new\nweights go back into the same vLLM engine, every step." in text and "--print-config" in text
 
 
-def test_cli_bad_data_and_world_size_stop_with_one_line(tmp_path, tiny_build):
-    bad = write_jsonl(tmp_path / "bad.jsonl", [GSM[0], {"question": "no answer"}])
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "grpo.py",
-            "--config",
-            "tiny.yaml",
-            f"data.train={bad}",
-            f"trainer.output_dir={tmp_path / 'never'}",
-        ],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=300,
+def yaml_value(value) -> str:
+    """A value as one line of YAML, as the table writes it: "off" -> 'off', None -> null, [0.9, 0.999]."""
+    return yaml.safe_dump(value, default_flow_style=True).removesuffix("...\n").strip()
+
+
+SHIPPED_CONFIGS = sorted(os.path.basename(p) for p in glob.glob(os.path.join(ROOT, "*.yaml")))  # tiny.yaml, ...
+
+
+def documented_keys() -> tuple[list[str], dict[str, dict]]:
+    """docs/verl-mapping.md's section "Every key" as (its config files, {key: {"defaults": value, file: value}}):
+    the header names the files (`tiny.yaml`, ...), each cell is a YAML value, an empty file cell the default."""
+    with open(os.path.join(ROOT, "docs", "verl-mapping.md")) as f:
+        section = re.search(r"\n## \d+\. Every key[^\n]*\n(.*?)(?=\n## |\Z)", f.read(), re.DOTALL)[1]
+    lines = [line for line in section.splitlines() if line.startswith("| ")]
+    header = [cell.strip().strip("`") for cell in lines[0].strip("|").split("|")]
+    files = [cell for cell in header if cell.endswith(".yaml")]
+    table = {}
+    for line in lines[1:]:  # the rule line "|---|..." is not among them
+        key, default, *cells = [cell.strip().strip("`") for cell in line.strip("|").split("|")][: 2 + len(files)]
+        table[key] = {"defaults": yaml.safe_load(default)}
+        for file, cell in zip(files, cells, strict=True):
+            table[key][file] = yaml.safe_load(cell) if cell else table[key]["defaults"]
+    return files, table
+
+
+def test_every_printed_key_is_documented_with_its_value(cli):
+    """Golden defaults: `grpo.py --print-config` with no file, and with each config file at the repository's top
+    level (tiny.yaml, gsm8k.yaml, ...), prints exactly the keys of docs/verl-mapping.md's table "Every key", each
+    with the value the table gives (the default, or the file's). A new key fails here until its row is written, a
+    new config file until its column is, a changed default or shipped value until the table says so."""
+    results, _ = cli
+    files, table = documented_keys()
+    assert sorted(files) == SHIPPED_CONFIGS and len(table) > 80, files
+    for name in ("defaults", *files):
+        printed = config._flat(yaml.safe_load(results[name]["stdout"]))
+        row = "| `{}` | `{}` |" + " |" * len(files) + " veRL's key |"
+        missing = [row.format(k, yaml_value(v)) for k, v in printed.items() if k not in table]
+        assert not missing, 'docs/verl-mapping.md, "Every key", lacks the rows\n' + "\n".join(missing)
+        assert set(table) <= set(printed), f"documented, never printed: {sorted(set(table) - set(printed))}"
+        wrong = {k: (v, table[k][name]) for k, v in printed.items() if v != table[k][name]}
+        assert not wrong, f"--print-config ({name}) vs docs/verl-mapping.md, key: (printed, documented): {wrong}"
+
+
+def stated_values(text: str) -> list[tuple[str, object]]:
+    """(key, value) of every "`key` (value)" in a text, where key is a flatgrpo key and value one YAML value that
+    the key accepts (not a remark: "`actor.ppo_max_token_len_per_gpu` (activations)")."""
+    stated = []
+    for m in re.finditer(r"`([\w.]+)` \(([^()\s,]+)\)", text):
+        if m[1] in config.FLAT:
+            try:
+                stated.append((m[1], config._check(m[1], yaml.safe_load(m[2]), config.FLAT[m[1]])))
+            except config.ConfigError:
+                pass
+    return stated
+
+
+def recipe_values(readme: str) -> list[tuple[str, object]]:
+    """(flatgrpo key, value) of the README's veRL key mapping rows "`verl.key=value` | `flatgrpo.key` | note" (one
+    key each side), except where the note says gsm8k.yaml differs: the seed recipe's values, as gsm8k.yaml's."""
+    section = readme.split("\n## veRL key mapping")[1].split("\n## ")[0]
+    out = []
+    for line in section.splitlines():
+        cells = [cell.strip() for cell in line.strip("|").split("|")]
+        verl, ours = (
+            re.fullmatch(r"`[\w.]+=([^`]+)`", cells[0]),
+            re.fullmatch(r"`([\w.]+)`", cells[1] if cells[1:] else ""),
+        )
+        if verl and ours and ours[1] in config.FLAT and "gsm8k.yaml" not in line:
+            out.append((ours[1], config._check(ours[1], yaml.safe_load(verl[1]), config.FLAT[ours[1]])))
+    return out
+
+
+def test_the_readme_states_the_defaults_and_the_recipe_values(cli):
+    """Where README.md or docs/verl-mapping.md say "`key` (value)", value is the key's default; the README's veRL
+    key mapping gives the seed recipe's values, which gsm8k.yaml must hold."""
+    results, _ = cli
+    defaults, gsm8k = (config._flat(yaml.safe_load(results[name]["stdout"])) for name in ("defaults", "gsm8k.yaml"))
+    with open(os.path.join(ROOT, "README.md")) as f:
+        readme = f.read()
+    with open(os.path.join(ROOT, "docs", "verl-mapping.md")) as f:
+        stated = stated_values(readme + f.read())
+    assert len(stated) >= 5
+    assert [(k, defaults[k]) for k, _ in stated] == stated
+    recipe = recipe_values(readme)
+    assert len(recipe) >= 15
+    assert [(k, gsm8k[k]) for k, _ in recipe] == recipe
+
+
+@pytest.mark.parametrize("call", ["train rows", "val rows", "val_only rows"])
+def test_rows_without_a_scorer_stop_at_start_up(cli, call):
+    """Without a reward file only GSM8K rows can be scored: training rows, validation rows and val_only's rows of
+    another data source stop the run before a model loads, in one line naming the file and the row."""
+    results, files = cli
+    assert results[call]["exit"] == (
+        f"error: data: {files['other']} row 1: data_source 'my/task' has no built-in scorer; accepted: "
+        "openai/gsm8k, or a reward file in custom_reward_function.path"
     )
-    assert proc.returncode != 0 and "Traceback" not in proc.stderr
-    assert (
-        proc.stderr.strip().splitlines()[-1] == f"error: data: {bad}: row 1: missing field 'answer' "
+    assert "train prompts" not in results[call]["stdout"]  # load_data's summary: the rows were refused before it
+
+
+def test_cli_bad_data_and_world_size_stop_with_one_line(cli, tmp_path, tiny_build):
+    results, files = cli
+    assert results["bad data"]["exit"] == (
+        f"error: data: {files['bad']}: row 1: missing field 'answer' "
         "(accepted layouts: question/answer, or prompt/reward_model.ground_truth)"
     )
     proc = run_grpo(tmp_path / "ws", 2, "data.train_batch_size=3", "actor.ppo_mini_batch_size=3", check=False)
     assert proc.returncode != 0 and "ConfigError" not in proc.stderr  # torchrun adds its own traceback, ranks none
     assert "error: config: actor.ppo_mini_batch_size (3) must be a multiple of the world size (2)" in proc.stderr
-    assert not (tmp_path / "never" / "metrics.jsonl").exists() and not (tmp_path / "ws" / "metrics.jsonl").exists()
+    assert not (tmp_path / "ws" / "metrics.jsonl").exists()
 
 
 # ------------------------------------------------------------------------------------- data
@@ -576,6 +702,13 @@ def test_end_to_end_tiny_run(e2e, val_file, nproc):
     with open(out / "engine.log") as f:
         engine_log = f.read()
     assert "vllm" in engine_log and "Failed to load weights" in engine_log  # routed there, not lost
+    step_lines = [line for line in console if re.match(r"step +\d+  score ", line)]
+    assert [int(line.split()[1]) for line in step_lines] == [1, 2, 3]  # one line per step, by rank 0 only
+    assert [line.split(":")[0] for line in console if line.startswith("step ") and VAL_KEY in line] == [
+        "step 0",
+        "step 2",
+        "step 3",
+    ]
     rows = read_metrics(out)
     assert [r["step"] for r in rows] == [0, 1, 2, 3]
     assert set(rows[0]) == {"step", VAL_KEY}
@@ -688,6 +821,26 @@ def test_dump_at_one_rank_replay_at_two(e2e, tmp_path):
         assert y["rollout/logprob_diff_max"] < 1e-4  # recomputed old log-probs == the dumped ones
 
 
+def test_the_on_policy_shortcut_only_where_the_sampling_policy_is_the_one_updated():
+    """grpo.on_policy_shortcut: one mini-batch and one epoch, nothing that needs the old log-probs before the
+    update, no dump or replay. Each condition alone turns it off (the end-to-end runs take one configuration each)."""
+    import grpo
+
+    base = ["data.train_batch_size=8", "actor.ppo_mini_batch_size=8"]
+    assert grpo.on_policy_shortcut(config.load_config(None, base))
+    rs = ["algorithm.rollout_correction.rollout_rs=token_k1", "algorithm.rollout_correction.rollout_rs_threshold=2"]
+    for extra in (
+        ["actor.ppo_mini_batch_size=4"],
+        ["actor.ppo_epochs=2"],
+        ["actor.recompute_old_log_prob=true"],
+        ["algorithm.rollout_correction.rollout_is=token"],
+        rs,
+        ["trainer.dump_batches=dump"],
+        ["trainer.replay_batches=dump"],
+    ):
+        assert not grpo.on_policy_shortcut(config.load_config(None, base + extra)), extra
+
+
 def test_on_policy_shortcut_equals_the_separate_old_log_prob_pass(tmp_path, tiny_build):
     """One mini-batch, one epoch: the update's own forward replaces veRL's old-log-prob pass (ratio = 1).
     In a sequence-level aggregation mode, so that every metric's aggregation is checked on both paths,
@@ -793,22 +946,32 @@ def test_val_only_logs_what_the_training_run_validated(e2e, val_file, hub_cache,
     assert sorted(os.listdir(out)) == ["engine.log", "val_metrics.jsonl"]  # no checkpoint, export, config, curves
 
 
-def test_sampled_validation_metrics_equal_verls_computation_on_the_samples(tiny_build, val_file, tmp_path):
+@pytest.fixture(scope="module")
+def sampled_validation(tiny_build, val_file, tmp_path_factory) -> dict:
+    """{nproc: (the samples trainer.validation_data_dir dumped, the logged metrics)} of trainer.val_only with
+    rollout.val_n=4 at temperature 1 on the 7 rows of val_file, at 1 and at 2 ranks (4 + 3 rows)."""
+    out = {}
+    for nproc in (1, 2):
+        root = tmp_path_factory.mktemp(f"sampled{nproc}")
+        run_grpo(
+            root / "eval",
+            nproc,
+            "trainer.val_only=true",
+            f"data.val={val_file[0]}",
+            "reward.method=flexible",
+            "rollout.val_n=4",
+            "rollout.val_temperature=1.0",
+            f"trainer.validation_data_dir={root / 'generations'}",
+        )
+        out[nproc] = read_jsonl(root / "generations" / "0.jsonl"), read_jsonl(root / "eval" / "val_metrics.jsonl")[0]
+    return out
+
+
+def test_sampled_validation_metrics_equal_verls_computation_on_the_samples(sampled_validation):
     """rollout.val_n=4 at temperature 1, 2 ranks: the logged val-core mean@4, best@4/mean and maj@4/mean (and every
     other key) equal veRL's process_validation_metrics written out literally (tests/test_val_metrics.py) on the
     dumped samples, whose rewards and votes are veRL's GSM8K scores and answers of their texts."""
-    out, dump = tmp_path / "eval", tmp_path / "generations"
-    run_grpo(
-        out,
-        2,
-        "trainer.val_only=true",
-        f"data.val={val_file[0]}",
-        "reward.method=flexible",
-        "rollout.val_n=4",
-        "rollout.val_temperature=1.0",
-        f"trainer.validation_data_dir={dump}",
-    )
-    samples = read_jsonl(dump / "0.jsonl")
+    samples, logged = sampled_validation[2]
     assert sorted(s["uid"] for s in samples) == sorted(list(range(7)) * 4)
     for s in samples:
         assert s["reward"] == reward.compute_score(s["output"], s["gts"], method="flexible")
@@ -816,7 +979,6 @@ def test_sampled_validation_metrics_equal_verls_computation_on_the_samples(tiny_
     from test_val_metrics import reference
 
     expected = reference([{k: s[k] for k in ("data_source", "uid", "reward", "pred")} for s in samples])
-    logged = read_jsonl(out / "val_metrics.jsonl")[0]
     core, aux = "val-core/openai/gsm8k/reward/", "val-aux/openai/gsm8k/reward/"
     assert {core + k for k in ("mean@4", "best@4/mean", "maj@4/mean")} | {
         aux + "best@2/mean",
@@ -824,6 +986,22 @@ def test_sampled_validation_metrics_equal_verls_computation_on_the_samples(tiny_
     } <= set(logged)
     assert {k: v for k, v in logged.items() if k != "step"} == pytest.approx(expected, rel=1e-12)
     assert len({s["output"] for s in samples}) > 7  # sampled, not greedy
+
+
+def test_sampled_validation_is_the_same_at_one_and_two_ranks(sampled_validation):
+    """Validation seeds follow the global prompt index (trainer.seed + index * val_n), not the rank's share: 1 rank
+    (7 prompts) and 2 ranks (4 + 3) draw the same samples of every prompt, in the same order, and log the same
+    metrics."""
+
+    def by_prompt(samples: list[dict]) -> dict[int, list[str]]:
+        outputs = {}
+        for s in samples:
+            outputs.setdefault(s["uid"], []).append(s["output"])
+        return outputs
+
+    (one, logged_one), (two, logged_two) = sampled_validation[1], sampled_validation[2]
+    assert by_prompt(one) == by_prompt(two) and len(by_prompt(one)) == 7
+    assert logged_one == logged_two
 
 
 CONSTANT = 0.375  # a float32 number, as veRL's reward tensor holds it
@@ -835,7 +1013,8 @@ def reward_files(tmp_path_factory) -> dict:
     files = {
         "constant": f"def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
         f"    return {CONSTANT}\n",
-        "text": "def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n    return 'abc'\n",
+        "nan_at_row_2": "def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
+        "    return float('nan') if extra_info['index'] == 2 else 1.0\n",
         "broken": "import no_such_module\n",
     }
     for name, text in files.items():
@@ -876,17 +1055,42 @@ def test_a_constant_reward_file_gives_exactly_that_score(tiny_build, val_file, r
             "path={broken}",
             "error: config: custom_reward_function.path = '{broken}': importing it failed (ModuleNotFoundError",
         ),
-        ("path={text}", "error: custom_reward_function: {text}:compute_score returned 'abc' for "),
     ],
 )
-def test_bad_reward_files_stop_with_one_line(tiny_build, reward_files, tmp_path, key, message):
-    overrides = [f"custom_reward_function.{key.format(**reward_files)}", "trainer.val_only=true"]
-    if key.startswith("name"):
-        overrides.append(f"custom_reward_function.path={reward_files['constant']}")
-    proc = run_grpo(tmp_path / "run", 1, *overrides, check=False)
-    assert one_error_line(proc).startswith(message.format(**reward_files))
-    if key.startswith("path={text}"):
-        assert one_error_line(proc).endswith("; accepted: a finite number, or a dict with a numeric 'score'")
+def test_bad_reward_files_stop_with_one_line(cli, reward_files, key, message):
+    results, _ = cli
+    assert results[key]["exit"].startswith(message.format(**reward_files))
+
+
+def test_a_reward_of_nan_stops_the_run_with_one_line_naming_the_row(tiny_build, reward_files, tmp_path):
+    """val_only with a reward file that returns NaN for the validation file's row 2 only: the run stops at that
+    row, with the one line that names it."""
+    nan_file = reward_files["nan_at_row_2"]
+    proc = run_grpo(
+        tmp_path / "run", 1, f"custom_reward_function.path={nan_file}", "trainer.val_only=true", check=False
+    )
+    line = one_error_line(proc)
+    assert line.startswith(f"error: custom_reward_function: {nan_file}:compute_score returned nan for ")
+    assert line.endswith("test.jsonl row 2; accepted: a finite number, or a dict with a numeric 'score'")
+
+
+@pytest.mark.parametrize(
+    "returned", ["float('nan')", "float('inf')", "-float('inf')", "{'score': float('nan')}", "'abc'"]
+)
+def test_a_reward_file_must_return_a_finite_number(tmp_path, returned):
+    """data.make_scorer: a reward that is not a finite number (NaN, +-inf, a dict whose score is NaN, text) stops
+    the run with the file, the function, what it returned and the row it was scoring."""
+    path = tmp_path / "reward.py"
+    path.write_text(
+        f"def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n    return {returned}\n"
+    )
+    score = data.make_scorer(config.load_config(None, [f"custom_reward_function.path={path}"]))
+    row = {"data_source": "my/task", "ground_truth": "1", "extra_info": {}, "where": "val.jsonl row 5"}
+    with pytest.raises(
+        config.ConfigError,
+        match=rf"^custom_reward_function: {path}:compute_score returned .+ for val.jsonl row 5; accepted",
+    ):
+        score(row, "text")
 
 
 def test_the_example_reward_file_trains(tiny_build, tmp_path):

@@ -11,14 +11,19 @@ formulas in float32 at 1 and 2 threads (tests/fp32_noise.py). Measured (2 x86 co
 error / the noise at world sizes 1 and 2: the SGD step (= the gradient, read back from the weights; its noise
 is the weights' rounding, 6e-8) 1.0-1.01, pg_loss <= 1.18, grad_norm <= 1.0, every other metric <= 0.77
 (exactly 0 where the reference is: on-policy clip fractions and ppo_kl), advantages and batch metrics 0.11.
+
+The rollout correction's wiring (loop_worker's corrected and bypass updates) is checked the same way: the
+whole-batch IS weights and rejection mask each rank got back, the update over two mini-batches (SGD steps
+1.0-1.05, metrics <= 0.6 x the noise), and bypass_mode's rejection against the current policy (<= 1.0).
 """
 
 import copy
+import functools
 import math
 
 import pytest
 import torch
-from loop_worker import EMPTY_ROW, REWARDS, ROLLOUT_LOGPROB, empty_response, global_batch
+from loop_worker import BYPASS_RS, CORRECTION_RS, EMPTY_ROW, REWARDS, ROLLOUT_LOGPROB, empty_response, global_batch
 from transformers import AutoModelForCausalLM
 
 import fp32_noise
@@ -35,6 +40,49 @@ ADVANTAGES = [d / (s + 1e-6) for d, s in zip(DEVIATIONS, STDS, strict=True)]
 MODES = ("off_policy", "on_policy", "seq_mean_empty")
 
 
+def forward(model, b: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    """(logp, entropy) [B, R] of the batch's responses at TEMPERATURE, in the model's dtype."""
+    dtype = next(model.parameters()).dtype
+    r = b["response_mask"].shape[1]
+    position_ids = (b["attention_mask"].cumsum(-1) - 1).clamp(min=0)
+    logits = model(input_ids=b["input_ids"], attention_mask=b["attention_mask"], position_ids=position_ids).logits
+    z = logits[:, -r - 1 : -1].to(dtype) / TEMPERATURE  # [B, R, V]: position t predicts token t + 1
+    logp = torch.log_softmax(z, -1).gather(-1, b["input_ids"][:, -r:, None])[..., 0]  # [B, R]
+    entropy = torch.logsumexp(z, -1) - (torch.softmax(z, -1) * z).sum(-1)  # [B, R]
+    return logp, entropy
+
+
+def ppo_terms(logp, old, adv) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """veRL's compute_policy_loss_vanilla per token [B, R]: (loss after both clips, clipped above (0/1),
+    dual-clipped (0/1), -log ratio)."""
+    log_ratio = (logp - old).clamp(-20, 20)
+    ratio = log_ratio.exp()
+    loss1, loss2 = -adv * ratio, -adv * ratio.clamp(1 - CLIP_LOW, 1 + CLIP_HIGH)
+    clipped, loss3 = torch.maximum(loss1, loss2), -adv * CLIP_C
+    pg = torch.where(adv < 0, torch.minimum(loss3, clipped), clipped)
+    return pg, (loss2 > loss1).to(logp.dtype), ((clipped > loss3) & (adv < 0)).to(logp.dtype), -log_ratio
+
+
+def low_var_kl(logp, ref) -> torch.Tensor:
+    k = (ref - logp).clamp(-20, 20)
+    return (k.exp() - k - 1).clamp(-10, 10)
+
+
+def in_dtype(b: dict, dtype) -> dict:
+    return {k: v.to(dtype) if v.is_floating_point() else v for k, v in b.items()}
+
+
+def sgd_step(model) -> fp32_noise.Flat:
+    """One SGD step of lr 1 on the accumulated gradients, as the worker's; returns before - after (= the gradient)."""
+    before = {name: p.detach().clone() for name, p in model.named_parameters()}
+    torch.optim.SGD(model.parameters(), lr=1.0).step()
+    return fp32_noise.Flat({name: before[name] - p.detach() for name, p in model.named_parameters()})
+
+
+def grad_norm(model) -> torch.Tensor:
+    return torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in model.parameters()]))
+
+
 def reference(model, mode: str) -> dict:
     """The metrics and the SGD step (lr 1: before - after = the gradient) of one update on the whole batch,
     from the formulas, in the model's dtype (float64: the reference; float32: measures the fp32 noise,
@@ -43,15 +91,8 @@ def reference(model, mode: str) -> dict:
     on_policy, seq_mean_empty = mode == "on_policy", mode == "seq_mean_empty"
     dtype = next(model.parameters()).dtype
     b = global_batch(model.config.vocab_size)
-    if seq_mean_empty:
-        b = empty_response(b, EMPTY_ROW)
-    b = {k: v.to(dtype) if v.is_floating_point() else v for k, v in b.items()}
-    r = b["response_mask"].shape[1]
-    position_ids = (b["attention_mask"].cumsum(-1) - 1).clamp(min=0)
-    logits = model(input_ids=b["input_ids"], attention_mask=b["attention_mask"], position_ids=position_ids).logits
-    z = logits[:, -r - 1 : -1].to(dtype) / TEMPERATURE  # [B, R, V]: position t predicts token t + 1
-    logp = torch.log_softmax(z, -1).gather(-1, b["input_ids"][:, -r:, None])[..., 0]  # [B, R]
-    entropy = torch.logsumexp(z, -1) - (torch.softmax(z, -1) * z).sum(-1)  # [B, R]
+    b = in_dtype(empty_response(b, EMPTY_ROW) if seq_mean_empty else b, dtype)
+    logp, entropy = forward(model, b)
     mask = b["response_mask"]
 
     def token_mean(x):
@@ -63,24 +104,18 @@ def reference(model, mode: str) -> dict:
         return ((x * mask).sum(-1) / (mask.sum(-1) + 1e-8)).sum() / 16  # veRL: / all rows, the empty one too
 
     adv = torch.tensor(ADVANTAGES, dtype=dtype)[:, None] * mask  # [B, R]
-    old = logp.detach() if on_policy else b["old_logprobs"]
-    log_ratio = (logp - old).clamp(-20, 20)
-    ratio = log_ratio.exp()
-    loss1, loss2 = -adv * ratio, -adv * ratio.clamp(1 - CLIP_LOW, 1 + CLIP_HIGH)
-    clipped, loss3 = torch.maximum(loss1, loss2), -adv * CLIP_C
-    pg = torch.where(adv < 0, torch.minimum(loss3, clipped), clipped)
-    k = (b["ref_logprobs"] - logp).clamp(-20, 20)
-    kl = (k.exp() - k - 1).clamp(-10, 10)
+    pg, upper, lower, ppo_kl = ppo_terms(logp, logp.detach() if on_policy else b["old_logprobs"], adv)
+    kl = low_var_kl(logp, b["ref_logprobs"])
     loss = loss_mean(pg) - ENTROPY_COEFF * loss_mean(entropy) + KL_COEF * loss_mean(kl)
     model.zero_grad(set_to_none=True)
     loss.backward()
     metrics = {
         "actor/pg_loss": loss_mean(pg),
         "actor/kl_loss": loss_mean(kl),
-        "actor/ppo_kl": token_mean(-log_ratio),
-        "actor/pg_clipfrac": token_mean((loss2 > loss1).float()),
-        "actor/pg_clipfrac_lower": token_mean(((clipped > loss3) & (adv < 0)).float()),
-        "actor/grad_norm": torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in model.parameters()])),
+        "actor/ppo_kl": token_mean(ppo_kl),
+        "actor/pg_clipfrac": token_mean(upper),
+        "actor/pg_clipfrac_lower": token_mean(lower),
+        "actor/grad_norm": grad_norm(model),
     }
     if on_policy:  # what the skipped old-log-prob pass would have logged
         diff = (logp - ROLLOUT_LOGPROB).abs() * mask
@@ -91,10 +126,89 @@ def reference(model, mode: str) -> dict:
                 "rollout/logprob_diff_mean": diff.sum() / mask.sum(),
             }
         )
-    before = {name: p.detach().clone() for name, p in model.named_parameters()}
-    torch.optim.SGD(model.parameters(), lr=1.0).step()  # as the worker: the step is read back from the weights
-    step = fp32_noise.Flat({name: before[name] - p.detach() for name, p in model.named_parameters()})
+    step = sgd_step(model)  # as the worker: the step is read back from the weights
     return {**{k: float(v.detach()) for k, v in metrics.items()}, "step": step}
+
+
+def correction(b: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """loop_worker.CORRECTION over the WHOLE batch, from veRL's formulas: (truncated IS weights, the same
+    normalised by their mean over every sampled token, the response mask after rejection), each [B, R].
+    Token IS: w = min(exp(old - rollout), 2); token_k1 rejection keeps a token iff
+    1/CORRECTION_RS <= exp(old - rollout) <= CORRECTION_RS."""
+    sampled = b["response_mask"]  # every sampled token (the batch has no holes yet)
+    d = b["old_logprobs"] - b["rollout_logprobs"]  # [B, R], within +-20 here
+    truncated = d.exp().clamp(max=2.0) * sampled
+    normalised = truncated / ((truncated * sampled).sum() / (sampled.sum() + 1e-8))
+    keep = (d.abs() <= math.log(CORRECTION_RS)).to(d.dtype)
+    return truncated, normalised, sampled * keep
+
+
+def corrected_reference(model) -> dict:
+    """loop_worker.corrected_update from the formulas: the correction above, advantages over the surviving
+    tokens, then one SGD step (lr 1) per mini-batch of 2 prompts: rows 0-7, then rows 8-15 on the moved
+    weights, each the token mean over its surviving tokens of w * pg - ENTROPY_COEFF * entropy + KL_COEF * kl.
+    Metrics: the mini-batches' mean; the step: before - after over both."""
+    dtype = next(model.parameters()).dtype
+    b = in_dtype(global_batch(model.config.vocab_size), dtype)
+    _, w, mask = correction(b)
+    adv = torch.tensor(ADVANTAGES, dtype=dtype)[:, None] * mask  # [B, R]
+    before = {name: p.detach().clone() for name, p in model.named_parameters()}
+    sums = {}
+    for rows in (slice(0, 8), slice(8, 16)):
+        logp, entropy = forward(model, {k: v[rows] for k, v in b.items()})
+        m = mask[rows]
+
+        def mean(x, m=m):
+            return (x * m).sum() / m.sum()
+
+        pg, upper, lower, ppo_kl = ppo_terms(logp, b["old_logprobs"][rows], adv[rows])
+        kl = low_var_kl(logp, b["ref_logprobs"][rows])
+        loss = mean(w[rows] * pg) - ENTROPY_COEFF * mean(entropy) + KL_COEF * mean(kl)
+        model.zero_grad(set_to_none=True)
+        loss.backward()
+        values = {"actor/pg_loss": mean(w[rows] * pg), "actor/kl_loss": mean(kl), "actor/ppo_kl": mean(ppo_kl)}
+        values.update({"actor/pg_clipfrac": mean(upper), "actor/pg_clipfrac_lower": mean(lower)})
+        values["actor/grad_norm"] = grad_norm(model)
+        for k, v in values.items():
+            sums[k] = sums.get(k, 0.0) + float(v.detach()) / 2
+        sgd_step(model)
+    step = fp32_noise.Flat({name: before[name] - p.detach() for name, p in model.named_parameters()})
+    return {**sums, "step": step}
+
+
+def margin(log_ratio, mask, threshold: float) -> float:
+    """How close the tokens' |log-ratio| come to a token_k1 bound ln(threshold)."""
+    return (log_ratio.abs() - math.log(threshold)).abs()[mask.bool()].min().item()
+
+
+def bypass_reference(model) -> dict:
+    """loop_worker.bypass_update from the formulas (veRL's compute_policy_loss_bypass_mode, loss_type ppo_clip):
+    the old log-probs are vLLM's (ROLLOUT_LOGPROB); the policy term keeps a token iff
+    1/BYPASS_RS <= exp(logp - ROLLOUT_LOGPROB) <= BYPASS_RS under the CURRENT policy (detached) and is
+    still divided by every response token, as the KL and entropy terms are; no IS weights."""
+    dtype = next(model.parameters()).dtype
+    b = in_dtype(global_batch(model.config.vocab_size), dtype)
+    logp, entropy = forward(model, b)
+    mask = b["response_mask"]
+    x = (logp.detach() - ROLLOUT_LOGPROB).abs()  # [B, R]: |log pi / pi_vLLM| under the current policy
+    kept = mask * (x <= math.log(BYPASS_RS)).to(dtype)
+
+    def mean(x):
+        return (x * mask).sum() / mask.sum()
+
+    adv = torch.tensor(ADVANTAGES, dtype=dtype)[:, None] * mask  # [B, R]
+    pg, _, _, _ = ppo_terms(logp, ROLLOUT_LOGPROB * mask, adv)
+    kl = low_var_kl(logp, b["ref_logprobs"])
+    loss = mean(pg * kept) - ENTROPY_COEFF * mean(entropy) + KL_COEF * mean(kl)
+    model.zero_grad(set_to_none=True)
+    loss.backward()
+    metrics = {"actor/pg_loss": mean(pg * kept), "actor/kl_loss": mean(kl), "actor/grad_norm": grad_norm(model)}
+    info = {"rejected": (mask - kept).sum().item(), "tokens": mask.sum().item()}
+    info["margin"] = margin(x, mask, BYPASS_RS)  # no token near the bound: fp32 and float64 decide alike
+    return {**{k: float(v.detach()) for k, v in metrics.items()}, "step": sgd_step(model), **info}
+
+
+REFERENCES = {"corrected": corrected_reference, "bypass": bypass_reference}
 
 
 @pytest.fixture(scope="module")
@@ -106,8 +220,8 @@ def references(random_models):
     def get(mode):
         if mode not in cache:
             cache[mode] = fp32_noise.measure(
-                lambda dtype: reference(
-                    fp32_noise.float64_copy(model) if dtype == torch.float64 else copy.deepcopy(model), mode
+                lambda dtype: REFERENCES.get(mode, functools.partial(reference, mode=mode))(
+                    fp32_noise.float64_copy(model) if dtype == torch.float64 else copy.deepcopy(model)
                 )
             )
         return cache[mode]
@@ -205,6 +319,91 @@ def test_update_matches_the_formulas(runs, references, world, mode):
     assert max(g.abs().max().item() for g in ref["step"].values()) > 1e-3  # the gradient is not trivially zero
     step = {name: weights["before"][name] - weights["after"][name] for name in ref["step"]}
     fp32_noise.check(step, ref["step"], noise["step"], f"world {world} {mode} gradient")
+
+
+@pytest.mark.parametrize("world", [1, 2])
+@pytest.mark.parametrize("mode", ["corrected", "bypass"])
+def test_the_rollout_correction_reaches_the_update(runs, references, world, mode):
+    """corrected: the IS weights multiply the policy term and the rejected tokens leave every term, in two
+    mini-batches (at 2 ranks each rank trains its own, non-contiguous rows of the whole-batch correction);
+    bypass: the rejection is taken against the CURRENT policy's log-probs, and rejects. The metrics and the
+    gradient (over both SGD steps) equal the float64 formulas within FACTOR x the fp32 noise."""
+    reports, folder = runs[world]
+    ref, noise = references(mode)
+    if mode == "bypass":  # the current policy's ratios straddle the bounds, clear of them
+        assert 0 < ref["rejected"] < ref["tokens"] and ref["margin"] > 1e-4, ref
+    for rep in reports:
+        got = rep[mode]["update"] if mode == "corrected" else rep[mode]
+        for key in (k for k in ref if k.startswith("actor/")):
+            fp32_noise.check(got[key], ref[key], noise[key], f"world {world} {mode} {key}")
+    weights = torch.load(folder / f"{mode}_ws{world}.pt")
+    step = {name: weights["before"][name] - weights["after"][name] for name in ref["step"]}
+    fp32_noise.check(step, ref["step"], noise["step"], f"world {world} {mode} gradient")
+
+
+@pytest.fixture(scope="module")
+def correction_references(random_models):
+    """(reference, noise) of the whole-batch correction (test_loop.correction) and of its metrics."""
+    vocab = AutoModelForCausalLM.from_pretrained(random_models["tied"]).config.vocab_size
+
+    def compute(dtype):
+        b = in_dtype(global_batch(vocab), dtype)
+        truncated, weights, mask = correction(b)
+        sampled = b["response_mask"]
+        return {
+            "is_weights": weights,
+            "response_mask": mask,
+            "rollout_corr/rollout_is_mean": ((truncated * sampled).sum() / sampled.sum()).item(),
+            "rollout_corr/rollout_rs_masked_fraction": ((sampled - mask).sum() / sampled.sum()).item(),
+            "rollout_corr/rollout_rs_seq_masked_fraction": ((sampled - mask).sum(-1) > 0).double().mean().item(),
+            "critic/advantages/mean": (
+                (torch.tensor(ADVANTAGES, dtype=dtype)[:, None] * mask).sum() / mask.sum()
+            ).item(),
+            "margin": margin(b["old_logprobs"] - b["rollout_logprobs"], sampled, CORRECTION_RS),
+        }
+
+    return fp32_noise.measure(compute)
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_each_rank_gets_its_own_rows_of_the_whole_batch_correction(runs, correction_references, world):
+    """grpo.correct_rollout computes the IS weights (normalised over the WHOLE batch) and the rejection mask on
+    every rank's rows together and hands each rank back its own: at 2 ranks with two mini-batches rank 0 holds
+    rows 0-3 and 8-11, not a contiguous half. Each rank's weights and mask, and the logged rollout_corr/*
+    metrics, equal the whole-batch formulas; the rejection removes some tokens but not all."""
+    ref, noise = correction_references
+    assert ref["margin"] > 1e-4  # no log-ratio at the rejection bound: fp32 and float64 decide alike
+    sampled, mask = global_batch(100)["response_mask"], ref["response_mask"]
+    assert 0 < (sampled - mask).sum() < sampled.sum() / 2  # some tokens rejected, most kept
+    reports = runs[world][0]
+    if world == 2:
+        assert reports[0]["corrected"]["rows"] == [0, 1, 2, 3, 8, 9, 10, 11]
+    for rep in reports:
+        got, rows = rep["corrected"], rep["corrected"]["rows"]
+        width = len(got["response_mask"][0])
+        assert mask[rows, width:].sum() == 0  # the rank's rows end within its width
+        assert torch.equal(torch.tensor(got["response_mask"]), mask[rows, :width].float())
+        fp32_noise.check(
+            torch.tensor(got["is_weights"]), ref["is_weights"][rows, :width], noise["is_weights"], f"world {world} IS"
+        )
+        for key in (k for k in ref if k.startswith("rollout_corr/")):
+            fp32_noise.check(got["correction"][key], ref[key], noise[key], f"world {world} {key}")
+    assert sorted(row for rep in reports for row in rep["corrected"]["rows"]) == list(range(16))
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_lengths_count_every_sampled_token_after_rejection(runs, correction_references, world):
+    """After rejection the response mask has holes, yet response_length/* counts every sampled token (veRL's
+    compute_data_metrics reads the attention mask); critic/advantages/* are over the surviving tokens only."""
+    ref, noise = correction_references
+    lengths = global_batch(100)["response_mask"].sum(-1)  # [16]: every sampled token
+    assert not torch.equal(ref["response_mask"].sum(-1), lengths.double())  # rejection shortened some rows
+    for rep in runs[world][0]:
+        m = rep["corrected"]["batch_metrics"]
+        assert m["response_length/mean"] == pytest.approx(lengths.mean().item(), rel=1e-12)
+        assert (m["response_length/max"], m["response_length/min"]) == (lengths.max(), lengths.min())
+        key = "critic/advantages/mean"
+        fp32_noise.check(m[key], ref[key], noise[key], f"world {world} {key}")
 
 
 @pytest.mark.parametrize("world", [1, 2])

@@ -196,9 +196,14 @@ def test_full_params_names_match_hf_state_dict(random_models):
             assert torch.equal(tensor, state[name])
 
 
-def test_two_ranks_each_with_an_engine_and_fsdp2_model(random_models):
+@pytest.fixture(scope="module")
+def engine_results(random_models):
+    return run_torchrun("engine_worker.py", 2, random_models["tied"])
+
+
+def test_two_ranks_each_with_an_engine_and_fsdp2_model(engine_results):
     """torchrun, 2 processes: FSDP2-sharded model per rank, one engine per rank, push + check."""
-    results = run_torchrun("engine_worker.py", 2, random_models["tied"])
+    results = engine_results
     for r in results:
         assert r["full_params_equal"]
         assert r["diff_before_push"] > 1e-2
@@ -206,3 +211,17 @@ def test_two_ranks_each_with_an_engine_and_fsdp2_model(random_models):
         assert r["sample_logprob_diff"] <= 1e-3
         assert r["bf16_full_params_equal"]  # shards cast to bf16, then gathered: the full tensors, rounded
     assert results[0]["samples"] != results[1]["samples"]  # independent engines, different seeds
+
+
+def test_the_loops_samples_depend_on_the_rank_and_the_generation_batch(engine_results):
+    """grpo.sample_groups seeds each prompt by (trainer.seed, generation batch, rank, position): two ranks given
+    the same prompt in the same generation batch draw different responses (else the ranks' samples would be
+    correlated copies), as do two positions and two generation batches; the same batch and position draw the
+    same ones again (what a resumed run relies on)."""
+    ranks = [r["loop_samples"] for r in engine_results]
+    for samples in ranks:
+        assert samples["batch 3"][0] != samples["batch 3"][1]  # two positions
+        assert samples["batch 3 alone"][0] == samples["batch 3"][0]  # reproducible
+        assert samples["batch 4"][0] != samples["batch 3"][0]  # the next generation batch
+        assert all(len(set(map(tuple, group))) == 4 for group in samples["batch 3"])  # 4 different samples each
+    assert ranks[0]["batch 3"][0] != ranks[1]["batch 3"][0]  # the same prompt on two ranks

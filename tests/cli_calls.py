@@ -1,0 +1,36 @@
+"""Several grpo.py command lines in ONE process: the imports (vLLM's above all) cost seconds per process, and the
+command lines of tests/test_grpo.py that stop before a model loads (--print-config, --help, a bad data file) need
+them only once. Each call is grpo.main(argv), what `python grpo.py ARGV` runs.
+
+    python tests/cli_calls.py CALLS.json      # CALLS.json: {"name": [argv, ...], ...}
+
+prints one JSON object {"name": {"stdout": what the call printed, "exit": its exit message or code (None: it
+returned)}} as its last line. Calls run in the file's order; a call that fails with anything but SystemExit stops
+the script (a traceback, as a separate process would show).
+"""
+
+import contextlib
+import io
+import json
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import grpo  # noqa: E402
+
+
+def call(argv: list[str]) -> dict:
+    out, code = io.StringIO(), None
+    with contextlib.redirect_stdout(out):
+        try:
+            grpo.main(argv)
+        except SystemExit as e:
+            code = e.code
+    return {"stdout": out.getvalue(), "exit": code}
+
+
+if __name__ == "__main__":
+    with open(sys.argv[1]) as f:
+        calls = json.load(f)
+    print(json.dumps({name: call(argv) for name, argv in calls.items()}))
