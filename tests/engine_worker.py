@@ -3,6 +3,7 @@
 torchrun --nproc_per_node 2 tests/engine_worker.py MODEL_PATH
 """
 
+import functools
 import sys
 
 import torch
@@ -10,6 +11,7 @@ import torch.distributed as dist
 from torch.distributed.fsdp import fully_shard
 from transformers import AutoModelForCausalLM
 
+import fsdp_train
 import rollout
 import sync
 from reporting import report
@@ -36,9 +38,9 @@ g = torch.Generator().manual_seed(100 + rank)
 with torch.no_grad():
     for p in model.parameters():
         p.to_local().add_(torch.randn(p.to_local().shape, generator=g) * 0.05)
-diff_before = sync.check_sync(llm, model)
+diff_before = sync.check_sync(llm, functools.partial(fsdp_train.sequence_logprobs, model))
 sync.push_weights(llm, sync.full_params(model))
-diff_after = sync.check_sync(llm, model)
+diff_after = sync.check_sync(llm, functools.partial(fsdp_train.sequence_logprobs, model))
 
 samples = rollout.generate(
     llm, [[{"role": "user", "content": "Tom has 3 apples."}]], n=4, temperature=1.0, max_tokens=8, seed=7 + 1000 * rank
