@@ -11,7 +11,8 @@ The same code runs one CPU process (`python ...`, gloo) and many GPU nodes (`tor
 
 Log-probs never hold a [tokens, V] tensor: the lm_head, log-softmax and entropy run over chunks of
 positions, recomputed in the backward (chunked_logprobs; at Qwen2.5's V = 151,936 the plain path costs
-~3.8 MB per token of a micro-batch, the chunked one ~0.1 MB: bench/memory.py).
+~3.8 MB per token of a micro-batch, the chunked one ~0.1 MB: bench/memory.py). Each chunk's logits are the
+model's own, whatever the family's forward does to them (logits_fn; checked at load time, check_logits_fn).
 
 Batches are dicts of tensors in veRL's layout: `input_ids` / `attention_mask` [B, P + R] with the
 prompt LEFT-padded to width P and the response RIGHT-padded to width R; `response_mask` and every
