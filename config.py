@@ -134,7 +134,7 @@ SCHEMA = {
         "project": "flatgrpo",
         "experiment": "run",
         "sync_check_every": (10, GE0),
-        "logprob_diff_warn": (0.05, POS),
+        "logprob_diff_max_fp32": (1e-3, POS),
         "logprob_diff_warn_mean": (0.1, POS),
         "export_hf": True,
         "plot": True,

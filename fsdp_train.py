@@ -11,7 +11,8 @@ The same code runs one CPU process (`python ...`, gloo) and many GPU nodes (`tor
 
 Log-probs never hold a [tokens, V] tensor: the lm_head, log-softmax and entropy run over chunks of
 positions, recomputed in the backward (chunked_logprobs; at Qwen2.5's V = 151,936 the plain path costs
-~3.8 MB per token of a micro-batch, the chunked one ~0.1 MB: bench/memory.py).
+~3.8 MB per token of a micro-batch, the chunked one ~0.1 MB: bench/memory.py). Each chunk's logits are the
+model's own, whatever the family's forward does to them (logits_fn; checked at load time, check_logits_fn).
 
 Batches are dicts of tensors in veRL's layout: `input_ids` / `attention_mask` [B, P + R] with the
 prompt LEFT-padded to width P and the response RIGHT-padded to width R; `response_mask` and every
@@ -33,6 +34,7 @@ import re
 import shutil
 import time
 import types
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -108,6 +110,8 @@ def load_model(
     shard it, allocate only their shards, and rank 0 reads the checkpoint and broadcasts it
     parameter by parameter. Tied embeddings stay tied (one parameter). compute_dtype (e.g. bf16 on
     GPU, as veRL) keeps `param_dtype` master weights and casts for the forward/backward only.
+    Raises UnsupportedModel (one line) when the model's forward post-processes its logits in a way the
+    log-prob path does not reproduce (check_logits_fn).
 
     lora (see LoRA below): {"rank", "alpha", "target_modules", "exclude_modules", "seed"} or {"adapter_path"}:
     the targeted linear layers become LoraLinear before sharding; the base stays frozen in param_dtype, the
@@ -127,7 +131,7 @@ def load_model(
     # every parameter in and every gradient out on each forward/backward for nothing: ~10% here).
     if dist.get_world_size() > 1 or any(p.dtype != compute_dtype for p in model.parameters()):
         mp = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
-        for layer in model.model.layers:
+        for layer in model.get_decoder().layers:
             fully_shard(layer, mp_policy=mp)
         fully_shard(model, mp_policy=mp)
     model.to_empty(device=device)
@@ -142,6 +146,7 @@ def load_model(
     for name, p in model.named_parameters():  # LoRA: only the adapters train (before any forward: pytorch#186998)
         p.requires_grad_(trainable and (not model.lora_config or ".lora_" in name))
     model.train(trainable)
+    check_logits_fn(model)  # a family whose logits the log-prob path would compute wrongly stops here
     return model
 
 
@@ -558,19 +563,76 @@ def token_logprobs(
         return logp, entropy_fn(logits)  # [n]
 
 
+# ------------------------------------------------------------------------------ the family's logits
+def logits_fn(model) -> tuple[str, Callable[[torch.Tensor], torch.Tensor]]:
+    """(rule, head): head(hidden [n, h]) -> logits [n, V], what the model's OWN forward computes from the
+    decoder's final hidden states; rule names what it does besides the output embedding ("none" for most).
+    The log-prob path runs head chunk by chunk (chunked_logprobs) instead of the forward's [n, V] logits,
+    so whatever the family does to its logits must be here, or the trainer trains another policy than
+    vLLM samples from. The output embedding is transformers' get_output_embeddings().
+
+    What the ForCausalLM forwards of transformers 5.19 do between the decoder and the logits they return:
+        final_logit_softcapping c  Gemma 2, 3, 3n, 4, VaultGemma, NanoChat           c * tanh(logits / c)
+        logit_scale s              Cohere, Cohere2, Cohere2-MoE, Cohere-Compass       logits * s
+        logits_scaling s           Granite, GraniteMoe (-Shared, -Hybrid), their SWA  logits / s
+        logits_scaling s           HyperCLOVAX: the same key, the other way            logits * s
+        lm_head_multiplier m       Falcon-H1                                          logits * m
+        logits_scaling s           MiniCPM3 (s = hidden_size / dim_model_base)        head(hidden / s)
+    Not reproduced here, so check_logits_fn stops them at start-up: RecurrentGemma (logits_soft_cap) and
+    xLSTM (output_logit_soft_cap), which vLLM does not serve; Inkling (hidden / logits_mup_width_multiplier,
+    logits cut to unpadded_vocab_size); ModernBertDecoder (a dense + norm head before the output embedding).
+    Mamba, Mllama, NemotronH and Blt only cast their logits to fp32, as token_logprobs does.
+    vLLM applies the same rules (its LogitsProcessor's scale and soft_cap), and veRL's default path reads
+    model(...).logits, so they are in its log-probs too.
+    Example, Gemma 2 (c = 30): a logit of 10 becomes 30 * tanh(1/3) = 9.65, one of 100 becomes 29.9.
+    """
+    config = model.config.get_text_config()
+    head = model.get_output_embeddings()
+    family = config.model_type
+    if getattr(config, "final_logit_softcapping", None) is not None:  # the forward's order of operations
+        cap = config.final_logit_softcapping
+        return f"final_logit_softcapping: {cap} * tanh(logits / {cap})", lambda h: torch.tanh(head(h) / cap) * cap
+    if family.startswith("cohere"):
+        scale = config.logit_scale
+        return f"logit_scale: logits * {scale}", lambda h: head(h) * scale
+    if family.startswith("granite"):
+        scale = config.logits_scaling
+        return f"logits_scaling: logits / {scale}", lambda h: head(h) / scale
+    if family == "hyperclovax":
+        scale = config.logits_scaling
+        return f"logits_scaling: logits * {scale}", lambda h: head(h) * scale
+    if family == "falcon_h1":
+        scale = config.lm_head_multiplier
+        return f"lm_head_multiplier: logits * {scale}", lambda h: head(h) * scale
+    if family == "minicpm3":
+        scale = config.logits_scaling
+        return f"logits_scaling: head(hidden / {scale})", lambda h: head(h / scale)
+    return "none", head
+
+
+def final_hidden(model, input_ids: torch.Tensor, attention_mask=None, position_ids=None) -> torch.Tensor:
+    """The decoder's final hidden states [b, s, h] (after its last norm); the decoder is transformers'
+    get_decoder(). input_ids, attention_mask, position_ids [b, s]."""
+    decoder = model.get_decoder()
+    return decoder(
+        input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
+    ).last_hidden_state
+
+
 def chunked_logprobs(
     hidden: torch.Tensor,
     targets: torch.Tensor,
-    lm_head,
+    head,
     temperature: float,
     chunk_size: int,
     entropy_fn=None,
     entropy_grad: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """token_logprobs(lm_head(hidden), targets, ...) without ever holding a [n, V] tensor.
+    """token_logprobs(head(hidden), targets, ...) without ever holding a [n, V] tensor.
 
-    hidden [n, h] (final hidden states, after the last norm), targets [n] -> logp [n], entropy [n] or None.
-    The n positions are cut into chunks of chunk_size; each chunk runs lm_head -> logits -> log-softmax ->
+    hidden [n, h] (final hidden states, after the last norm), targets [n] -> logp [n], entropy [n] or None;
+    head: hidden [c, h] -> logits [c, V], the family's (logits_fn).
+    The n positions are cut into chunks of chunk_size; each chunk runs head -> logits -> log-softmax ->
     gather (+ entropy) and keeps only its [chunk] outputs. With autograd on, every chunk is wrapped in
     torch.utils.checkpoint: the forward keeps just the chunk's inputs, the backward recomputes the chunk's
     logits and frees them before the next chunk. Cost: one extra lm_head matmul per token in the training
@@ -586,7 +648,7 @@ def chunked_logprobs(
     """
 
     def piece(h, t):  # [c, h], [c] -> [c], [c]
-        return token_logprobs(lm_head(h), t, temperature, entropy_fn, entropy_grad)
+        return token_logprobs(head(h), t, temperature, entropy_fn, entropy_grad)
 
     if chunk_size <= 0 or hidden.shape[0] <= chunk_size:  # one chunk: recomputing it would not lower the peak
         return piece(hidden, targets)
@@ -613,24 +675,23 @@ def response_logprobs(
     chunk_size: int = LOGPROB_CHUNK,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-probs [b, R] of the last r_width tokens (the response) and their entropy [b, R] or None:
-    the decoder's final hidden states, then chunked_logprobs over the b * R response positions (no lm_head
+    the decoder's final hidden states, then chunked_logprobs over the b * R response positions with the
+    family's head (logits_fn: the output embedding and whatever the forward does to its logits; nothing
     on the prompt; position t predicts token t + 1).
 
     Under FSDP2 this must run as a forward of the ROOT module: the root's pre-forward unshards the
     parameters it owns (embed_tokens, the final norm, lm_head) and its backward hooks reduce-scatter their
-    gradients. Calling model.model and model.lm_head directly would skip both. _forward therefore makes
-    it a method of the model on first use, registered with FSDP2 (add_logprob_forward); call it as
+    gradients. Calling the decoder and the head directly would skip both. _forward therefore makes it a
+    method of the model on first use, registered with FSDP2 (add_logprob_forward); call it as
     model.response_logprobs(...).
     """
-    hidden = model.model(
-        input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
-    ).last_hidden_state  # [b, P + R, h]
+    hidden = final_hidden(model, input_ids, attention_mask, position_ids)  # [b, P + R, h]
     hidden = hidden[:, -r_width - 1 : -1]  # [b, R, h]: the positions that predict the response tokens
     b, h = hidden.shape[0], hidden.shape[-1]
     logp, entropy = chunked_logprobs(
         hidden.reshape(b * r_width, h),
         input_ids[:, -r_width:].reshape(-1),
-        model.lm_head,
+        logits_fn(model)[1],
         temperature,
         chunk_size,
         entropy_fn,
@@ -640,11 +701,95 @@ def response_logprobs(
     return logp.view(b, r_width).clone(), (entropy.view(b, r_width).clone() if entropy is not None else None)
 
 
+def trainer_logits(model, input_ids: torch.Tensor) -> torch.Tensor:
+    """The logits [b, s, V] of the log-prob path, unchunked: final_hidden, then logits_fn's head (input_ids
+    [b, s], no padding). For check_logits_fn and the tests; a forward method of the model like
+    response_logprobs."""
+    return logits_fn(model)[1](final_hidden(model, input_ids))
+
+
 def add_logprob_forward(model) -> None:
-    """Give the model its response_logprobs method; FSDP2 then runs it like forward (for a plain module the
-    registration does nothing)."""
-    model.response_logprobs = types.MethodType(response_logprobs, model)
-    register_fsdp_forward_method(model, "response_logprobs")
+    """Give the model its response_logprobs and trainer_logits methods; FSDP2 then runs them like forward
+    (for a plain module the registration does nothing)."""
+    for name, fn in (("response_logprobs", response_logprobs), ("trainer_logits", trainer_logits)):
+        setattr(model, name, types.MethodType(fn, model))
+        register_fsdp_forward_method(model, name)
+
+
+PROBE_LOGIT = 1000.0  # check_logits_fn scales the output embedding's logits to this size
+
+
+class UnsupportedModel(ValueError):
+    """A model whose logits the log-prob path does not reproduce; the message is one line."""
+
+
+@torch.no_grad()
+def check_logits_fn(model) -> None:
+    """Start-up proof that logits_fn is the model's own: the model's forward and trainer_logits on one probe
+    must give the same logits, else UnsupportedModel names the class, what its forward did and the config
+    keys that may be the rule. A forward hook scales the output embedding's logits to at most PROBE_LOGIT
+    in both passes (by the first pass's gain), so that a rule shows even on a random tiny model whose
+    logits are ~0.1: an unknown soft-cap at 30 turns 1000 into 30; a scale s multiplies 1000 by s; a change
+    of the hidden states before the head changes the head's input; a vocabulary cut changes the width.
+    Allowed: 8 roundings of PROBE_LOGIT in the logits' dtype (both passes run the same operations). Every
+    rank gets the same verdict (all-reduced): collective under FSDP2."""
+    config = model.config.get_text_config()
+    name = type(model).__name__.removeprefix("FSDP")
+    if model.get_output_embeddings() is None:
+        raise UnsupportedModel(f"{name}: no output embedding (get_output_embeddings() is None)")
+    if not hasattr(model, "trainer_logits"):
+        add_logprob_forward(model)
+    ids = torch.tensor([[(7 + 13 * i) % config.vocab_size for i in range(8)]])  # [1, 8]
+    own, ours = _probe_logits(model, ids.to(next(model.parameters()).device))  # [1, 8, V'], [1, 8, V]
+    if own.shape != ours.shape:
+        raise UnsupportedModel(
+            f"{name}: its forward returns {own.shape[-1]} logits per position, the output embedding gives "
+            f"{ours.shape[-1]} (config keys that may set it: {_logit_keys(config)})"
+        )
+    error = all_reduce((own.double() - ours.double()).abs().max(), op=dist.ReduceOp.MAX)
+    if error > 8 * torch.finfo(own.dtype).eps * PROBE_LOGIT:
+        raise UnsupportedModel(
+            f"{name}: its forward post-processes the logits in a way fsdp_train.logits_fn does not reproduce "
+            f"(output-embedding logits scaled to at most {PROBE_LOGIT:g} come out at most "
+            f"{own.abs().max().item():.4g}, the log-prob path's {ours.abs().max().item():.4g}; config keys "
+            f"that may set it: {_logit_keys(config)}); training would follow another policy than vLLM samples"
+        )
+
+
+def _probe_logits(model, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the forward's logits, trainer_logits) [1, s, V] on ids [1, s], both with the output embedding's logits
+    scaled by the gain that makes the first pass's at most PROBE_LOGIT; in eval mode (no dropout)."""
+    gain = []
+
+    def amplify(module, args, logits):  # [1, s, V]
+        if not gain:
+            gain.append(PROBE_LOGIT / logits.abs().max().item())
+        return logits * gain[0]
+
+    was_training = model.training
+    model.eval()
+    hook = model.get_output_embeddings().register_forward_hook(amplify)
+    try:
+        own = model(input_ids=ids, use_cache=False).logits  # [1, s, V']
+        ours = model.trainer_logits(ids)  # [1, s, V]
+    finally:
+        hook.remove()
+        model.train(was_training)
+    if hasattr(model, "reshard"):
+        model.reshard()  # FSDP2 keeps the root unsharded after a no-grad forward
+    return own, ours
+
+
+def _logit_keys(config) -> str:
+    """The config's numbers (keys, and properties such as MiniCPM3's logits_scaling) whose names suggest a
+    logit rule: soft-caps, scalings, multipliers."""
+    properties = [k for k in dir(type(config)) if isinstance(getattr(type(config), k), property)]
+    found = []
+    for key in sorted(k for k in {*config.to_dict(), *properties} if re.search(r"logit|soft_?cap|scal|multiplier", k)):
+        value = getattr(config, key, None)
+        if type(value) in (int, float):
+            found.append(f"{key}={value}")
+    return ", ".join(found) or "none"
 
 
 def _forward(
@@ -703,6 +848,18 @@ def compute_logprobs(
     if hasattr(model, "reshard"):
         model.reshard()  # FSDP2 keeps the root (embed_tokens, norm, lm_head) unsharded after a forward: free it
     return logp_all, ent_all
+
+
+def sequence_logprobs(
+    model, prompt: list[int], response: list[int], temperature: float, chunk_size: int = LOGPROB_CHUNK
+) -> torch.Tensor:
+    """Log-probs [K] of one response's K tokens after its prompt, through compute_logprobs: the trainer's
+    own path (sync.check_sync's trainer side). Collective under FSDP2."""
+    batch = make_batch([prompt], [response], pad_id=0)  # one row: no padding
+    logp, _ = compute_logprobs(
+        model, batch, temperature=temperature, max_tokens=len(prompt) + len(response), chunk_size=chunk_size
+    )
+    return logp[0]
 
 
 def train_step(

@@ -64,7 +64,7 @@ def main(argv=None):
         if args.print_config:
             return print(yaml.safe_dump(cfg, sort_keys=False), end="")
         evaluate(cfg) if cfg["trainer"]["val_only"] else train(cfg)
-    except (ConfigError, yaml.YAMLError) as e:
+    except (ConfigError, yaml.YAMLError, metrics.OutOfSync) as e:
         sys.exit(f"error: {e}")
 
 
@@ -77,6 +77,7 @@ def train(cfg: dict):
         step_metrics = grpo_step(run, step)
         run.logger.log(step, step_metrics)
         progress.update(step_metrics)
+        metrics.judge_sync(run.cfg, run.rank, step, step_metrics, run.exact)  # fp32: a mismatch stops the run
         if signum := cluster.stop_requested():
             progress.close()
             return stop(run, step, signum)
@@ -110,7 +111,6 @@ def grpo_step(run: "Run", step: int) -> dict:
         m.update(update_actor(run, batch, t))
         if run.capture:  # the update's own forward stood in for the old pass: the diagnostics come from it
             m.update(correct_rollout(run, batch, batch["update_logprobs"], apply=False))
-        metrics.warn_if_out_of_sync(run.cfg, run.rank, step, m, run.exact)
         m.update(update_weights(run, step, t))
         m.update(validate_and_save(run, step, t))
         with timed(t, "logging"):  # the metrics' all-gathers; the file write after is ~0.1 ms
@@ -367,8 +367,16 @@ def update_weights(run: "Run", step: int, t: dict) -> dict:
     if not every or step % every:
         return {}
     with timed(t, "sync_check"):
-        gap = sync.check_sync(run.llm, run.policy)  # this rank's engine vs the trainer, on a probe
-        return {"rollout/sync_check": fsdp_train.all_reduce(gap, op=dist.ReduceOp.MAX)}
+        return {"rollout/sync_check": sync_gap(run)}
+
+
+def sync_gap(run: "Run") -> float:
+    """rollout/sync_check: sync.check_sync of each rank's engine against the trainer's own log-prob path
+    (fsdp_train.sequence_logprobs on the policy, the run's chunk size), the largest over the ranks."""
+    trainer = functools.partial(
+        fsdp_train.sequence_logprobs, run.policy, chunk_size=run.cfg["actor"]["logprob_chunk_size"]
+    )
+    return fsdp_train.all_reduce(sync.check_sync(run.llm, trainer), op=dist.ReduceOp.MAX)
 
 
 def validate_and_save(run: "Run", step: int, t: dict) -> dict:
@@ -487,7 +495,8 @@ class Run(types.SimpleNamespace):
     resume); policy, ref (the reference model, None without a KL loss), optimizer, scheduler; logger
     (logs.MetricsLogger); gen_batch_size (prompts per generation batch), gen_cursor (generation batches
     consumed: the steps, without dynamic sampling); capture (the update's own forward gives the old log-probs:
-    on-policy shortcut, bypass); exact (fp32 engine and trainer: metrics.out_of_sync); saved (the step of the
+    on-policy shortcut, bypass); exact (fp32 engine and trainer, sampling from the whole softmax: then vLLM's
+    log-probs must be the trainer's to fp32 noise, metrics.judge_sync); saved (the step of the
     newest checkpoint this run wrote)."""
 
 
@@ -541,14 +550,28 @@ def setup(cfg: dict) -> Run:
         run.llm = start_engine(cfg, model_path, rank)
         if start > 1 or cfg["model"]["lora_adapter_path"]:  # the engine loaded model.path: push what trains
             sync.push_weights(run.llm, sync.full_params(policy, sync.engine_dtype(run.llm)))
-    engine_fp32 = run.llm is None or sync.engine_dtype(run.llm) == torch.float32
-    run.exact = cfg["model"]["compute_dtype"] == "float32" and engine_fp32
+    run.exact = exact_run(cfg, run.llm)
+    if run.exact and run.llm is not None:  # before step 1 too: the engine and the trainer agree on the weights
+        metrics.judge_sync(cfg, rank, start - 1, {"rollout/sync_check": sync_gap(run)}, exact=True)
     if "rng" in extra:
         cluster.restore_rng(extra["rng"])  # AFTER the engine: vLLM re-seeds Python's, NumPy's and torch's RNGs
     if run.llm is not None and tr["val_before_train"] and tr["val_every"] > 0 and start == 1:
         run.logger.log(0, validate(run, 0))
     cluster.catch_stop_signals()
     return run
+
+
+def exact_run(cfg: dict, llm) -> bool:
+    """Trainer and engine in fp32 and the engine sampling from the whole softmax (rollout.top_p 1, top_k off;
+    a replay has no engine): then vLLM's sampling log-probs must be the trainer's to fp32 noise, and a
+    difference beyond it stops the run (metrics.judge_sync). With top_p / top_k vLLM's log-probs are those
+    of the renormalised, truncated distribution it samples from, not the trainer's."""
+    if cfg["model"]["compute_dtype"] != "float32":
+        return False
+    if llm is None:
+        return True
+    ro = cfg["rollout"]
+    return sync.engine_dtype(llm) == torch.float32 and ro["top_p"] == 1.0 and ro["top_k"] in (-1, 0)
 
 
 def on_policy_shortcut(cfg: dict) -> bool:
@@ -636,6 +659,8 @@ def load_models(cfg: dict, model_path: str, device) -> tuple:
         )
     except fsdp_train.LoraError as e:
         raise ConfigError(f"config: {e}") from None
+    except fsdp_train.UnsupportedModel as e:  # logits the log-prob path would not reproduce (check_logits_fn)
+        raise ConfigError(f"model {model_path}: {e}") from None
     use_ref = ac["use_kl_loss"] and ac["kl_loss_coef"] != 0
     if not use_ref:
         return policy, None

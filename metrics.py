@@ -195,32 +195,58 @@ def old_logprob_metrics(batch: dict, old_logp, entropy, cfg: dict) -> dict:
     }
 
 
-def warn_if_out_of_sync(cfg: dict, rank: int, step: int, metrics: dict, exact: bool) -> None:
-    """The run-time sync proof, judged every step (out_of_sync): a loud warning, not an error."""
-    tr, mean, worst = cfg["trainer"], metrics["rollout/logprob_diff_mean"], metrics["rollout/logprob_diff_max"]
-    if rank != 0 or not out_of_sync(mean, worst, exact, tr["logprob_diff_warn"], tr["logprob_diff_warn_mean"]):
-        return
-    what = "dumped and recomputed old" if tr["replay_batches"] else "vLLM's and the trainer's"
-    cause = (
-        "this run does not start from the dumped run's state"
-        if tr["replay_batches"]
-        else "the engine may not serve the trained weights (missing push / prefix-cache reset / dtype mismatch)"
-    )
-    print(
-        f"\nWARNING step {step}: {what} log-probs differ by {mean:.2g} nats on average, {worst:.2g} at most: {cause}.",
-        flush=True,
-    )
+class OutOfSync(RuntimeError):
+    """An fp32 run whose engine and trainer log-probs differ beyond fp32 noise (judge_sync): the run stops."""
 
 
-def out_of_sync(mean: float, worst: float, exact: bool, warn_max: float, warn_mean: float) -> bool:
-    """Do vLLM's sampling log-probs and the trainer's differ more than numerics allow?
-    exact (fp32 engine and trainer): a correct push agrees to ~1e-5 on EVERY token, so one token off by
-        more than warn_max (trainer.logprob_diff_warn, 0.05 nats) is a bug.
+def judge_sync(cfg: dict, rank: int, step: int, metrics: dict, exact: bool) -> None:
+    """The run-time sync proofs, judged after each step is logged (and at start-up on rollout/sync_check):
+    sync_verdict on rollout/logprob_diff_{max,mean} and rollout/sync_check. "stop": raises OutOfSync, one line
+    (every rank: the metrics are all-reduced); "warn": a loud warning on rank 0."""
+    tr = cfg["trainer"]
+    worst_key = max(("rollout/logprob_diff_max", "rollout/sync_check"), key=lambda k: metrics.get(k, 0.0))
+    worst, mean = metrics.get(worst_key, 0.0), metrics.get("rollout/logprob_diff_mean", 0.0)
+    verdict = sync_verdict(mean, worst, exact, tr["logprob_diff_max_fp32"], tr["logprob_diff_warn_mean"])
+    replay = bool(tr["replay_batches"])
+    what = "dumped and recomputed old" if replay else "vLLM's and the trainer's"
+    if verdict == "stop":
+        cause = (
+            "this run does not start from the dumped run's state"
+            if replay
+            else "the engine does not serve what the trainer trains (a missed weight push or prefix-cache reset, "
+            "or a model family whose logits the trainer computes differently)"
+        )
+        raise OutOfSync(
+            f"step {step}: {what} log-probs differ by {worst:.3g} nats ({worst_key}) in an fp32 run, above "
+            f"trainer.logprob_diff_max_fp32 = {tr['logprob_diff_max_fp32']:g}: {cause}"
+        )
+    if verdict == "warn" and rank == 0:
+        cause = (
+            "this run does not start from the dumped run's state"
+            if replay
+            else "the engine may not serve the trained weights (missing push / prefix-cache reset / dtype mismatch)"
+        )
+        print(
+            f"\nWARNING step {step}: {what} log-probs differ by {mean:.2g} nats on average, {worst:.2g} at most: "
+            f"{cause}.",
+            flush=True,
+        )
+
+
+def sync_verdict(mean: float, worst: float, exact: bool, max_fp32: float, warn_mean: float) -> str | None:
+    """Do the engine's sampling log-probs and the trainer's differ more than numerics allow? "stop", "warn" or None.
+    exact (engine and trainer in fp32, sampling from the whole softmax): every token agrees to fp32 noise, at
+        most 1.1e-5 nats on the tiny model (README's demo, 40 steps at 2 ranks; docs/cpu-notes.md: within 1e-4
+        after a push), so one token off by more than max_fp32 (trainer.logprob_diff_max_fp32, 1e-3: 90x that)
+        is a bug, and the run stops: a missed push gives 1.7 nats the step after, a family's soft-cap left out
+        of the trainer's log-probs 1.29.
     otherwise (bf16/fp16 anywhere): single rare tokens legitimately differ by 0.1 nats and more (rounding
         of large logits), so the MEAN over all tokens is judged against warn_mean
-        (trainer.logprob_diff_warn_mean, 0.1 nats). bf16 rounding noise averages 0.01-0.06 nats on
-        Qwen2.5-size models (public reports) and 0.002 on the tiny model; an engine left on old weights
-        drifts past 0.1 as the policy moves (tiny model, lr 1e-3: 0.33 one step after a skipped push).
+        (trainer.logprob_diff_warn_mean, 0.1 nats), with a warning: bf16 rounding noise averages 0.01-0.06
+        nats on Qwen2.5-size models (public reports) and 0.002 on the tiny model; an engine left on old
+        weights drifts past 0.1 as the policy moves (tiny model, lr 1e-3: 0.33 one step after a skipped push).
     A single missed push in bf16 is below that noise: rollout/sync_check and the fp32 rule are the sharp
     probes, the mean's curve (rollout/logprob_diff_mean) the one to watch."""
-    return (exact and worst > warn_max) or mean > warn_mean
+    if exact and worst > max_fp32:
+        return "stop"
+    return "warn" if mean > warn_mean else None

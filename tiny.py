@@ -18,7 +18,8 @@ Everything is built here, deterministically from a seed, with no hub access, and
               format and sharpens the arithmetic; see README "Why the tiny run learns".
 
 Also: `save_random_model(path, ...)` writes any Qwen2 shape (tied or untied) with this tokenizer,
-e.g. the Qwen2.5-0.5B shape used by the benchmarks (`QWEN25_05B`).
+e.g. the Qwen2.5-0.5B shape used by the benchmarks (`QWEN25_05B`); `save_random_family_model(path, tokenizer,
+config_class, ...)` a model of any transformers family (Gemma2Config, CohereConfig, ...).
 """
 
 import argparse
@@ -30,7 +31,7 @@ import time
 
 import torch
 from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
-from transformers import GenerationConfig, PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
+from transformers import AutoModelForCausalLM, GenerationConfig, PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 
 VERSION = 2  # bump when anything below changes what gets built
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
@@ -161,19 +162,38 @@ def save_random_model(
     path: str, tokenizer, seed: int = 0, tie_word_embeddings: bool = True, dtype: torch.dtype = torch.float32, **shape
 ) -> str:
     """Write a randomly initialised Qwen2ForCausalLM (HF safetensors) + `tokenizer` to `path`."""
-    shape = {**TINY, "vocab_size": len(tokenizer), **shape}
-    config = Qwen2Config(
-        **shape,
+    return save_random_family_model(
+        path,
+        tokenizer,
+        Qwen2Config,
+        seed=seed,
+        dtype=dtype,
         tie_word_embeddings=tie_word_embeddings,
-        torch_dtype=dtype,
-        bos_token_id=None,
-        eos_token_id=tokenizer.convert_tokens_to_ids("<|im_end|>"),
-        pad_token_id=tokenizer.pad_token_id,
         rope_theta=10000.0,
         use_sliding_window=False,
+        **shape,
     )
+
+
+def save_random_family_model(path: str, tokenizer, config_class, seed: int = 0, dtype=torch.float32, **kwargs) -> str:
+    """Write a randomly initialised causal LM of any transformers family + `tokenizer` to `path`.
+    config_class: the family's config class (Qwen2Config, Gemma2Config, CohereConfig, ...); the model is
+    AutoModelForCausalLM's class for it. The config: the TINY shape, the tokenizer's vocabulary and special
+    tokens, head_dim = hidden_size / num_attention_heads, then kwargs (another shape, the family's own keys).
+    E.g. save_random_family_model(p, tok, Gemma2Config, final_logit_softcapping=30.0)."""
+    settings = {
+        **TINY,
+        "vocab_size": len(tokenizer),
+        "torch_dtype": dtype,
+        "bos_token_id": None,
+        "eos_token_id": tokenizer.convert_tokens_to_ids("<|im_end|>"),
+        "pad_token_id": tokenizer.pad_token_id,
+        **kwargs,
+    }
+    settings.setdefault("head_dim", settings["hidden_size"] // settings["num_attention_heads"])
+    config = config_class(**settings)
     torch.manual_seed(seed)
-    model = Qwen2ForCausalLM(config).to(dtype)
+    model = AutoModelForCausalLM.from_config(config).to(dtype)
     _save(model, tokenizer, path)
     return path
 

@@ -8,6 +8,7 @@ Targets on the CPU dev machine: tiny push + reset <= 20 ms; 0.5B-shaped push <= 
 """
 
 import argparse
+import functools
 import os
 import statistics
 import sys
@@ -20,6 +21,7 @@ os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 import torch  # noqa: E402
 from transformers import AutoModelForCausalLM  # noqa: E402
 
+import fsdp_train  # noqa: E402
 import rollout  # noqa: E402
 import sync  # noqa: E402
 import tiny  # noqa: E402
@@ -47,8 +49,10 @@ def bench(name: str, path: str, reps: int) -> None:
 
     copy_s = timed(baseline, reps)
     push_s = timed(lambda: sync.push_weights(llm, sync.full_params(model)), reps)
-    check_s = timed(lambda: sync.check_sync(llm, model), max(2, reps // 2))
-    diff = sync.check_sync(llm, model)
+    check_s = timed(
+        lambda: sync.check_sync(llm, functools.partial(fsdp_train.sequence_logprobs, model)), max(2, reps // 2)
+    )
+    diff = sync.check_sync(llm, functools.partial(fsdp_train.sequence_logprobs, model))
     gb = nbytes / 1e9
     print(f"{name}: {sum(p.numel() for p in model.parameters()) / 1e6:.1f}M params, {gb:.3f} GB fp32")
     for label, times in (

