@@ -27,6 +27,7 @@ import hashlib
 import json
 import os
 import random
+import shutil
 import time
 
 import torch
@@ -246,28 +247,16 @@ def warm_start(model, tokenizer, rows: list[dict], seed: int, steps: int | None 
 
 
 # ------------------------------------------------------------------------------------ build
+def cache_key(seed: int) -> str:
+    """The cache directory's hash: every constant the build depends on, so a change rebuilds."""
+    recipe = [VERSION, seed, TINY, FORMAT_SHARE, VOCAB_SIZE, N_TRAIN, N_TEST, SFT_STEPS, SFT_BATCH, SFT_LR]
+    recipe += [KINDS, LO, HI, MUL_HI]
+    return hashlib.sha256(json.dumps(recipe).encode()).hexdigest()[:10]
+
+
 def build(out_dir: str = ".cache/tiny", seed: int = 0) -> dict[str, str]:
     """Build (or reuse) everything; returns paths: model, base, train, test, dir."""
-    key = hashlib.sha256(
-        json.dumps(
-            [
-                VERSION,
-                seed,
-                TINY,
-                FORMAT_SHARE,
-                VOCAB_SIZE,
-                N_TRAIN,
-                N_TEST,
-                SFT_STEPS,
-                SFT_BATCH,
-                SFT_LR,
-                KINDS,
-                LO,
-                HI,
-                MUL_HI,
-            ]
-        ).encode()
-    ).hexdigest()[:10]
+    key = cache_key(seed)
     root = os.path.join(out_dir, f"seed{seed}-{key}")
     paths = {
         "dir": root,
@@ -302,8 +291,6 @@ def build(out_dir: str = ".cache/tiny", seed: int = 0) -> dict[str, str]:
     try:
         os.rename(tmp, root)  # atomic: a half-built directory is never mistaken for a cache hit
     except OSError:  # another process finished first: use theirs
-        import shutil
-
         shutil.rmtree(tmp, ignore_errors=True)
     say(f"built in {time.time() - start:.0f} s")
     return paths
