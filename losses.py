@@ -35,6 +35,8 @@ from operator import add
 import torch
 
 AGG_MODES = ("token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+LOSS_MODES = ("vanilla", "gspo", "cispo", "sapo", "geo_mean")  # veRL's actor.policy_loss.loss_mode: policy_loss, ...
+ADV_ESTIMATORS = ("grpo", "rloo", "reinforce_plus_plus_baseline", "reinforce_plus_plus")  # algorithm.adv_estimator
 KL_KINDS = ("kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3")  # each also with a "+" suffix
 SAFETY_BOUND = 20.0  # veRL clamps log-ratios to [-20, 20] before exp
 RS_OPTIONS = (
