@@ -24,7 +24,7 @@ import losses
 # the type (a None default; several types), or a rule on `value` as Python: a leading operator means "value <op>"
 # and a bare number "value ==" (">= 1", "0 < value <= 1", "-1 (off) or >= 1"); "(...)" explains, and the rule is
 # shown as written when a value breaks it. --print-config prints the defaults; README: veRL's name of each key.
-GE0, GE1, POS, UNIT, FRAC, OFF = ">= 0", ">= 1", "> 0", "0 < value <= 1", "0 <= value < 1", "-1 (off) or >= 1"
+GE0, GE1, POS, UNIT, OFF = ">= 0", ">= 1", "> 0", "0 < value <= 1", "-1 (off) or >= 1"
 SCHEMA = {
     "model": {
         "path": "tiny",
@@ -85,10 +85,14 @@ SCHEMA = {
         "ppo_mini_batch_size": (16, GE1),
         "ppo_max_token_len_per_gpu": (16384, GE1),
         "logprob_chunk_size": (512, ">= 0 (response positions per lm_head chunk; 0: no chunking)"),
-        "clip_ratio_low": (0.2, FRAC),
-        "clip_ratio_high": (0.28, FRAC),
+        "clip_ratio_low": (0.2, ">= 0 (>= 1: no lower bound; geo_mean: a log-ratio bound)"),
+        "clip_ratio_high": (0.28, GE0),
         "clip_ratio_c": (3.0, "> 1 (the dual-clip bound)"),
+        "policy_loss": {"loss_mode": ("vanilla", losses.LOSS_MODES)},
+        "tau_pos": (1.0, "> 0 (sapo's gate temperature where the advantage is > 0)"),
+        "tau_neg": (1.05, "> 0 (sapo's gate temperature where the advantage is <= 0)"),
         "loss_agg_mode": ("token-mean", losses.AGG_MODES),
+        "loss_scale_factor": (None, "> 0 (seq-mean-token-sum-norm's divisor; null: the micro-batch's response width)"),
         "recompute_old_log_prob": False,
         "entropy_coeff": (0.0, GE0),
         "use_kl_loss": True,
@@ -97,7 +101,17 @@ SCHEMA = {
         "kl_loss_type": ("low_var_kl", losses.KL_KINDS + tuple(k + "+" for k in losses.KL_KINDS)),
     },
     "algorithm": {
+        "adv_estimator": ("grpo", losses.ADV_ESTIMATORS),
         "norm_adv_by_std_in_grpo": True,
+        "gamma": (1.0, "0 <= value <= 1 (reinforce_plus_plus's discount)"),
+        "use_kl_in_reward": False,
+        "kl_penalty": ("kl", losses.KL_KINDS + tuple(k + "+" for k in losses.KL_KINDS)),
+        "kl_ctrl": {
+            "type": ("fixed", ("fixed", "adaptive")),
+            "kl_coef": (0.001, GE0),
+            "target_kl": (0.1, POS),
+            "horizon": (10000, GE1),
+        },
         "rollout_correction": {
             "rollout_is": (None, ("token", "sequence")),
             "rollout_is_threshold": (2.0, (float, str)),
@@ -141,7 +155,12 @@ SCHEMA = {
         "verbose": False,
     },
 }
-TYPES = {"data.gen_batch_size": int, "trainer.total_steps": int, "algorithm.rollout_correction.rollout_is": str}
+TYPES = {
+    "actor.loss_scale_factor": float,
+    "data.gen_batch_size": int,
+    "trainer.total_steps": int,
+    "algorithm.rollout_correction.rollout_is": str,
+}
 RULES = {
     "two numbers in [0, 1)": lambda v: len(v) == 2 and all(isinstance(b, (int, float)) and 0 <= b < 1 for b in v),
     "a list of: console, wandb": lambda v: all(x in ("console", "wandb") for x in v),
@@ -250,20 +269,14 @@ def _check(key: str, value, entry):
     return value
 
 
-def load_config(path: str | None, overrides: list[str]) -> dict:
-    """DEFAULTS <- the YAML file <- `section.key=value` overrides (values parsed as YAML). Any unknown
-    key or wrong type stops here, before anything heavy is loaded."""
+def load_config(paths: str | list[str] | None, overrides: list[str]) -> dict:
+    """DEFAULTS <- the YAML file(s), in order (a recipe after tiny.yaml: --config tiny.yaml --config
+    recipes/gspo.yaml) <- `section.key=value` overrides (values parsed as YAML). Any unknown key or wrong type
+    stops here, before anything heavy is loaded."""
     cfg = copy.deepcopy(DEFAULTS)
     updates = []
-    if path:
-        try:
-            with open(path) as f:
-                loaded = yaml.load(f, Loader=_Loader) or {}
-        except OSError as e:
-            raise ConfigError(f"config: cannot read {path}: {e.strerror}") from None
-        if not isinstance(loaded, dict):
-            raise ConfigError(f"config: {path} must be a mapping of sections")
-        updates += [(key, v, path) for key, v in _flat(loaded).items()]
+    for path in [paths] if isinstance(paths, str) else paths or []:
+        updates += [(key, v, path) for key, v in _flat(_read_yaml(path)).items()]
     for item in overrides:
         if "=" not in item:
             raise ConfigError(f"config: override {item!r} is not key.sub=value")
@@ -279,6 +292,17 @@ def load_config(path: str | None, overrides: list[str]) -> dict:
             node = node[part]
         node[name] = _check(key, value, FLAT[key])
     return check_config(cfg)
+
+
+def _read_yaml(path: str) -> dict:
+    try:
+        with open(path) as f:
+            loaded = yaml.load(f, Loader=_Loader) or {}
+    except OSError as e:
+        raise ConfigError(f"config: cannot read {path}: {e.strerror}") from None
+    if not isinstance(loaded, dict):
+        raise ConfigError(f"config: {path} must be a mapping of sections")
+    return loaded
 
 
 def _keys_near(key: str) -> list[str]:
@@ -336,6 +360,7 @@ def check_config(cfg: dict) -> dict:
     except ValueError as e:
         specs = ", ".join(f"{k} = {rc[k]!r}" for k in rc if k.startswith("rollout_"))
         raise ConfigError(f"config: algorithm.rollout_correction.{specs}: {e}") from None
+    check_family(cfg)
     return cfg
 
 
@@ -376,4 +401,25 @@ def check_adapter_base(m: dict, model_path: str) -> None:
         raise ConfigError(
             f"config: model.lora_adapter_path = {m['lora_adapter_path']!r} was trained on {base!r}, not on "
             f"model.path = {m['path']!r} ({model_path}); accepted: an adapter of model.path's model"
+        )
+
+
+def check_family(cfg: dict) -> None:
+    """The loss mode and estimator combinations refused (veRL runs them, silently degenerate):
+    rloo / reinforce_plus_plus_baseline with rollout.n = 1: no other sample to form the baseline (veRL then
+    keeps A = r: plain REINFORCE); geo_mean with advantages that vary along the response (reinforce_plus_plus
+    with the KL in the reward or gamma < 1): GMPO averages them per response, veRL supports only one per
+    response."""
+    al, n = cfg["algorithm"], cfg["rollout"]["n"]
+    if al["adv_estimator"] in ("rloo", "reinforce_plus_plus_baseline") and n == 1:
+        raise ConfigError(
+            f"config: algorithm.adv_estimator = {al['adv_estimator']} needs rollout.n > 1 (its baseline comes from "
+            "the other samples of the same prompt); with rollout.n = 1 use reinforce_plus_plus"
+        )
+    per_token = al["adv_estimator"] == "reinforce_plus_plus" and (al["use_kl_in_reward"] or al["gamma"] != 1)
+    if cfg["actor"]["policy_loss"]["loss_mode"] == "geo_mean" and per_token:
+        raise ConfigError(
+            "config: actor.policy_loss.loss_mode = geo_mean takes one advantage per response, but "
+            "algorithm.adv_estimator = reinforce_plus_plus with algorithm.use_kl_in_reward=true or algorithm.gamma "
+            "< 1 gives each token its own; use another estimator or loss mode"
         )

@@ -257,14 +257,25 @@ def resolve_model(path: str, download: bool) -> str:
 
 
 # ------------------------------------------------------------------------------- dump / replay
-DUMPED = ("old_logprobs", "ref_logprobs", "advantages", "rollout_logprobs", "is_weights", "response_mask")
+DUMPED = (
+    "old_logprobs",
+    "ref_logprobs",
+    "advantages",
+    "returns",
+    "token_level_rewards",
+    "rollout_logprobs",
+    "is_weights",
+    "response_mask",
+)
 
 
 def dump_batch(run, step: int, batch: dict):
     """Save the step's GLOBAL training batch (all ranks, in global prompt order) to
     <trainer.dump_batches>/step_<N>.pt: token ids, the attention mask (every sampled token), the response
-    mask the loss uses (after rejection sampling), rewards, advantages, old, reference and vLLM log-probs,
-    and the IS weights (the seed's Experiment 1: replay them elsewhere with trainer.replay_batches)."""
+    mask the loss uses (after rejection sampling), rewards (the scores) and the per-token rewards (veRL's
+    token_level_rewards: the score at the last token, minus the KL in the reward), advantages and returns,
+    old, reference and vLLM log-probs, and the IS weights (the seed's Experiment 1: replay them elsewhere
+    with trainer.replay_batches)."""
     n, root = run.cfg["rollout"]["n"], run.cfg["trainer"]["dump_batches"]
     rows = []
     for i in range(batch["input_ids"].shape[0]):

@@ -11,7 +11,8 @@ One step (grpo_step) on every rank; a rank owns whole prompts (the n samples of 
     prompts -> rollout.generate: n samples, vLLM's log-probs -> score: rewards   (DAPO: keep groups with signal)
       -> fsdp_train.compute_logprobs: old (pi_old) and reference log-probs
       -> losses.rollout_is_weights / rollout_rejection_mask: rollout correction (vLLM != trainer numerics)
-      -> losses.grpo_advantages -> fsdp_train.train_step per mini-batch: policy_loss + KL - entropy
+      -> (KL in the reward) the advantages of algorithm.adv_estimator: losses.grpo_advantages, rloo, REINFORCE++
+      -> fsdp_train.train_step per mini-batch: the actor.policy_loss.loss_mode loss + KL - entropy
       -> sync.push_weights into the same engine -> metrics (veRL's names), validation, checkpoint
 
 Only this file wires the components (rollout, reward, losses, fsdp_train, sync), which import nothing of the
@@ -55,7 +56,9 @@ def main(argv=None):
         epilog=__doc__.split("\n\n")[1],
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    ap.add_argument("--config", help="YAML config (gsm8k.yaml, tiny.yaml)")
+    ap.add_argument(
+        "--config", action="append", help="YAML config (gsm8k.yaml, tiny.yaml); repeat to layer a recipe on it"
+    )
     ap.add_argument("--print-config", action="store_true", help="print the merged configuration and exit")
     ap.add_argument("overrides", nargs="*", help="section.key=value, e.g. actor.lr=3e-6")
     args = ap.parse_args(argv)
@@ -105,7 +108,7 @@ def grpo_step(run: "Run", step: int) -> dict:
                 m.update(correct_rollout(run, batch, batch["old_logprobs"]))
         if "advantages" not in batch:
             with timed(t, "adv"):
-                batch["advantages"] = group_advantages(batch["rewards"], batch["response_mask"], run.cfg)  # [B, R]
+                m.update(compute_advantages(run, batch))
         if run.cfg["trainer"]["dump_batches"]:
             data.dump_batch(run, step, batch)
         m.update(update_actor(run, batch, t))
@@ -293,14 +296,52 @@ def correct_rollout(run: "Run", batch: dict, old: torch.Tensor, apply: bool = Tr
     return {f"rollout_corr/{k}": v for k, v in out.items()}
 
 
-def group_advantages(rewards: torch.Tensor, response_mask: torch.Tensor, cfg: dict) -> torch.Tensor:
-    """adv: GRPO advantages [B, R]: each reward normalised within its prompt's group of n consecutive
-    samples (losses.grpo_advantages), broadcast over the response tokens (after rejection)."""
-    n = cfg["rollout"]["n"]
-    adv = losses.grpo_advantages(
-        rewards, [k // n for k in range(len(rewards))], norm_by_std=cfg["algorithm"]["norm_adv_by_std_in_grpo"]
-    )  # [B]
-    return adv[:, None] * response_mask  # [B, R]
+def compute_advantages(run: "Run", batch: dict) -> dict:
+    """adv, on the WHOLE batch of all ranks as veRL's driver computes it (so nothing depends on the world
+    size): the per-token rewards (each score at its response's last token; with algorithm.use_kl_in_reward,
+    minus beta times the old policy's KL to the reference on every sampled token: veRL's apply_kl_penalty,
+    before rejection), then algorithm.adv_estimator's advantages and returns over the response mask (after
+    rejection). Fills batch["token_level_rewards"], ["advantages"], ["returns"] [B, R]; returns the KL metrics."""
+    al, n = run.cfg["algorithm"], run.cfg["rollout"]["n"]
+    width = batch["response_mask"].shape[1]
+    sampled = batch["attention_mask"][:, -width:].float()  # [B, R]: every sampled token, before rejection
+    local = [losses.token_level_scores(batch["rewards"], sampled), sampled, batch["response_mask"]]
+    if al["use_kl_in_reward"]:
+        local += [batch["old_logprobs"], batch["ref_logprobs"]]
+    everything, mine = cluster.global_rows(local, run.positions, n)
+    rewards, out = everything[0], {}  # [B_all, R]
+    if al["use_kl_in_reward"]:
+        scores, g_sampled, _, old, ref = everything
+        rewards, row_kl = losses.kl_in_reward(scores, old, ref, g_sampled, run.kl_coef, al["kl_penalty"])
+        out = {"actor/reward_kl_penalty": row_kl.mean().item(), "actor/reward_kl_penalty_coeff": run.kl_coef}
+        kc = al["kl_ctrl"]
+        if kc["type"] == "adaptive":  # veRL's AdaptiveKLController.update, n_steps = the batch's rows
+            current = out["actor/reward_kl_penalty"]
+            run.kl_coef = losses.adaptive_kl_coef(run.kl_coef, current, kc["target_kl"], kc["horizon"], len(row_kl))
+    advantages, returns = estimate_advantages(al, rewards, everything[2], n)
+    for key, value in (("token_level_rewards", rewards), ("advantages", advantages), ("returns", returns)):
+        batch[key] = value[mine, :width]  # [B, R]: this rank's rows
+    return out
+
+
+def estimate_advantages(al: dict, token_rewards: torch.Tensor, mask: torch.Tensor, n: int) -> tuple:
+    """(advantages, returns) [B, R] of algorithm.adv_estimator (veRL's compute_advantage): the ONE place that
+    chooses. token_rewards, mask [B, R]: the whole batch, row k answering prompt k // n. grpo and rloo see each
+    response's summed reward, broadcast back over its tokens; the REINFORCE++ pair whiten over all tokens."""
+    groups = [k // n for k in range(len(token_rewards))]
+    if al["adv_estimator"] == "reinforce_plus_plus":
+        return losses.reinforce_pp_advantages(token_rewards, mask, al["gamma"])
+    if al["adv_estimator"] == "reinforce_plus_plus_baseline":
+        advantages = losses.reinforce_pp_baseline_advantages(token_rewards, mask, groups)
+        return advantages, advantages
+    if al["adv_estimator"] == "rloo":
+        per_response = losses.rloo_advantages(token_rewards.sum(-1), groups)  # [B]
+    else:
+        per_response = losses.grpo_advantages(
+            token_rewards.sum(-1), groups, norm_by_std=al["norm_adv_by_std_in_grpo"]
+        )  # [B]
+    advantages = per_response[:, None] * mask  # [B, R]
+    return advantages, advantages
 
 
 def update_actor(run: "Run", batch: dict, t: dict) -> dict:
@@ -347,7 +388,7 @@ def update_actor(run: "Run", batch: dict, t: dict) -> dict:
                 "perf/device_used_gb": (total - free) / 2**30,
             }
         )
-    out["actor/kl_coef"] = ac["kl_loss_coef"] if run.ref is not None else 0.0
+    out["actor/kl_coef"] = ac["kl_loss_coef"] if kl_loss_on(ac) else 0.0
     if captured is not None:
         batch["update_logprobs"] = captured["logp"]  # [B, R]
         out.update(metrics.old_logprob_metrics(batch, captured["logp"], captured["entropy"], run.cfg))
@@ -403,29 +444,14 @@ def grpo_loss_fn(cfg: dict, captured: dict | None = None):
 
     def loss_fn(logp, entropy, mb, counts):
         mask, mode = mb["response_mask"], ac["loss_agg_mode"]
-        agg = dict(
-            num_tokens=counts["num_tokens"],
-            num_seqs=counts["num_seqs"],
-            scale_factor=cfg["data"]["max_response_length"],
-        )
+        agg = dict(num_tokens=counts["num_tokens"], num_seqs=counts["num_seqs"], scale_factor=ac["loss_scale_factor"])
         old = mb["old_logprobs"] if "old_logprobs" in mb else logp.detach()  # on-policy shortcut: ratio = 1
         pg_mask = mask
         if rc["bypass_mode"] and rc["rollout_rs"]:  # veRL's bypass: rejection against the CURRENT policy, pg only
             pg_mask = losses.rollout_rejection_mask(
                 logp.detach(), mb["rollout_logprobs"], mask, rc["rollout_rs"], rc["rollout_rs_threshold"]
             )
-        pg, m = losses.policy_loss(
-            logp,
-            old,
-            mb["advantages"],
-            pg_mask,
-            clip_low=ac["clip_ratio_low"],
-            clip_high=ac["clip_ratio_high"],
-            clip_c=ac["clip_ratio_c"],
-            agg_mode=mode,
-            is_weights=mb.get("is_weights"),
-            **agg,
-        )
+        pg, m = policy_gradient_loss(ac, logp, old, mb["advantages"], pg_mask, mb.get("is_weights"), agg)
         share = mask.sum().item() / counts["num_tokens"]  # this micro-batch's share of the mini-batch tokens
         loss = pg
         out = {
@@ -440,13 +466,40 @@ def grpo_loss_fn(cfg: dict, captured: dict | None = None):
             captured["entropy"][rows, :width] = (entropy.detach() * mask).cpu()
         if ac["entropy_coeff"]:
             loss = loss - ac["entropy_coeff"] * losses.agg_loss(entropy, mask, mode, **agg)
-        if "ref_logprobs" in mb:
+        if kl_loss_on(ac):
             kl = losses.agg_loss(losses.kl_penalty(logp, mb["ref_logprobs"], ac["kl_loss_type"]), mask, mode, **agg)
             loss = loss + ac["kl_loss_coef"] * kl
             out["actor/kl_loss"] = kl.item()
         return loss, out
 
     return loss_fn
+
+
+def policy_gradient_loss(ac: dict, logp, old, advantages, mask, is_weights, agg: dict) -> tuple:
+    """The policy term of actor.policy_loss.loss_mode (veRL's get_policy_loss_fn): the ONE place that chooses.
+    Tensors [b, R]; agg: the mini-batch's global counts and actor.loss_scale_factor. vanilla, gspo and cispo
+    aggregate with actor.loss_agg_mode, sapo always with seq-mean-token-mean, geo_mean with its own mean over
+    the micro-batch's rows. Returns (loss, {pg_clipfrac, pg_clipfrac_lower, ppo_kl})."""
+    mode, agg_mode = ac["policy_loss"]["loss_mode"], ac["loss_agg_mode"]
+    clips = dict(clip_low=ac["clip_ratio_low"], clip_high=ac["clip_ratio_high"])
+    if mode == "gspo":
+        return losses.gspo_loss(logp, old, advantages, mask, **clips, agg_mode=agg_mode, is_weights=is_weights, **agg)
+    if mode == "cispo":
+        return losses.cispo_loss(logp, old, advantages, mask, **clips, agg_mode=agg_mode, is_weights=is_weights, **agg)
+    if mode == "sapo":
+        taus = dict(tau_pos=ac["tau_pos"], tau_neg=ac["tau_neg"])
+        return losses.sapo_loss(logp, old, advantages, mask, **taus, num_seqs=agg["num_seqs"], is_weights=is_weights)
+    if mode == "geo_mean":  # veRL backpropagates its mean as is; train_step's "* world" is for the global counts
+        loss, m = losses.geo_mean_loss(logp, old, advantages, mask, **clips, is_weights=is_weights)
+        return loss / dist.get_world_size(), m
+    return losses.policy_loss(
+        logp, old, advantages, mask, **clips, clip_c=ac["clip_ratio_c"], agg_mode=agg_mode, is_weights=is_weights, **agg
+    )
+
+
+def kl_loss_on(ac: dict) -> bool:
+    """Is the KL loss term on (actor.use_kl_loss with a non-zero actor.kl_loss_coef)?"""
+    return ac["use_kl_loss"] and ac["kl_loss_coef"] != 0
 
 
 def validate(run: "Run", step: int) -> dict:
@@ -492,7 +545,8 @@ class Run(types.SimpleNamespace):
     cfg, rank, world; score (data.make_scorer: (row, text) -> (reward, extras)); train_rows, val_rows;
     llm (the vLLM engine; None when replaying dumped batches); positions (this rank's positions in every step's
     prompt list: data.local_positions); pad_id, tokenizer; total_steps, start (the first step: > 1 after a
-    resume); policy, ref (the reference model, None without a KL loss), optimizer, scheduler; logger
+    resume); policy, ref (the reference model, None without a KL loss or KL in the reward), optimizer, scheduler;
+    kl_coef (the KL-in-the-reward beta: algorithm.kl_ctrl's, moved by the adaptive controller); logger
     (logs.MetricsLogger); gen_batch_size (prompts per generation batch), gen_cursor (generation batches
     consumed: the steps, without dynamic sampling); capture (the update's own forward gives the old log-probs:
     on-policy shortcut, bypass); exact (fp32 engine and trainer, sampling from the whole softmax: then vLLM's
@@ -544,6 +598,7 @@ def setup(cfg: dict) -> Run:
         saved=start - 1,
         gen_batch_size=d["gen_batch_size"] or d["train_batch_size"],
         gen_cursor=extra.get("gen_batches", start - 1),
+        kl_coef=cfg["algorithm"]["kl_ctrl"]["kl_coef"],  # as veRL's, the adaptive one restarts on resume
     )
     run.capture = rc["bypass_mode"] or on_policy_shortcut(cfg)
     if not tr["replay_batches"]:  # the engine, one per rank, AFTER torch.distributed (replay needs none)
@@ -579,11 +634,12 @@ def on_policy_shortcut(cfg: dict) -> bool:
     that sampled IS the one being updated, so the update's own forward gives the old log-probs (ratio = 1,
     pg_clipfrac and ppo_kl exactly 0) and the separate old-log-prob pass is skipped. With several mini-batches
     the later ones would take an already-updated policy as "old": never. veRL 0.9.1 always runs that pass
-    (actor.recompute_old_log_prob=true); so does a rollout correction (it needs the old log-probs before the
-    update); dumps carry explicit old log-probs, replays bring them."""
+    (actor.recompute_old_log_prob=true); so do a rollout correction and the KL in the reward (they need the old
+    log-probs before the update); dumps carry explicit old log-probs, replays bring them."""
     ac, tr, rc = cfg["actor"], cfg["trainer"], cfg["algorithm"]["rollout_correction"]
     one_update = ac["ppo_epochs"] == 1 and ac["ppo_mini_batch_size"] == cfg["data"]["train_batch_size"]
     needs_old_pass = ac["recompute_old_log_prob"] or rc["rollout_is"] or rc["rollout_rs"]
+    needs_old_pass = needs_old_pass or cfg["algorithm"]["use_kl_in_reward"]
     return one_update and not needs_old_pass and not tr["dump_batches"] and not tr["replay_batches"]
 
 
@@ -645,9 +701,9 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 
 def load_models(cfg: dict, model_path: str, device) -> tuple:
-    """(policy, reference or None): FSDP2-sharded; the reference only when the KL loss is on. With LoRA the
-    policy's base is frozen and the reference is the policy itself (run with its adapters off, veRL's
-    ref_in_actor): no second model."""
+    """(policy, reference or None): FSDP2-sharded; the reference only when the KL loss or the KL in the reward
+    (algorithm.use_kl_in_reward) is on. With LoRA the policy's base is frozen and the reference is the policy
+    itself (run with its adapters off, veRL's ref_in_actor): no second model."""
     m, ac = cfg["model"], cfg["actor"]
     common = dict(device=device, param_dtype=DTYPES[m["param_dtype"]], compute_dtype=DTYPES[m["compute_dtype"]])
     try:
@@ -661,7 +717,7 @@ def load_models(cfg: dict, model_path: str, device) -> tuple:
         raise ConfigError(f"config: {e}") from None
     except fsdp_train.UnsupportedModel as e:  # logits the log-prob path would not reproduce (check_logits_fn)
         raise ConfigError(f"model {model_path}: {e}") from None
-    use_ref = ac["use_kl_loss"] and ac["kl_loss_coef"] != 0
+    use_ref = kl_loss_on(ac) or cfg["algorithm"]["use_kl_in_reward"]
     if not use_ref:
         return policy, None
     if policy.lora_config:

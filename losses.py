@@ -34,7 +34,9 @@ from operator import add
 
 import torch
 
-AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+AGG_MODES = ("token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+LOSS_MODES = ("vanilla", "gspo", "cispo", "sapo", "geo_mean")  # veRL's actor.policy_loss.loss_mode: policy_loss, ...
+ADV_ESTIMATORS = ("grpo", "rloo", "reinforce_plus_plus_baseline", "reinforce_plus_plus")  # algorithm.adv_estimator
 KL_KINDS = ("kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3")  # each also with a "+" suffix
 SAFETY_BOUND = 20.0  # veRL clamps log-ratios to [-20, 20] before exp
 RS_OPTIONS = (
@@ -93,9 +95,11 @@ def agg_loss(
     """Aggregate a per-token loss [B, T] to a scalar (veRL `agg_loss`).
 
     token-mean:               sum(x * m) / N_tokens
+    token-sum:                sum(x * m)   (no normaliser: the gradient grows with the token count; veRL 0.9)
     seq-mean-token-sum:       sum_i (sum_t x_it m_it) / N_seqs
     seq-mean-token-mean:      sum_i (sum_t x_it m_it / (sum_t m_it + 1e-8)) / N_seqs
-    seq-mean-token-sum-norm:  seq-mean-token-sum / scale_factor (default T, the max response length)
+    seq-mean-token-sum-norm:  seq-mean-token-sum / scale_factor (veRL's actor.loss_scale_factor; None: T, the
+                              width of `mask`, i.e. the longest response of this micro-batch)
 
     N_tokens defaults to sum(m) and N_seqs to the number of rows with at least one token (veRL's
     defaults). Pass `num_tokens` / `num_seqs` = the GLOBAL counts of the whole mini-batch (all
@@ -114,6 +118,8 @@ def agg_loss(
     if mode == "token-mean":
         count = mask.sum() if num_tokens is None else num_tokens
         return masked.sum() / _nonzero(count)
+    if mode == "token-sum":
+        return masked.sum()
     seq_tokens = mask.sum(-1)  # [B]
     seq_has_tokens = (seq_tokens > 0).to(values.dtype)  # [B]
     if mode == "seq-mean-token-mean":
@@ -127,6 +133,22 @@ def agg_loss(
     return loss
 
 
+def _grouped(where: str, rewards, group_ids) -> tuple[torch.Tensor, list[list[int]]]:
+    """(rewards as a float 1-D tensor, the row indices of each group in order of first appearance)."""
+    rewards = torch.as_tensor(rewards)
+    if not rewards.is_floating_point():
+        rewards = rewards.float()  # veRL's token_level_rewards are float32
+    if rewards.dim() != 1:
+        raise ValueError(f"{where}: rewards must be 1-D [batch], got shape {tuple(rewards.shape)}")
+    group_ids = list(group_ids)
+    if len(group_ids) != len(rewards):
+        raise ValueError(f"{where}: {len(rewards)} rewards but {len(group_ids)} group_ids")
+    members = defaultdict(list)  # group id -> row indices, in order
+    for i, gid in enumerate(group_ids):
+        members[gid].append(i)
+    return rewards, list(members.values())
+
+
 def grpo_advantages(rewards, group_ids, eps: float = 1e-6, norm_by_std: bool = True) -> torch.Tensor:
     """One advantage per response (veRL `compute_grpo_outcome_advantage`).
 
@@ -137,19 +159,9 @@ def grpo_advantages(rewards, group_ids, eps: float = 1e-6, norm_by_std: bool = T
     rewards [1, 0, 1] in one group -> [+0.5774, -1.1547, +0.5774].
     The trainer broadcasts A_i over response i's tokens (A[:, None] * mask).
     """
-    rewards = torch.as_tensor(rewards)
-    if not rewards.is_floating_point():
-        rewards = rewards.float()  # veRL's token_level_rewards are float32
-    if rewards.dim() != 1:
-        raise ValueError(f"grpo_advantages: rewards must be 1-D [batch], got shape {tuple(rewards.shape)}")
-    group_ids = list(group_ids)
-    if len(group_ids) != len(rewards):
-        raise ValueError(f"grpo_advantages: {len(rewards)} rewards but {len(group_ids)} group_ids")
-    members = defaultdict(list)  # group id -> row indices, in order
-    for i, gid in enumerate(group_ids):
-        members[gid].append(i)
+    rewards, members = _grouped("grpo_advantages", rewards, group_ids)
     advantages = rewards.detach().clone()  # [B]
-    for rows in members.values():
+    for rows in members:
         scores = rewards[rows]  # [n]
         if len(rows) == 1:
             mean, std = scores.new_tensor(0.0), scores.new_tensor(1.0)
@@ -158,6 +170,127 @@ def grpo_advantages(rewards, group_ids, eps: float = 1e-6, norm_by_std: bool = T
         centred = scores - mean
         advantages[rows] = centred / (std + eps) if norm_by_std else centred
     return advantages
+
+
+def rloo_advantages(rewards, group_ids) -> torch.Tensor:
+    """One advantage per response: its reward minus the mean of the OTHER responses of its prompt (veRL
+    `compute_rloo_outcome_advantage`; RLOO, arXiv 2402.14740).
+
+    A_i = r_i - sum_{j != i} r_j / (n - 1) = n / (n - 1) * (r_i - mean_g)   (group size n > 1; no std)
+    A group of one keeps A = r_i (veRL's rule; its rloo_vectorized variant would give 0).
+
+    rewards [1, 0, 1] in one group -> [0.5, -1.0, 0.5].  Computed as veRL does, in float32:
+    r_i * n / (n - 1) - mean_g * n / (n - 1). The trainer broadcasts A_i over response i's tokens.
+    """
+    rewards, members = _grouped("rloo_advantages", rewards, group_ids)
+    advantages = rewards.detach().clone()  # [B]
+    for rows in members:
+        n = len(rows)
+        if n > 1:
+            mean = rewards[rows].mean()
+            advantages[rows] = rewards[rows] * n / (n - 1) - mean * n / (n - 1)
+    return advantages
+
+
+def masked_whiten(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """(x - mu) / sqrt(var + 1e-8) over the masked entries of the WHOLE tensor (veRL `masked_whiten`).
+
+    mu = masked_mean(x);  var = masked_mean((x - mu)^2) * N / (N - 1), N = sum(mask) (unbiased; N <= 1 raises)
+    Token-weighted: a long response counts once per token. Values at masked entries are whitened too
+    (the callers multiply by the mask afterwards).
+    x = [1, 2, 3], mask all 1: mu 2, var 1 -> [-1, 0, 1] (up to the 1e-8).
+    """
+    _check_same_shape("masked_whiten", values=values, mask=mask)
+    count = mask.sum()
+    if count <= 1:
+        raise ValueError(f"masked_whiten: {int(count)} masked entries; at least 2 are needed for the variance")
+    mean = masked_mean(values, mask)
+    variance = masked_mean((values - mean) ** 2, mask) * (count / (count - 1))
+    return (values - mean) * torch.rsqrt(variance + 1e-8)
+
+
+def reinforce_pp_baseline_advantages(token_rewards: torch.Tensor, mask: torch.Tensor, group_ids) -> torch.Tensor:
+    """REINFORCE++ with the group mean as baseline, whitened over the batch (veRL
+    `compute_reinforce_plus_plus_baseline_outcome_advantage`; arXiv 2501.03262).
+
+    r_i = sum_t token_rewards_it;  b_g = the mean of r over i's group (0 for a group of one)
+    x_it = (r_i - b_g) * m_it;  A = masked_whiten(x, m) * m      token_rewards, mask, A: [B, T]
+    Pass the WHOLE batch of all ranks: the whitening statistics are over all its tokens.
+    Example: rewards [1, 0] (one group), lengths 1 and 3: x = [[0.5], [-0.5, -0.5, -0.5]]: mu -0.25,
+    var 1/3 -> A = [[1.299], [-0.433] * 3].
+    """
+    _check_same_shape("reinforce_pp_baseline_advantages", token_rewards=token_rewards, mask=mask)
+    scores, members = _grouped("reinforce_pp_baseline_advantages", token_rewards.sum(-1), group_ids)  # [B]
+    centred = scores.detach().clone()  # [B]
+    for rows in members:
+        if len(rows) > 1:
+            centred[rows] = scores[rows] - scores[rows].mean()
+    x = centred[:, None].expand(mask.shape) * mask  # [B, T]
+    return masked_whiten(x, mask) * mask
+
+
+def reinforce_pp_advantages(
+    token_rewards: torch.Tensor, mask: torch.Tensor, gamma: float = 1.0
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """REINFORCE++: discounted returns, whitened over the batch, no baseline (veRL
+    `compute_reinforce_plus_plus_outcome_advantage`; arXiv 2501.03262). Returns (advantages, returns) [B, T].
+
+    From the last token to the first: G_t = token_rewards_t + gamma * G_{t+1}; returns_t = G_t * m_t;
+    a masked token passes its successor's return on unchanged (veRL: running = G_t m_t + running (1 - m_t)).
+    A = masked_whiten(returns, m) * m; the returns stay unwhitened. gamma is veRL's algorithm.gamma.
+    Meant for per-token rewards (KL in the reward): with a score only at the last token and gamma = 1 every
+    token of a response has the same return. Pass the WHOLE batch of all ranks (the whitening).
+    Example: token_rewards [[0, 0, 1]], gamma 0.5 -> returns [[0.25, 0.5, 1]].
+    """
+    _check_same_shape("reinforce_pp_advantages", token_rewards=token_rewards, mask=mask)
+    returns = torch.zeros_like(token_rewards)  # [B, T]
+    running = torch.zeros_like(token_rewards[:, 0])  # [B]
+    for t in reversed(range(token_rewards.shape[1])):
+        new = token_rewards[:, t] + gamma * running  # [B]
+        returns[:, t] = new * mask[:, t]
+        running = new * mask[:, t] + running * (1 - mask[:, t])  # [B]
+    return masked_whiten(returns, mask) * mask, returns
+
+
+def token_level_scores(scores: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """The scores [B] as veRL's per-token rewards [B, T]: score i at response i's LAST token (index L_i - 1,
+    L_i = sum_t mask_it over every sampled token), 0 elsewhere (veRL's rm_scores, agent_loop.py).
+    scores [2, 5], lengths [1, 3], T = 3 -> [[2, 0, 0], [0, 0, 5]]."""
+    out = torch.zeros(mask.shape, dtype=scores.dtype)  # [B, T]
+    last = mask.sum(-1).long() - 1  # [B]
+    out[torch.arange(len(scores)), last] = scores
+    return out
+
+
+def kl_in_reward(
+    token_scores: torch.Tensor,
+    old_logp: torch.Tensor,
+    ref_logp: torch.Tensor,
+    mask: torch.Tensor,
+    beta: float,
+    kind="kl",
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token rewards with the KL to the reference subtracted (veRL ray_trainer.py `apply_kl_penalty`).
+
+    kl_t = kl_penalty(old_logp, ref_logp, kind) * m_t     (the OLD policy's log-probs, not the update's)
+    token_rewards = token_scores - beta * kl;   row_kl_i = masked_mean_t(kl_i)
+    Returns (token_rewards [B, T], row_kl [B]); veRL logs actor/reward_kl_penalty = mean_i row_kl_i (over
+    the whole batch) and actor/reward_kl_penalty_coeff = beta. An outcome estimator (grpo, rloo) then sees
+    r_i = score_i - beta * sum_t kl_it; REINFORCE++ sees the per-token rewards.
+    Example: score 1 at the last of 2 tokens, old - ref = [0.5, 0.1], kind "kl", beta 0.1 ->
+    rewards [-0.05, 0.99], row_kl 0.3.
+    """
+    kl = kl_penalty(old_logp, ref_logp, kind) * mask  # [B, T]
+    return token_scores - beta * kl, masked_mean(kl, mask, dim=-1)
+
+
+def adaptive_kl_coef(beta: float, current_kl: float, target_kl: float, horizon: int, n_steps: int) -> float:
+    """The next beta of veRL's AdaptiveKLController.update (Ziegler et al. 2019, arXiv 1909.08593):
+    e = clip(current_kl / target_kl - 1, -0.2, 0.2);  beta * (1 + e * n_steps / horizon)
+    (veRL passes n_steps = the batch's row count). beta 0.001, kl 0.3, target 0.1, 512 rows, horizon 10000
+    -> 0.001 * (1 + 0.2 * 0.0512) = 0.0010102."""
+    error = min(max(current_kl / target_kl - 1, -0.2), 0.2)
+    return beta * (1 + error * n_steps / horizon)
 
 
 def policy_loss(
@@ -208,6 +341,184 @@ def policy_loss(
             "pg_clipfrac": masked_mean(torch.gt(loss2, loss1).float(), mask).item(),
             "pg_clipfrac_lower": masked_mean(dual_clip_active, mask).item(),
             "ppo_kl": masked_mean(-neg_approx_kl, mask).item(),
+        }
+    return loss, metrics
+
+
+def gspo_loss(
+    logp: torch.Tensor,
+    old_logp: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    clip_low: float = 0.2,
+    clip_high: float = 0.2,
+    agg_mode: str = "token-mean",
+    num_tokens: float | torch.Tensor | None = None,
+    num_seqs: float | torch.Tensor | None = None,
+    scale_factor: float | None = None,
+    is_weights: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """GSPO: one clipped ratio per SEQUENCE, the geometric mean of its token ratios (veRL
+    `compute_policy_loss_gspo`; arXiv 2507.18071).
+
+    d = logp - old_logp (unclamped);  S_i = sum_t d_it m_it / max(L_i, 1)   (L_i = response i's token count)
+    log s_it = min(logp_it - sg(logp_it) + sg(S_i), 10);  s_it = exp(log s_it)   (sg = detach)
+        value exp(S_i) on every token of row i, gradient exp(S_i) * grad logp_it (none if S_i > 10)
+    L1 = -A * s;  L2 = -A * clamp(s, 1 - clip_low, 1 + clip_high);  loss_t = max(L1, L2)   (NO dual clip)
+    metrics: pg_clipfrac = mean(L2 > L1), pg_clipfrac_lower = 0, ppo_kl = mean(-d)   (masked means)
+
+    Aggregated with agg_mode, as veRL 0.9.1 does (0.9.0 forced seq-mean-token-mean, the paper's objective:
+    set actor.loss_agg_mode to it, as veRL's GSPO example does). is_weights multiply the per-token loss.
+    Example: one row, d = [0.2, 0.0], A = 1, clips 3e-4 / 4e-4: S = 0.1, s = 1.105 > 1.0004 -> loss -1.0004,
+    clipped on both tokens, no gradient.
+    """
+    _check_same_shape("gspo_loss", logp=logp, old_logp=old_logp, advantages=advantages, mask=mask)
+    log_ratio = logp - old_logp  # [B, T]
+    lengths = mask.sum(-1).clamp(min=1)  # [B]
+    seq_log_ratio = (log_ratio * mask).sum(-1) / lengths  # [B]: S_i, veRL's sum (not NaN-safe)
+    log_s = torch.clamp(logp - logp.detach() + seq_log_ratio.detach()[:, None], max=10.0)  # [B, T]
+    s = torch.exp(log_s)  # [B, T]
+    loss1 = -advantages * s  # [B, T]
+    loss2 = -advantages * torch.clamp(s, 1 - clip_low, 1 + clip_high)  # [B, T]
+    per_token = torch.maximum(loss1, loss2)  # [B, T]
+    if is_weights is not None:
+        per_token = per_token * is_weights  # [B, T]
+    loss = agg_loss(per_token, mask, agg_mode, num_tokens=num_tokens, num_seqs=num_seqs, scale_factor=scale_factor)
+    with torch.no_grad():
+        metrics = {
+            "pg_clipfrac": masked_mean(torch.gt(loss2, loss1).float(), mask).item(),
+            "pg_clipfrac_lower": 0.0,
+            "ppo_kl": masked_mean(-log_ratio, mask).item(),
+        }
+    return loss, metrics
+
+
+def cispo_loss(
+    logp: torch.Tensor,
+    old_logp: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    clip_low: float = 0.2,
+    clip_high: float = 0.2,
+    agg_mode: str = "token-mean",
+    num_tokens: float | torch.Tensor | None = None,
+    num_seqs: float | torch.Tensor | None = None,
+    scale_factor: float | None = None,
+    is_weights: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """CISPO: REINFORCE with the importance weight clipped and detached (veRL `compute_policy_loss_cispo`;
+    arXiv 2506.13585, MiniMax-M1).
+
+    d = clamp(logp - old_logp, -20, 20);  r = exp(d);  c = sg(clamp(r, 1 - clip_low, 1 + clip_high))
+    loss_t = -c * A * logp_t      gradient -c * A * grad logp: EVERY token keeps one (PPO drops clipped ones)
+    metrics: pg_clipfrac = mean(r != c) (either side), pg_clipfrac_lower = 0, ppo_kl = mean(-d)
+
+    The value is -c * A * logp (logp < 0), not a PPO surrogate: actor/pg_loss is not comparable with the
+    other modes'. No dual clip. Aggregated with agg_mode; is_weights multiply the per-token loss.
+    clip_low >= 1 leaves no lower bound (veRL's example: clip_ratio_low 10, clip_ratio_high 0.2: r <= 1.2).
+    Example: logp = -2, r = 3 (clipped to 1.2), A = 1 -> loss 2.4, gradient -1.2.
+    """
+    _check_same_shape("cispo_loss", logp=logp, old_logp=old_logp, advantages=advantages, mask=mask)
+    log_ratio = torch.clamp(logp - old_logp, min=-SAFETY_BOUND, max=SAFETY_BOUND)  # [B, T]
+    ratio = torch.exp(log_ratio)  # [B, T]
+    clipped = torch.clamp(ratio, 1 - clip_low, 1 + clip_high)  # [B, T]
+    per_token = -clipped.detach() * advantages * logp  # [B, T]
+    if is_weights is not None:
+        per_token = per_token * is_weights  # [B, T]
+    loss = agg_loss(per_token, mask, agg_mode, num_tokens=num_tokens, num_seqs=num_seqs, scale_factor=scale_factor)
+    with torch.no_grad():
+        metrics = {
+            "pg_clipfrac": masked_mean((ratio != clipped).float(), mask).item(),
+            "pg_clipfrac_lower": 0.0,
+            "ppo_kl": masked_mean(-log_ratio, mask).item(),
+        }
+    return loss, metrics
+
+
+def sapo_loss(
+    logp: torch.Tensor,
+    old_logp: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    tau_pos: float = 1.0,
+    tau_neg: float = 1.05,
+    num_seqs: float | torch.Tensor | None = None,
+    is_weights: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """SAPO: a smooth sigmoid gate on the ratio instead of a hard clip (veRL `compute_policy_loss_sapo`;
+    arXiv 2511.20347, Qwen).
+
+    r = exp(clamp(logp - old_logp, -20, 20));  tau = tau_pos where A > 0, else tau_neg (A = 0 too)
+    f(r) = sigmoid(tau * (r - 1)) * 4 / tau;  loss_t = -f(r) * A
+    f'(r) = 4 sigmoid (1 - sigmoid): 1 at r = 1 (on-policy the gradient is the plain PG gradient, the value
+    -(2 / tau) * A), fading smoothly as r leaves 1, faster for larger tau.
+    metrics: pg_clipfrac = pg_clipfrac_lower = 0, ppo_kl = mean(-d)
+
+    veRL FORCES seq-mean-token-mean for this term (num_seqs: the global row count), whatever
+    actor.loss_agg_mode says; the entropy and KL terms keep loss_agg_mode. tau_pos / tau_neg are veRL's
+    actor.tau_pos / actor.tau_neg. is_weights multiply the per-token loss.
+    Example: r = 1, A = 1, tau_pos = 1 -> f = 0.5 * 4 = 2, loss -2, gradient -A * f'(1) * r = -1.
+    """
+    _check_same_shape("sapo_loss", logp=logp, old_logp=old_logp, advantages=advantages, mask=mask)
+    log_ratio = torch.clamp(logp - old_logp, min=-SAFETY_BOUND, max=SAFETY_BOUND)  # [B, T]
+    ratio = torch.exp(log_ratio)  # [B, T]
+    taus = torch.where(
+        advantages > 0,
+        torch.as_tensor(tau_pos, dtype=advantages.dtype),
+        torch.as_tensor(tau_neg, dtype=advantages.dtype),
+    )  # [B, T]
+    gates = torch.sigmoid(taus * (ratio - 1.0)) * (4.0 / taus)  # [B, T]
+    per_token = -gates * advantages  # [B, T]
+    if is_weights is not None:
+        per_token = per_token * is_weights  # [B, T]
+    loss = agg_loss(per_token, mask, "seq-mean-token-mean", num_seqs=num_seqs)
+    with torch.no_grad():
+        metrics = {"pg_clipfrac": 0.0, "pg_clipfrac_lower": 0.0, "ppo_kl": masked_mean(-log_ratio, mask).item()}
+    return loss, metrics
+
+
+def geo_mean_loss(
+    logp: torch.Tensor,
+    old_logp: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    clip_low: float = 0.4,
+    clip_high: float = 0.4,
+    is_weights: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """GMPO: the geometric mean of the token ratios, clipped per token in LOG space (veRL
+    `compute_policy_loss_geo_mean`; arXiv 2507.20673).
+
+    d = logp - old_logp (unclamped);  dc = clamp(d, -clip_low, clip_high);  g = sgn(A) * min(sgn(A) d, sgn(A) dc)
+        (A > 0: d capped at clip_high; A < 0: d floored at -clip_low; A = 0: g = 0)
+    rho_i = exp(sum_t g_it m_it / (L_i + 1e-8));  Abar_i = sum_t A_it m_it / (L_i + 1e-8)
+    loss = mean_i(-Abar_i * rho_i)   over the rows of THIS micro-batch (torch.mean)
+    is_weights: per row exp(sum_t log(w_it + 1e-10) m_it / (L_i + 1e-8)) (their geometric mean) multiply the row.
+    metrics: clipped = (d != dc); pg_clipfrac = mean(clipped and A > 0), pg_clipfrac_lower = mean(clipped
+    and A < 0), ppo_kl = mean(-d)   (masked means over tokens)
+
+    veRL's quirk, kept: it ignores actor.loss_agg_mode and the global counts, so the gradient scales with the
+    number of micro-batches (and of ranks: see grpo.policy_gradient_loss); compare runs at equal splits.
+    Example: one row, d = [0.6, 0.0], A = 1, clips 0.4: g = [0.4, 0], rho = exp(0.2), loss = -1.2214.
+    """
+    _check_same_shape("geo_mean_loss", logp=logp, old_logp=old_logp, advantages=advantages, mask=mask)
+    log_ratio = logp - old_logp  # [B, T]
+    sign = torch.sign(advantages)  # [B, T]
+    clamped = torch.clamp(log_ratio, -clip_low, clip_high)  # [B, T]
+    g = sign * torch.min(sign * log_ratio, sign * clamped)  # [B, T]
+    lengths = mask.sum(-1) + 1e-8  # [B]
+    rho = torch.exp((g * mask).sum(-1) / lengths)  # [B]
+    seq_advantage = (advantages * mask).sum(-1) / lengths  # [B]
+    per_seq = -seq_advantage * rho  # [B]
+    if is_weights is not None:
+        per_seq = per_seq * torch.exp((torch.log(is_weights + 1e-10) * mask).sum(-1) / lengths)  # [B]
+    loss = torch.mean(per_seq)
+    with torch.no_grad():
+        clipped = torch.ne(log_ratio, clamped)  # [B, T]
+        metrics = {
+            "pg_clipfrac": masked_mean((clipped * (advantages > 0)).float(), mask).item(),
+            "pg_clipfrac_lower": masked_mean((clipped * (advantages < 0)).float(), mask).item(),
+            "ppo_kl": masked_mean(-log_ratio, mask).item(),
         }
     return loss, metrics
 

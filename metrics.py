@@ -140,8 +140,12 @@ def batch_metrics(batch: dict, d: dict, timings: dict, world: int) -> dict:
     reward_extra_info/<key>/mean. Lengths count every sampled token (the attention mask), advantages the
     tokens of the response mask (after rejection sampling), as veRL's compute_data_metrics."""
     mask, width = batch["response_mask"], batch["response_mask"].shape[1]
+    rewards = batch["token_level_rewards"].sum(-1) if "token_level_rewards" in batch else batch["rewards"]  # [B]
+    returns = batch["returns"] if "returns" in batch else batch["advantages"]  # [B, R]
     local = {
         "scores": batch["rewards"].tolist(),
+        "rewards": rewards.tolist(),
+        "returns": returns[mask.bool()].tolist(),
         "resp": batch["attention_mask"][:, -width:].sum(-1).tolist(),
         "prompt": batch["attention_mask"][:, :-width].sum(-1).tolist(),
         "adv": batch["advantages"][mask.bool()].tolist(),
@@ -150,9 +154,9 @@ def batch_metrics(batch: dict, d: dict, timings: dict, world: int) -> dict:
     parts = [None] * world
     dist.all_gather_object(parts, local)
     g = {k: [x for p in parts for x in p[k]] for k in local}
-    out = {**_stats("critic/score", g["scores"]), **_stats("critic/rewards", g["scores"])}
+    out = {**_stats("critic/score", g["scores"]), **_stats("critic/rewards", g["rewards"])}  # rewards: after KL
     out.update(_stats("critic/advantages", g["adv"] or [0.0]))
-    out.update(_stats("critic/returns", g["adv"] or [0.0]))  # GRPO: returns == advantages
+    out.update(_stats("critic/returns", g["returns"] or [0.0]))  # = advantages but for reinforce_plus_plus
     out.update(_stats("response_length", g["resp"]))
     out["response_length/clip_ratio"] = sum(r >= d["max_response_length"] for r in g["resp"]) / len(g["resp"])
     out.update(_stats("prompt_length", g["prompt"]))
@@ -186,7 +190,7 @@ def old_logprob_metrics(batch: dict, old_logp, entropy, cfg: dict) -> dict:
         cfg["actor"]["loss_agg_mode"],
         num_tokens=tokens,
         num_seqs=seqs,
-        scale_factor=cfg["data"]["max_response_length"],
+        scale_factor=cfg["actor"]["loss_scale_factor"] or cfg["data"]["max_response_length"],  # veRL: the batch's
     )
     return {
         "actor/entropy": fsdp_train.all_reduce(entropy),

@@ -4,11 +4,13 @@
 
 One global step of 4 prompts x n = 4 samples with a known reward pattern (tests/test_loop.py holds
 it), split over the ranks as grpo.py splits it (data.local_positions). Each rank assembles its
-advantages with grpo.group_advantages, runs grpo.update_actor (fsdp_train.train_step with
+advantages with grpo.compute_advantages, runs grpo.update_actor (fsdp_train.train_step with
 grpo.grpo_loss_fn) once off-policy (dumped-style old log-probs: clipping and the dual clip fire) and
 once on-policy (from the same initial weights), and computes metrics.batch_metrics. The optimizer is
 SGD with lr 1 and no clipping, so weights_after - weights_before = -gradient. Rank 0 saves the
-weights; every rank reports its metrics (tests/reporting.py). Then 4 global steps with the real AdamW
+weights; every rank reports its metrics (tests/reporting.py). The GRPO family: one off-policy update per
+FAMILY entry (a loss mode or aggregation), and per ESTIMATORS entry grpo.compute_advantages (with rejected
+tokens in the response mask) written out by data.dump_batch. Then 4 global steps with the real AdamW
 and LR schedule (constant with one mini-batch per step, cosine with two) record the lr of every optimizer
 step and the logged actor/lr.
 
@@ -70,6 +72,23 @@ BYPASS = [
     "algorithm.rollout_correction.rollout_rs=token_k1",
     f"algorithm.rollout_correction.rollout_rs_threshold={BYPASS_RS}",
 ]
+FAMILY = {  # one off-policy update each, on the grpo advantages (tests/test_loop.py: reference)
+    "gspo": ["actor.policy_loss.loss_mode=gspo", "actor.loss_agg_mode=seq-mean-token-mean"],
+    "cispo": ["actor.policy_loss.loss_mode=cispo", "actor.clip_ratio_low=10"],  # veRL's example: no lower bound
+    "sapo": ["actor.policy_loss.loss_mode=sapo", "actor.tau_pos=1.5"],  # its pg term: seq-mean-token-mean
+    "geo_mean": ["actor.policy_loss.loss_mode=geo_mean", "actor.ppo_max_token_len_per_gpu=4096"],  # 1 micro-batch
+    "token_sum": ["actor.loss_agg_mode=token-sum"],
+    "sum_norm": ["actor.loss_agg_mode=seq-mean-token-sum-norm", "actor.loss_scale_factor=5"],
+}
+KL_IN_REWARD = ["algorithm.use_kl_in_reward=true", "algorithm.kl_ctrl.kl_coef=0.05"]
+ESTIMATORS = {  # grpo.compute_advantages, then data.dump_batch (tests/test_loop.py: estimator_reference)
+    "rloo": ["algorithm.adv_estimator=rloo"],
+    "rf_baseline": ["algorithm.adv_estimator=reinforce_plus_plus_baseline"],
+    "rf_kl": ["algorithm.adv_estimator=reinforce_plus_plus", "algorithm.gamma=0.9", *KL_IN_REWARD],
+    "grpo_kl": [*KL_IN_REWARD, "algorithm.kl_penalty=low_var_kl"],
+    "rloo_kl": ["algorithm.adv_estimator=rloo", *KL_IN_REWARD],
+}
+HOLES = [(1, 3), (9, 0), (14, 5)]  # (row, token): rejected by "rollout correction" (response mask 0, sampled)
 
 
 def empty_response(batch: dict, row: int) -> dict:
@@ -100,6 +119,27 @@ def global_batch(vocab: int) -> dict:
     return batch
 
 
+def advantages(cfg: dict, batch: dict, positions: list[int]) -> dict:
+    """grpo.compute_advantages on this rank's rows (it fills batch); returns its metrics."""
+    run = types.SimpleNamespace(cfg=cfg, positions=positions, kl_coef=cfg["algorithm"]["kl_ctrl"]["kl_coef"])
+    return grpo.compute_advantages(run, batch)
+
+
+def estimators(path_out: str, batch: dict, positions: list[int]) -> dict:
+    """Each ESTIMATORS entry on this rank's rows with HOLES rejected: its KL metrics and batch metrics, and its
+    batch dumped by data.dump_batch to <out>/dump_<name>/step_1.pt (the whole batch, global order)."""
+    rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
+    out = {}
+    for name, overrides in ESTIMATORS.items():
+        cfg = config.load_config(None, CONFIG + overrides + [f"trainer.dump_batches={path_out}/dump_{name}"])
+        b = {k: v.clone() for k, v in batch.items()}
+        out[name] = advantages(cfg, b, positions)
+        out[name]["batch"] = metrics.batch_metrics(b, cfg["data"], {}, world)  # critic/rewards, critic/returns
+        run = types.SimpleNamespace(cfg=cfg, positions=positions, rank=rank, world=world)
+        data.dump_batch(run, 1, b)
+    return out
+
+
 def full_weights(model) -> dict:
     return {
         k: v.clone()
@@ -118,7 +158,6 @@ def one_update(path: str, cfg: dict, batch: dict, on_policy: bool, device) -> tu
         optimizer=optimizer,
         scheduler=scheduler,
         capture=on_policy,
-        ref=object(),
     )
     before = full_weights(policy)
     result = grpo.update_actor(run, batch, {})
@@ -142,7 +181,7 @@ def corrected_update(path: str, full: dict, device) -> tuple[dict, dict]:
     run = types.SimpleNamespace(cfg=cfg, world=torch.distributed.get_world_size(), positions=positions)
     result = {"rows": rows, "correction": grpo.correct_rollout(run, batch, batch["old_logprobs"])}
     result["is_weights"], result["response_mask"] = batch["is_weights"].tolist(), batch["response_mask"].tolist()
-    batch["advantages"] = grpo.group_advantages(batch["rewards"], batch["response_mask"], cfg)
+    advantages(cfg, batch, positions)
     before, after, result["update"] = one_update(path, cfg, batch, False, device)
     result["batch_metrics"] = metrics.batch_metrics(batch, cfg["data"], {}, run.world)
     return result, {"before": before, "after": after}
@@ -151,10 +190,10 @@ def corrected_update(path: str, full: dict, device) -> tuple[dict, dict]:
 def bypass_update(path: str, full: dict, device) -> tuple[dict, dict]:
     """bypass_mode as grpo_step wires it: no old pass, vLLM's log-probs stand as the old ones (capture)."""
     cfg = config.load_config(None, CONFIG + BYPASS)
-    _, _, batch = rank_rows(cfg, full)
+    positions, _, batch = rank_rows(cfg, full)
     batch = {k: v for k, v in batch.items() if k != "old_logprobs"}  # as sampled: vLLM's and the reference's
     grpo.old_and_ref_logprobs(types.SimpleNamespace(cfg=cfg, capture=True, ref=None), batch, {})  # old := vLLM's
-    batch["advantages"] = grpo.group_advantages(batch["rewards"], batch["response_mask"], cfg)
+    advantages(cfg, batch, positions)
     before, after, result = one_update(path, cfg, batch, True, device)
     return result, {"before": before, "after": after}
 
@@ -168,13 +207,13 @@ def schedule(path: str, overrides: list[str], full: dict, device) -> dict:
     n = cfg["rollout"]["n"]
     positions = data.local_positions(cfg["data"]["train_batch_size"], cfg["actor"]["ppo_mini_batch_size"], world, rank)
     batch = ft.select(full, [p * n + j for p in positions for j in range(n)])
-    batch["advantages"] = grpo.group_advantages(batch["rewards"], batch["response_mask"], cfg)
+    advantages(cfg, batch, positions)
     policy = ft.load_model(path, device=device)
     optimizer, scheduler = grpo.build_optimizer(cfg, policy, total_steps=4)
     step_lrs = []
     optimizer.register_step_pre_hook(lambda opt, args, kwargs: step_lrs.append(opt.param_groups[0]["lr"]))
     run = types.SimpleNamespace(
-        cfg=cfg, world=world, policy=policy, optimizer=optimizer, scheduler=scheduler, capture=False, ref=object()
+        cfg=cfg, world=world, policy=policy, optimizer=optimizer, scheduler=scheduler, capture=False
     )
     lrs, unchanged = [], []
     for _ in range(4):
@@ -193,7 +232,8 @@ def main():
     n = cfg["rollout"]["n"]
     positions = data.local_positions(cfg["data"]["train_batch_size"], cfg["actor"]["ppo_mini_batch_size"], world, rank)
     batch = ft.select(full, [p * n + j for p in positions for j in range(n)])
-    batch["advantages"] = grpo.group_advantages(batch["rewards"], batch["response_mask"], cfg)
+    holed = {k: v.clone() for k, v in batch.items()}
+    advantages(cfg, batch, positions)
     result = {"advantages": batch["advantages"].tolist(), "rows": [p * n + j for p in positions for j in range(n)]}
     on_policy_batch = {k: v for k, v in batch.items() if k != "old_logprobs"}
     for name, b, on_policy in (("off_policy", batch, False), ("on_policy", on_policy_batch, True)):
@@ -205,10 +245,21 @@ def main():
     cfg_seq = config.load_config(None, CONFIG + ["actor.loss_agg_mode=seq-mean-token-mean"])
     empty = empty_response(full, EMPTY_ROW)
     part = ft.select(empty, [p * n + j for p in positions for j in range(n)])
-    part["advantages"] = grpo.group_advantages(part["rewards"], part["response_mask"], cfg_seq)
+    advantages(cfg_seq, part, positions)
     before, after, result["seq_mean_empty"] = one_update(path, cfg_seq, part, False, device)
     if rank == 0:
         torch.save({"before": before, "after": after}, os.path.join(out, f"seq_mean_empty_ws{world}.pt"))
+    for name, overrides in FAMILY.items():
+        before, after, result[name] = one_update(
+            path, config.load_config(None, CONFIG + overrides), batch, False, device
+        )
+        if rank == 0:
+            torch.save({"before": before, "after": after}, os.path.join(out, f"{name}_ws{world}.pt"))
+    for row, token in HOLES:
+        rows = [p * n + j for p in positions for j in range(n)]
+        if row in rows:
+            holed["response_mask"][rows.index(row), token] = 0.0
+    result["estimators"] = estimators(out, holed, positions)
     result["constant"] = schedule(path, ["actor.lr=0.01", "actor.lr_warmup_steps=2"], full, device)
     # two mini-batches per global step (2 prompts each, 1 per rank at world size 2): still ONE schedule step
     result["cosine"] = schedule(

@@ -58,7 +58,28 @@ def test_defaults_yaml_and_overrides(tmp_path):
         ("data.train_batch_size=1.5", "data.train_batch_size = 1.5 has type float; expected int"),
         ("data.shuffle=1", "data.shuffle = 1 has type int; expected bool"),
         ("trainer.total_steps=ten", "trainer.total_steps = 'ten' has type str; expected int"),
-        ("actor.loss_agg_mode=sum", "accepted: token-mean, seq-mean-token-sum"),
+        ("actor.loss_agg_mode=sum", "accepted: token-mean, token-sum, seq-mean-token-sum"),
+        ("actor.policy_loss.loss_mode=ppo", "loss_mode = 'ppo'; accepted: vanilla, gspo, cispo, sapo, geo_mean"),
+        (
+            "algorithm.adv_estimator=gae",
+            "adv_estimator = 'gae'; accepted: grpo, rloo, reinforce_plus_plus_baseline, reinforce_plus_plus",
+        ),
+        ("algorithm.kl_penalty=full", "algorithm.kl_penalty = 'full'; accepted: kl, k1, abs"),
+        ("algorithm.kl_ctrl.type=pid", "algorithm.kl_ctrl.type = 'pid'; accepted: fixed, adaptive"),
+        ("algorithm.gamma=1.5", "algorithm.gamma = 1.5; accepted: 0 <= value <= 1"),
+        ("actor.tau_neg=0", "actor.tau_neg = 0.0; accepted: > 0"),
+        ("actor.loss_scale_factor=0", "actor.loss_scale_factor = 0.0; accepted: > 0"),
+        ("algorithm.adv_estimator=rloo rollout.n=1", "adv_estimator = rloo needs rollout.n > 1"),
+        ("algorithm.adv_estimator=reinforce_plus_plus_baseline rollout.n=1", "needs rollout.n > 1"),
+        (
+            "actor.policy_loss.loss_mode=geo_mean algorithm.adv_estimator=reinforce_plus_plus "
+            "algorithm.use_kl_in_reward=true",
+            "loss_mode = geo_mean takes one advantage per response",
+        ),
+        (
+            "actor.policy_loss.loss_mode=geo_mean algorithm.adv_estimator=reinforce_plus_plus algorithm.gamma=0.9",
+            "geo_mean",
+        ),
         ("actor.kl_loss_type=full", "accepted: kl, k1, abs"),
         ("actor.clip_ratio_c=1", "actor.clip_ratio_c = 1.0; accepted: > 1"),
         ("actor.lr=-1", "actor.lr = -1.0; accepted: > 0"),
@@ -69,7 +90,8 @@ def test_defaults_yaml_and_overrides(tmp_path):
         ("data.max_response_length=0", "data.max_response_length = 0; accepted: >= 1"),
         ("trainer.total_steps=0", "trainer.total_steps = 0; accepted: >= 1"),
         ("rollout.n=0", "rollout.n = 0; accepted: >= 1"),
-        ("actor.clip_ratio_high=1.5", "actor.clip_ratio_high = 1.5; accepted: 0 <= value < 1"),
+        ("actor.clip_ratio_high=-0.1", "actor.clip_ratio_high = -0.1; accepted: >= 0"),
+        ("actor.clip_ratio_low=-1", "actor.clip_ratio_low = -1.0; accepted: >= 0 (>= 1: no lower bound"),
         ("actor.lr_warmup_steps=-2", "actor.lr_warmup_steps = -2; accepted: >= 0"),
         ("rollout.gpu_memory_utilization=0", "rollout.gpu_memory_utilization = 0.0; accepted: 0 < value <= 1"),
         (
@@ -99,7 +121,7 @@ def test_defaults_yaml_and_overrides(tmp_path):
         (
             "algorithm.rollout_corection.rollout_is=token",
             "unknown key 'algorithm.rollout_corection.rollout_is'; accepted: "
-            "algorithm.norm_adv_by_std_in_grpo, algorithm.rollout_correction",
+            "algorithm.adv_estimator, algorithm.norm_adv_by_std_in_grpo",
         ),
         (
             "data.gen_batch_size=4",
@@ -1139,7 +1161,11 @@ def test_the_example_reward_file_trains(tiny_build, tmp_path):
 
 
 def test_a_ten_step_run_in_a_log_file_is_one_line_per_step(tiny_build, tmp_path):
-    """In a file (SLURM output, nohup, CI: not a terminal) no progress bar redraws: one line per step."""
+    """In a file (SLURM output, nohup, CI: not a terminal) no progress bar redraws: one line per step.
+    The run is also the loop's wiring check of the GRPO family: REINFORCE++ with the adaptive KL in the reward
+    and GSPO, in one mini-batch (so the on-policy shortcut gives way to the old-log-prob pass the KL needs, and
+    the reference model is loaded for the reward alone). Each step's coefficient follows veRL's
+    AdaptiveKLController from the previous step's logged KL (8 rows: n_steps)."""
     log = tmp_path / "log.txt"
     with open(log, "w") as f:
         subprocess.run(
@@ -1157,6 +1183,14 @@ def test_a_ten_step_run_in_a_log_file_is_one_line_per_step(tiny_build, tmp_path)
                 "rollout.n=4",
                 "data.max_response_length=16",
                 "trainer.save_every=0",
+                "actor.lr=1e-4",
+                "actor.use_kl_loss=false",
+                "actor.policy_loss.loss_mode=gspo",
+                "algorithm.adv_estimator=reinforce_plus_plus",
+                "algorithm.use_kl_in_reward=true",
+                "algorithm.kl_ctrl.type=adaptive",
+                "algorithm.kl_ctrl.horizon=100",
+                "algorithm.kl_ctrl.target_kl=0.001",
             ],
             cwd=ROOT,
             stdout=f,
@@ -1168,3 +1202,12 @@ def test_a_ten_step_run_in_a_log_file_is_one_line_per_step(tiny_build, tmp_path)
     lines = log.read_text().splitlines()
     assert len(lines) <= 25, lines
     assert sum(line.startswith("step ") and "s/step" in line for line in lines) == 10
+    rows = [r for r in read_metrics(tmp_path / "run") if r["step"] > 0]
+    assert rows[0]["actor/reward_kl_penalty_coeff"] == 0.001 and rows[0]["actor/reward_kl_penalty"] == 0.0  # pi = ref
+    assert all(r["timing_s/old_log_prob"] > 0 and "actor/kl_loss" not in r for r in rows)
+    assert max(r["actor/reward_kl_penalty"] for r in rows) > 0
+    for a, b in zip(rows, rows[1:], strict=False):
+        error = min(max(a["actor/reward_kl_penalty"] / 0.001 - 1, -0.2), 0.2)  # veRL: np.clip(kl / target - 1)
+        expected = a["actor/reward_kl_penalty_coeff"] * (1 + error * 8 / 100)
+        assert b["actor/reward_kl_penalty_coeff"] == pytest.approx(expected, rel=1e-12)
+    assert rows[-1]["actor/reward_kl_penalty_coeff"] != 0.001

@@ -1,6 +1,6 @@
 """grpo.py's step phases against an independent computation, at 1 and 2 ranks.
 
-tests/loop_worker.py runs grpo.group_advantages, grpo.update_actor (fsdp_train.train_step with
+tests/loop_worker.py runs grpo.compute_advantages, grpo.update_actor (fsdp_train.train_step with
 grpo.grpo_loss_fn) and grpo.batch_metrics on a known batch under torchrun. Here the same quantities are
 written out from veRL's formulas in plain PyTorch (one process, the whole batch, no losses.py), with
 the recipe's regularisers on (entropy_coeff 0.003, low_var_kl 0.001), temperature 0.7, clip 0.2 / 0.28
@@ -23,7 +23,18 @@ import math
 
 import pytest
 import torch
-from loop_worker import BYPASS_RS, CORRECTION_RS, EMPTY_ROW, REWARDS, ROLLOUT_LOGPROB, empty_response, global_batch
+from loop_worker import (
+    BYPASS_RS,
+    CORRECTION_RS,
+    EMPTY_ROW,
+    ESTIMATORS,
+    FAMILY,
+    HOLES,
+    REWARDS,
+    ROLLOUT_LOGPROB,
+    empty_response,
+    global_batch,
+)
 from transformers import AutoModelForCausalLM
 
 import fp32_noise
@@ -37,7 +48,63 @@ S3 = 1 / math.sqrt(3)
 DEVIATIONS = [0.75, -0.25, -0.25, -0.25, 0.5, 0.5, -0.5, -0.5, 0.0, 0.0, 0.0, 0.0, 0.25, 0.25, 0.25, -0.75]
 STDS = [0.5] * 4 + [S3] * 4 + [0.0] * 4 + [0.5] * 4
 ADVANTAGES = [d / (s + 1e-6) for d, s in zip(DEVIATIONS, STDS, strict=True)]
-MODES = ("off_policy", "on_policy", "seq_mean_empty")
+MODES = ("off_policy", "on_policy", "seq_mean_empty", *FAMILY)
+AGG = {"seq_mean_empty": "seq-mean-token-mean", "gspo": "seq-mean-token-mean", "token_sum": "token-sum"}
+AGG["sum_norm"] = "seq-mean-token-sum-norm"  # the other modes: token-mean
+TAU_POS, TAU_NEG, SCALE_FACTOR = 1.5, 1.05, 5.0  # FAMILY's sapo and sum_norm
+
+
+def aggregate(agg: str, x, mask):
+    """veRL's agg_loss written out over the whole batch (the seq-mean modes count all 16 rows)."""
+    if agg == "seq-mean-token-mean":
+        return ((x * mask).sum(-1) / (mask.sum(-1) + 1e-8)).sum() / 16
+    if agg == "token-sum":
+        return (x * mask).sum()
+    if agg == "seq-mean-token-sum-norm":
+        return (x * mask).sum(-1).sum() / 16 / SCALE_FACTOR
+    return (x * mask).sum() / mask.sum()
+
+
+def policy_term(mode: str, logp, old, adv, mask) -> tuple:
+    """(pg_loss, its metrics) of the mode's policy loss, veRL's formula over the whole batch."""
+    agg = AGG.get(mode, "token-mean")
+    d = logp - old  # [B, R]
+    ratio = d.clamp(-20, 20).exp()
+
+    def token_mean(x):
+        return (x * mask).sum() / mask.sum()
+
+    if mode == "gspo":  # the sequence's mean log-ratio as every token's ratio (value), gradient through its own logp
+        seq = (d * mask).sum(-1) / mask.sum(-1).clamp(min=1)  # [B]
+        s = torch.exp(seq.detach()[:, None].clamp(max=10)) * torch.exp(logp - logp.detach())
+        loss1, loss2 = -adv * s, -adv * s.clamp(1 - CLIP_LOW, 1 + CLIP_HIGH)
+        pg = aggregate(agg, torch.maximum(loss1, loss2), mask)
+        return pg, {"actor/pg_clipfrac": token_mean((loss2 > loss1).float()), "actor/ppo_kl": token_mean(-d)}
+    if mode == "cispo":  # clip_ratio_low 10: only the upper bound 1 + CLIP_HIGH acts
+        c = ratio.clamp(max=1 + CLIP_HIGH)
+        pg = aggregate(agg, -c.detach() * adv * logp, mask)
+        return pg, {"actor/pg_clipfrac": token_mean((ratio > c).float()), "actor/ppo_kl": token_mean(-d.clamp(-20, 20))}
+    if mode == "sapo":  # always seq-mean-token-mean over all 16 rows
+        tau = torch.where(adv > 0, TAU_POS, TAU_NEG)
+        gate = torch.sigmoid(tau * (ratio - 1)) * 4 / tau
+        pg = aggregate("seq-mean-token-mean", -gate * adv, mask)
+        return pg, {"actor/pg_clipfrac": torch.zeros(()), "actor/ppo_kl": token_mean(-d.clamp(-20, 20))}
+    if mode == "geo_mean":  # per row: exp(mean of the log-ratios clipped by the sign of A), times the mean A
+        n = mask.sum(-1) + 1e-8
+        g = torch.where(adv > 0, d.clamp(max=CLIP_HIGH), torch.where(adv < 0, d.clamp(min=-CLIP_LOW), 0 * d))
+        pg = (-(adv * mask).sum(-1) / n * torch.exp((g * mask).sum(-1) / n)).mean()
+        outside = (d < -CLIP_LOW) | (d > CLIP_HIGH)
+        return pg, {
+            "actor/pg_clipfrac": token_mean((outside & (adv > 0)).float()),
+            "actor/pg_clipfrac_lower": token_mean((outside & (adv < 0)).float()),
+            "actor/ppo_kl": token_mean(-d),
+        }
+    pg, upper, lower, ppo_kl = ppo_terms(logp, old, adv)
+    return aggregate(agg, pg, mask), {
+        "actor/pg_clipfrac": token_mean(upper),
+        "actor/pg_clipfrac_lower": token_mean(lower),
+        "actor/ppo_kl": token_mean(ppo_kl),
+    }
 
 
 def forward(model, b: dict) -> tuple[torch.Tensor, torch.Tensor]:
@@ -87,7 +154,8 @@ def reference(model, mode: str) -> dict:
     """The metrics and the SGD step (lr 1: before - after = the gradient) of one update on the whole batch,
     from the formulas, in the model's dtype (float64: the reference; float32: measures the fp32 noise,
     tests/fp32_noise.py). Returns {metric: value, "step": {name: before - after}}. seq_mean_empty: row
-    EMPTY_ROW has no response tokens and the loss terms are seq-mean-token-mean over ALL 16 rows."""
+    EMPTY_ROW has no response tokens and the loss terms are seq-mean-token-mean over ALL 16 rows. FAMILY
+    modes: off-policy, with that loss mode or aggregation (tests/loop_worker.py)."""
     on_policy, seq_mean_empty = mode == "on_policy", mode == "seq_mean_empty"
     dtype = next(model.parameters()).dtype
     b = global_batch(model.config.vocab_size)
@@ -98,23 +166,19 @@ def reference(model, mode: str) -> dict:
     def token_mean(x):
         return (x * mask).sum() / mask.sum()
 
-    def loss_mean(x):  # actor.loss_agg_mode
-        if not seq_mean_empty:
-            return token_mean(x)
-        return ((x * mask).sum(-1) / (mask.sum(-1) + 1e-8)).sum() / 16  # veRL: / all rows, the empty one too
-
     adv = torch.tensor(ADVANTAGES, dtype=dtype)[:, None] * mask  # [B, R]
-    pg, upper, lower, ppo_kl = ppo_terms(logp, logp.detach() if on_policy else b["old_logprobs"], adv)
+    old = logp.detach() if on_policy else b["old_logprobs"]
+    pg, metrics = policy_term(mode, logp, old, adv, mask)
     kl = low_var_kl(logp, b["ref_logprobs"])
-    loss = loss_mean(pg) - ENTROPY_COEFF * loss_mean(entropy) + KL_COEF * loss_mean(kl)
+    agg = AGG.get(mode, "token-mean")  # the entropy and KL terms: actor.loss_agg_mode, whatever the loss mode
+    loss = pg - ENTROPY_COEFF * aggregate(agg, entropy, mask) + KL_COEF * aggregate(agg, kl, mask)
     model.zero_grad(set_to_none=True)
     loss.backward()
     metrics = {
-        "actor/pg_loss": loss_mean(pg),
-        "actor/kl_loss": loss_mean(kl),
-        "actor/ppo_kl": token_mean(ppo_kl),
-        "actor/pg_clipfrac": token_mean(upper),
-        "actor/pg_clipfrac_lower": token_mean(lower),
+        "actor/pg_loss": pg,
+        "actor/kl_loss": aggregate(agg, kl, mask),
+        "actor/pg_clipfrac_lower": torch.zeros(()),
+        **metrics,
         "actor/grad_norm": grad_norm(model),
     }
     if on_policy:  # what the skipped old-log-prob pass would have logged
@@ -432,3 +496,96 @@ def test_lr_schedule_and_logged_lr_follow_verl(runs, world):
         assert rep["cosine"]["lr"] == pytest.approx([0.005, 0.01, 0.0055, 0.001])
         for name in ("constant", "cosine"):
             assert rep[name]["unchanged"] == [True, False, False, False]
+
+
+# ------------------------------------------------------------------------------ advantage estimators
+KL_BETA, GAMMA = 0.05, 0.9  # loop_worker.ESTIMATORS' kl_ctrl.kl_coef and rf_kl's gamma
+
+
+def whiten(x, mask):
+    """veRL's masked_whiten written out: over every kept token of the batch, unbiased, its 1e-8s."""
+    values = x[mask.bool()]
+    n = values.numel()
+    mean = values.sum() / (n + 1e-8)
+    var = ((values - mean) ** 2).sum() / (n + 1e-8) * n / (n - 1)
+    return (x - mean) / torch.sqrt(var + 1e-8) * mask
+
+
+def discounted_returns(rewards, mask, gamma):
+    """G_t = r_t + gamma G_next over the kept tokens, from the last; a rejected token passes G on."""
+    returns = torch.zeros_like(rewards)
+    for i in range(rewards.shape[0]):
+        running = torch.zeros((), dtype=rewards.dtype)
+        for t in reversed(range(rewards.shape[1])):
+            if mask[i, t]:
+                running = rewards[i, t] + gamma * running
+                returns[i, t] = running
+    return returns
+
+
+def estimator_reference(name: str, dtype) -> dict:
+    """veRL's apply_kl_penalty + compute_advantage for loop_worker.ESTIMATORS[name], written out in dtype on the
+    whole batch with loop_worker.HOLES rejected: the scores at each response's last token, minus KL_BETA times the
+    old-vs-reference KL on every SAMPLED token (rejected ones too); then the estimator over the kept tokens."""
+    b = global_batch(100)
+    sampled = b["response_mask"].to(dtype)  # [16, R]
+    mask = sampled.clone()
+    for row, token in HOLES:
+        mask[row, token] = 0.0
+    rewards = torch.zeros_like(sampled)
+    rewards[torch.arange(16), sampled.sum(-1).long() - 1] = torch.tensor(REWARDS, dtype=dtype)
+    out = {}
+    if "algorithm.use_kl_in_reward=true" in ESTIMATORS[name]:
+        x = (b["old_logprobs"] - b["ref_logprobs"]).to(dtype)
+        kl = ((-x).exp() + x - 1).clamp(-10, 10) if name == "grpo_kl" else x  # low_var_kl, or kl (k1)
+        kl = kl * sampled
+        rewards = rewards - KL_BETA * kl
+        out["actor/reward_kl_penalty"] = (kl.sum(-1) / (sampled.sum(-1) + 1e-8)).mean().item()
+    r = rewards.sum(-1).view(4, 4)  # [prompts, n]
+    if name.startswith("rloo"):
+        per_row = r - (r.sum(-1, keepdim=True) - r) / 3  # minus the mean of the other three
+        advantages = returns = per_row.reshape(16, 1) * mask
+    elif name == "rf_baseline":
+        advantages = returns = whiten((r - r.mean(-1, keepdim=True)).reshape(16, 1) * mask, mask)
+    elif name == "rf_kl":
+        returns = discounted_returns(rewards, mask, GAMMA)
+        advantages = whiten(returns, mask)
+    else:  # grpo
+        advantages = returns = ((r - r.mean(-1, keepdim=True)) / (r.std(-1, keepdim=True) + 1e-6)).reshape(16, 1) * mask
+    for key, values in (("critic/rewards", rewards.sum(-1)), ("critic/returns", returns[mask.bool()])):
+        out.update({f"{key}/mean": values.mean().item(), f"{key}/max": values.max().item()})
+        out[f"{key}/min"] = values.min().item()
+    return {**out, "token_level_rewards": rewards, "advantages": advantages, "returns": returns}
+
+
+@pytest.mark.parametrize("world", [1, 2])
+@pytest.mark.parametrize("name", list(ESTIMATORS))
+def test_dumped_advantages_of_each_estimator_equal_the_formulas(runs, world, name):
+    """grpo.compute_advantages (whole-batch whitening, the KL in the reward before rejection) and data.dump_batch
+    at 1 and 2 ranks: the dumped per-token rewards, advantages and returns, the response mask with its rejected
+    tokens, and the logged KL metrics equal veRL's formulas within FACTOR x the fp32 noise."""
+    reports, folder = runs[world]
+    ref, noise = fp32_noise.measure(lambda dtype: estimator_reference(name, dtype))
+    dump = torch.load(folder / f"dump_{name}" / "step_1.pt")
+    for key in ("token_level_rewards", "advantages", "returns"):
+        fp32_noise.check(dump[key], ref[key], noise[key], f"world {world} {name} {key}")
+    assert [(r, t) for r, t in HOLES if dump["response_mask"][r, t] == 0] == HOLES
+    for rep in reports:
+        metrics = rep["estimators"][name]
+        for key in (k for k in ref if k.startswith("critic/")):  # the rewards after the KL, the unwhitened returns
+            fp32_noise.check(metrics["batch"][key], ref[key], noise[key], f"world {world} {name} {key}")
+        if "actor/reward_kl_penalty" in ref:
+            key = "actor/reward_kl_penalty"
+            fp32_noise.check(metrics[key], ref[key], noise[key], f"world {world} {name} {key}")
+            assert metrics["actor/reward_kl_penalty_coeff"] == KL_BETA
+        else:
+            assert set(metrics) == {"batch"}
+
+
+def test_the_estimators_are_told_apart_by_this_batch():
+    """A mixed-up estimator (or a KL term left out) would fail the test above: their advantages all differ."""
+    advantages = {name: estimator_reference(name, torch.float64)["advantages"] for name in ESTIMATORS}
+    names = list(advantages)
+    for i, a in enumerate(names):
+        for b in names[i + 1 :]:
+            assert (advantages[a] - advantages[b]).abs().max() > 1e-3, (a, b)

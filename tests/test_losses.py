@@ -43,6 +43,7 @@ MASK = T([[1.0, 1.0, 0.0], [1.0, 0.0, 0.0], [0.0, 0.0, 0.0]])  # third row fully
         ("seq-mean-token-sum", (3 + 4) / 2),  # the empty row is not a sequence
         ("seq-mean-token-mean", (1.5 + 4) / 2),
         ("seq-mean-token-sum-norm", 3.5 / 3),  # / T (max response length)
+        ("token-sum", 7.0),  # 1 + 2 + 4: no normaliser
     ],
 )
 def test_agg_loss_modes_hand_computed(mode, expected):
@@ -51,6 +52,7 @@ def test_agg_loss_modes_hand_computed(mode, expected):
 
 def test_agg_loss_global_counts_and_scale_factor():
     assert agg_loss(VALUES, MASK, "token-mean", num_tokens=6).item() == pytest.approx(7 / 6)
+    assert agg_loss(VALUES, MASK, "token-sum", num_tokens=6, num_seqs=4).item() == 7.0  # counts play no part
     assert agg_loss(VALUES, MASK, "seq-mean-token-sum", num_seqs=4).item() == pytest.approx(7 / 4)
     assert agg_loss(VALUES, MASK, "seq-mean-token-mean", num_seqs=5).item() == pytest.approx(5.5 / 5)
     assert agg_loss(VALUES, MASK, "seq-mean-token-sum-norm", scale_factor=7).item() == pytest.approx(0.5)
@@ -58,7 +60,7 @@ def test_agg_loss_global_counts_and_scale_factor():
 
 
 def test_agg_loss_all_masked_is_zero_not_nan():
-    for mode in ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"):
+    for mode in ("token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"):
         assert agg_loss(VALUES, torch.zeros_like(MASK), mode).item() == 0.0
 
 
@@ -94,7 +96,7 @@ def test_property_aggregating_a_constant_gives_the_constant(c, lengths):
 @pytest.mark.parametrize(
     "call, match",
     [
-        (lambda: agg_loss(VALUES, MASK, "token-sum"), "token-mean, seq-mean-token-sum"),
+        (lambda: agg_loss(VALUES, MASK, "sum"), "token-mean, token-sum, seq-mean-token-sum"),
         (lambda: agg_loss(VALUES, MASK[:2]), "shapes must match"),
         (lambda: agg_loss(VALUES[0], MASK[0]), r"\[batch, tokens\]"),
         (lambda: masked_mean(VALUES, MASK[:, :2]), "shapes must match"),
