@@ -179,9 +179,15 @@ def test_config_file_errors(tmp_path):
         config.load_config(str(bad), [])
 
 
+def error_line_of_call(result: dict) -> str:
+    """The one line a cli_calls call that stopped with an error printed: status 1, nothing else on stderr."""
+    assert result["exit"] == 1 and len(result["stderr"].splitlines()) == 1, result
+    return result["stderr"].rstrip("\n")
+
+
 def test_cli_stops_with_one_line_before_loading_anything(cli):
     results, files = cli
-    assert results["bad override"]["exit"] == "error: config: actor.lr = 'x' has type str; expected float"
+    assert error_line_of_call(results["bad override"]) == "error: config: actor.lr = 'x' has type str; expected float"
     assert not os.path.exists(files["never"])
 
 
@@ -254,7 +260,8 @@ def test_model_directory_without_weights_or_config(tmp_path):
 @pytest.fixture(scope="module")
 def cli(tiny_build, reward_files, tmp_path_factory) -> tuple[dict, dict]:
     """The command lines of these tests that stop before a model loads, run in ONE process (tests/cli_calls.py:
-    importing vLLM costs seconds per process): ({name: {"stdout", "exit"}}, {name: a file they read or write})."""
+    importing vLLM costs seconds per process): ({name: {"stdout", "stderr", "exit"}}, {name: a file they read or
+    write})."""
     root = tmp_path_factory.mktemp("cli")
     files = {"gsm": write_jsonl(root / "gsm.jsonl", GSM), "other": write_jsonl(root / "other.jsonl", VERL)}
     files["bad"] = write_jsonl(root / "bad.jsonl", [GSM[0], {"question": "no answer"}])
@@ -395,7 +402,7 @@ def test_rows_without_a_scorer_stop_at_start_up(cli, call):
     """Without a reward file only GSM8K rows can be scored: training rows, validation rows and val_only's rows of
     another data source stop the run before a model loads, in one line naming the file and the row."""
     results, files = cli
-    assert results[call]["exit"] == (
+    assert error_line_of_call(results[call]) == (
         f"error: data: {files['other']} row 1: data_source 'my/task' has no built-in scorer; accepted: "
         "openai/gsm8k, or a reward file in custom_reward_function.path"
     )
@@ -404,7 +411,7 @@ def test_rows_without_a_scorer_stop_at_start_up(cli, call):
 
 def test_cli_bad_data_and_world_size_stop_with_one_line(cli, tmp_path, tiny_build):
     results, files = cli
-    assert results["bad data"]["exit"] == (
+    assert error_line_of_call(results["bad data"]) == (
         f"error: data: {files['bad']}: row 1: missing field 'answer' "
         "(accepted layouts: question/answer, or prompt/reward_model.ground_truth)"
     )
@@ -1174,7 +1181,7 @@ def test_a_constant_reward_file_gives_exactly_that_score(tiny_build, val_file, r
 )
 def test_bad_reward_files_stop_with_one_line(cli, reward_files, key, message):
     results, _ = cli
-    assert results[key]["exit"].startswith(message.format(**reward_files))
+    assert error_line_of_call(results[key]).startswith(message.format(**reward_files))
 
 
 def test_a_reward_of_nan_stops_the_run_with_one_line_naming_the_row(tiny_build, reward_files, tmp_path):
