@@ -468,7 +468,7 @@ def test_every_end_of_a_run_is_clean(tiny_build, tmp_path):
     as 2 torchrun ranks: exit status 1 (143 after the stop's checkpoint line) and the run's line last, however
     late a native thread is (cluster.end_process). Through the interpreter's finalization, each of these ends
     aborts after that line instead ("terminate called without an active exception", status -6)."""
-    plan = end_cases(reps=8)
+    plan = end_cases(reps=4)
     (tmp_path / "plan.json").write_text(json.dumps(plan))
     out = tmp_path / "out"
     out.mkdir()
