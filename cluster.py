@@ -1,15 +1,18 @@
 """Running on a cluster: what each node fetches, the checks that several nodes see one output directory,
-the resume point chosen once, stop signals (preemption) turned into a clean checkpoint, and the RNG states a
-checkpoint carries. Plumbing for grpo.py, not the algorithm. Every function is collective: call it on all ranks.
+the resume point chosen once, stop signals (preemption) turned into a clean checkpoint, how a rank's process
+ends, and the RNG states a checkpoint carries. Plumbing for grpo.py, not the algorithm. The functions that
+communicate are collective: call them on all ranks.
 
     model_dir = node_first(lambda first: resolve_model(path, download=first))   # one download per node
     check_shared_dir("runs/gsm8k")      # else one line: the nodes do not share trainer.output_dir
     catch_stop_signals(); ...; if stop_requested(): save, exit 128 + signal
+    end_process(status)                 # the last call: the last line printed is the last thing that happens
 """
 
 import os
 import random
 import signal
+import sys
 import time
 
 import numpy as np
@@ -97,6 +100,24 @@ def stop_requested() -> int:
     flag = torch.tensor([_stop["signal"]], dtype=torch.int64)
     dist.all_reduce(flag, op=dist.ReduceOp.MAX)
     return int(flag.item())
+
+
+def end_process(status: int):
+    """Flush the console and end the process with `status` now, WITHOUT the interpreter's finalization (os._exit).
+
+    Why: native threads can still be busy when the main thread is done, and some of them touch Python objects.
+    gloo's worker thread hands a collective's result over, then drops the collective's work; its tensors keep
+    their Python objects alive once Python has let go of them (as after all_gather_object), so dropping them
+    takes the GIL. A thread that asks for the GIL after Python's finalization has begun is ended with
+    pthread_exit (CPython 3.11-3.13), whose unwinding cannot pass a C++ noexcept destructor (here
+    ~AsyncAllgatherWork): std::terminate, "terminate called without an active exception" after our last line,
+    exit 134 instead of 1 or 143. It takes a thread scheduled late (a loaded machine), and any native thread
+    running then (the engine's, torch's, NCCL's) can do the same. Ending here leaves no finalization to race
+    with, and spares the ~8 s it takes with vLLM and torch loaded. Nothing is lost: flatgrpo closes every file
+    it writes when written and the log handlers flush each record; the libraries' atexit hooks do not run."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)
 
 
 # ---------------------------------------------------------------------------------- RNG states

@@ -50,7 +50,8 @@ from config import ConfigError  # noqa: E402
 from logs import log0, timed  # noqa: E402
 
 
-def main(argv=None):
+def main(argv=None) -> int:
+    """`python grpo.py ARGV` in-process: returns the exit status (1 after the one line `error: ...` on stderr)."""
     ap = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0],
         epilog=__doc__.split("\n\n")[1],
@@ -65,15 +66,18 @@ def main(argv=None):
     try:  # bad config, data, reward file or world size: one line, no traceback
         cfg = config.load_config(args.config, args.overrides)
         if args.print_config:
-            return print(yaml.safe_dump(cfg, sort_keys=False), end="")
-        evaluate(cfg) if cfg["trainer"]["val_only"] else train(cfg)
+            print(yaml.safe_dump(cfg, sort_keys=False), end="")
+            return 0
+        return evaluate(cfg) if cfg["trainer"]["val_only"] else train(cfg)
     except (ConfigError, yaml.YAMLError, metrics.OutOfSync) as e:
-        sys.exit(f"error: {e}")
+        print(f"error: {e}", file=sys.stderr)
+        return 1
 
 
 def train(cfg: dict):
     """The whole run: build everything once, then one GRPO step per global step. A stop signal (SIGTERM
-    from a scheduler or torchrun, Ctrl-C) ends the run after the current step, with a checkpoint of it."""
+    from a scheduler or torchrun, Ctrl-C) ends the run after the current step, with a checkpoint of it.
+    Returns the exit status: 0, or 128 + the signal after a stop."""
     run = setup(cfg)
     progress = logs.Progress(run.rank, run.start, run.total_steps)
     for step in range(run.start, run.total_steps + 1):
@@ -86,6 +90,7 @@ def train(cfg: dict):
             return stop(run, step, signum)
     progress.close()
     finish(run)
+    return 0
 
 
 def grpo_step(run: "Run", step: int) -> dict:
@@ -820,8 +825,9 @@ def save(run: Run, step: int) -> str:
 
 
 def stop(run: Run, step: int, signum: int):
-    """A stop signal arrived during `step`: checkpoint that step (unless just done) and exit 128 + signal, as
-    a signalled process does; trainer.resume=auto continues at step + 1. No validation, export or curves."""
+    """A stop signal arrived during `step`: checkpoint that step (unless just done); returns the exit status
+    128 + signal, a signalled process's; trainer.resume=auto continues at step + 1. No validation, export
+    or curves."""
     path = os.path.join(run.cfg["trainer"]["output_dir"], "checkpoints", f"step_{step}")
     if run.saved != step:
         path = save(run, step)
@@ -830,8 +836,10 @@ def stop(run: Run, step: int, signum: int):
         f"stopped by {signal.Signals(signum).name} after step {step}: checkpoint {path}; run again with "
         "trainer.resume=auto to continue",
     )
+    if run.logger.wandb is not None:  # its atexit hook does not run (cluster.end_process)
+        run.logger.wandb.finish(exit_code=128 + signum)
     close(run)
-    sys.exit(128 + signum)
+    return 128 + signum
 
 
 def finish(run: Run):
@@ -853,7 +861,7 @@ def evaluate(cfg: dict):
     """trainer.val_only: the model (model.path: a local directory, a hub id or a run's hf/ export) is loaded
     into vLLM only, validated, and the metrics printed and written to <output_dir>/val_metrics.jsonl (step 0).
     No trainer, optimizer, reference model, checkpoint or export. With model.lora_adapter_path: model.path plus
-    that adapter, merged into the engine as a training step pushes it."""
+    that adapter, merged into the engine as a training step pushes it. Returns the exit status (0)."""
     rank, world, device = fsdp_train.init_distributed()
     score = data.make_scorer(cfg)
     logs.route_library_logs(cfg["trainer"]["output_dir"], rank, cfg["trainer"]["verbose"])
@@ -865,6 +873,7 @@ def evaluate(cfg: dict):
     logger.log(0, validate(run, 0))
     logger.close()
     close(run)
+    return 0
 
 
 def push_adapter(run: Run, model_path: str, device) -> None:
@@ -881,4 +890,4 @@ def sample_seed(seed: int, gen_batch: int, rank: int) -> int:
 
 
 if __name__ == "__main__":
-    main()
+    cluster.end_process(main())  # nothing after the last line: no interpreter finalization (see there)

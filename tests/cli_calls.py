@@ -4,9 +4,9 @@ them only once. Each call is grpo.main(argv), what `python grpo.py ARGV` runs.
 
     python tests/cli_calls.py CALLS.json      # CALLS.json: {"name": [argv, ...], ...}
 
-prints one JSON object {"name": {"stdout": what the call printed, "exit": its exit message or code (None: it
-returned)}} as its last line. Calls run in the file's order; a call that fails with anything but SystemExit stops
-the script (a traceback, as a separate process would show).
+prints one JSON object {"name": {"stdout", "stderr": what the call printed, "exit": the status grpo.main returned,
+or argparse's SystemExit code (--help: 0)}} as its last line. Calls run in the file's order; a call that fails
+with anything but SystemExit stops the script (a traceback, as a separate process would show).
 """
 
 import contextlib
@@ -17,20 +17,22 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+import cluster  # noqa: E402
 import grpo  # noqa: E402
 
 
 def call(argv: list[str]) -> dict:
-    out, code = io.StringIO(), None
-    with contextlib.redirect_stdout(out):
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
         try:
-            grpo.main(argv)
+            code = grpo.main(argv)
         except SystemExit as e:
             code = e.code
-    return {"stdout": out.getvalue(), "exit": code}
+    return {"stdout": out.getvalue(), "stderr": err.getvalue(), "exit": code}
 
 
 if __name__ == "__main__":
     with open(sys.argv[1]) as f:
         calls = json.load(f)
     print(json.dumps({name: call(argv) for name, argv in calls.items()}))
+    cluster.end_process(0)  # as grpo.py ends: calls that set up a process group leave gloo's threads behind

@@ -11,9 +11,10 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+import cluster  # noqa: E402
 import fsdp_train  # noqa: E402
 import grpo  # noqa: E402
 
 fsdp_train.logits_fn = lambda model: ("none", model.get_output_embeddings())  # the injected fault
 fsdp_train.check_logits_fn = lambda model: None  # ... which the load-time check would have caught
-grpo.main(sys.argv[1:])
+cluster.end_process(grpo.main(sys.argv[1:]))  # as grpo.py ends

@@ -9,8 +9,9 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+import cluster  # noqa: E402
 import grpo  # noqa: E402
 import sync  # noqa: E402
 
 sync.push_weights = lambda llm, named_tensors: 0  # the injected fault: nothing reaches the engine
-grpo.main(sys.argv[1:])
+cluster.end_process(grpo.main(sys.argv[1:]))  # as grpo.py ends

@@ -22,7 +22,7 @@ import fsdp_train
 import metrics
 import reward
 import rollout
-from conftest import ROOT
+from conftest import ROOT, free_port
 
 VAL_KEY = "val-core/openai/gsm8k/reward/mean@1"  # veRL's name of greedy validation accuracy on GSM8K
 
@@ -179,9 +179,15 @@ def test_config_file_errors(tmp_path):
         config.load_config(str(bad), [])
 
 
+def error_line_of_call(result: dict) -> str:
+    """The one line a cli_calls call that stopped with an error printed: status 1, nothing else on stderr."""
+    assert result["exit"] == 1 and len(result["stderr"].splitlines()) == 1, result
+    return result["stderr"].rstrip("\n")
+
+
 def test_cli_stops_with_one_line_before_loading_anything(cli):
     results, files = cli
-    assert results["bad override"]["exit"] == "error: config: actor.lr = 'x' has type str; expected float"
+    assert error_line_of_call(results["bad override"]) == "error: config: actor.lr = 'x' has type str; expected float"
     assert not os.path.exists(files["never"])
 
 
@@ -254,7 +260,8 @@ def test_model_directory_without_weights_or_config(tmp_path):
 @pytest.fixture(scope="module")
 def cli(tiny_build, reward_files, tmp_path_factory) -> tuple[dict, dict]:
     """The command lines of these tests that stop before a model loads, run in ONE process (tests/cli_calls.py:
-    importing vLLM costs seconds per process): ({name: {"stdout", "exit"}}, {name: a file they read or write})."""
+    importing vLLM costs seconds per process): ({name: {"stdout", "stderr", "exit"}}, {name: a file they read or
+    write})."""
     root = tmp_path_factory.mktemp("cli")
     files = {"gsm": write_jsonl(root / "gsm.jsonl", GSM), "other": write_jsonl(root / "other.jsonl", VERL)}
     files["bad"] = write_jsonl(root / "bad.jsonl", [GSM[0], {"question": "no answer"}])
@@ -395,7 +402,7 @@ def test_rows_without_a_scorer_stop_at_start_up(cli, call):
     """Without a reward file only GSM8K rows can be scored: training rows, validation rows and val_only's rows of
     another data source stop the run before a model loads, in one line naming the file and the row."""
     results, files = cli
-    assert results[call]["exit"] == (
+    assert error_line_of_call(results[call]) == (
         f"error: data: {files['other']} row 1: data_source 'my/task' has no built-in scorer; accepted: "
         "openai/gsm8k, or a reward file in custom_reward_function.path"
     )
@@ -404,7 +411,7 @@ def test_rows_without_a_scorer_stop_at_start_up(cli, call):
 
 def test_cli_bad_data_and_world_size_stop_with_one_line(cli, tmp_path, tiny_build):
     results, files = cli
-    assert results["bad data"]["exit"] == (
+    assert error_line_of_call(results["bad data"]) == (
         f"error: data: {files['bad']}: row 1: missing field 'answer' "
         "(accepted layouts: question/answer, or prompt/reward_model.ground_truth)"
     )
@@ -412,6 +419,90 @@ def test_cli_bad_data_and_world_size_stop_with_one_line(cli, tmp_path, tiny_buil
     assert proc.returncode != 0 and "ConfigError" not in proc.stderr  # torchrun adds its own traceback, ranks none
     assert "error: config: actor.ppo_mini_batch_size (3) must be a multiple of the world size (2)" in proc.stderr
     assert not (tmp_path / "ws" / "metrics.jsonl").exists()
+
+
+# Every documented end of a run, many times over (tests/exit_worker.py: children forked from one torchrun run, with
+# a native thread busy in torch when each ends): name -> (overrides, the line the run's stderr ends with, or its start)
+ENDS = {
+    "config": (["actor.lr=x"], "error: config: actor.lr = 'x' has type str; expected float"),
+    "hub_id": (["model.path=nobody/no-such-model"], "error: config: model.path = 'nobody/no-such-model': not a local"),
+    "local_dir": (["model.path=/nonexistent/model"], "error: config: model.path = '/nonexistent/model': no such dir"),
+    "data_file": (["data.train=/no/such/train.jsonl"], "error: data: /no/such/train.jsonl does not exist (accepted:"),
+    "reward_file": (
+        ["custom_reward_function.path=/no/such/reward.py"],
+        "error: config: custom_reward_function.path = '/no/such/reward.py': no such file",
+    ),
+}
+ENDS_2_RANKS = {
+    "world_size": (
+        ["data.train_batch_size=3", "actor.ppo_mini_batch_size=3"],
+        "error: config: actor.ppo_mini_batch_size (3) must be a multiple of the world size (2)",
+    ),
+    "shared_dir": ([], "error: config: trainer.output_dir = "),  # rank 1 does not see rank 0's directory
+}
+STOP = ["rollout.n=2", "data.train_batch_size=2", "actor.ppo_mini_batch_size=2", "data.max_response_length=8"]
+STOP += ["trainer.total_steps=2", "trainer.val_every=0", "trainer.save_every=0", "trainer.export_hf=false"]
+STOP += ["actor.use_kl_loss=false"]
+
+
+def end_cases(reps: int) -> list[dict]:
+    """exit_worker.py's plan: every error end `reps` times as `python grpo.py` (world 1) and as 2 torchrun ranks,
+    and a SIGTERM stop once in each (it runs a step)."""
+    cases = []
+    for world in (1, 2):
+        ends = {**ENDS, **ENDS_2_RANKS} if world == 2 else ENDS
+        for name, (overrides, _) in ends.items():
+            argv = ["--config", "tiny.yaml", *overrides]
+            cases.append({"name": name, "argv": argv, "world": world, "reps": reps, "blind": name == "shared_dir"})
+        cases.append(
+            {"name": "stop", "argv": ["--config", "tiny.yaml", *STOP], "world": world, "reps": 1, "stop": True}
+        )
+    for case in cases:
+        case["name"] += f"-{case['world']}"
+    return cases
+
+
+def test_every_end_of_a_run_is_clean(tiny_build, tmp_path):
+    """Each documented end of a run (bad config value, hub id with no hub, missing model directory, missing data
+    file, missing reward file, world size, a node blind to the output directory, SIGTERM) as `python grpo.py` and
+    as 2 torchrun ranks: exit status 1 (143 after the stop's checkpoint line) and the run's line last, however
+    late a native thread is (cluster.end_process). Through the interpreter's finalization, each of these ends
+    aborts after that line instead ("terminate called without an active exception", status -6)."""
+    plan = end_cases(reps=4)
+    (tmp_path / "plan.json").write_text(json.dumps(plan))
+    out = tmp_path / "out"
+    out.mkdir()
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "HF_HUB_CACHE": str(tmp_path / "hub")}
+    torchrun = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node",
+        "2",
+        "--master_port",
+        str(free_port()),
+    ]
+    cmd = [*torchrun, "tests/exit_worker.py", str(tmp_path / "plan.json"), str(out)]
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    ranks = [json.loads((out / f"rank{rank}.json").read_text()) for rank in (0, 1)]
+    for case in plan:
+        ends = [end for results in ranks for end in results.get(case["name"], [])]
+        assert len(ends) == case["reps"] * case["world"], case["name"]
+        for end in ends:
+            assert "terminate called" not in end["stderr"], (case["name"], end)
+            if case.get("stop"):
+                assert end["status"] == 143, (case["name"], end)
+                checkpoint = out / f"{case['name']}-0" / "checkpoints" / "step_1"
+                if end["rank"] == 0 or case["world"] == 1:
+                    assert end["stdout"].splitlines()[-1] == (
+                        f"stopped by SIGTERM after step 1: checkpoint {checkpoint}; run again with "
+                        "trainer.resume=auto to continue"
+                    )
+                assert fsdp_train.list_checkpoints(str(checkpoint.parent)) == [str(checkpoint)]
+            else:
+                message = {**ENDS, **ENDS_2_RANKS}[case["name"].rsplit("-", 1)[0]][1]
+                assert end["status"] == 1 and end["stderr"].splitlines()[-1].startswith(message), (case["name"], end)
 
 
 # ------------------------------------------------------------------------------------- data
@@ -1090,7 +1181,7 @@ def test_a_constant_reward_file_gives_exactly_that_score(tiny_build, val_file, r
 )
 def test_bad_reward_files_stop_with_one_line(cli, reward_files, key, message):
     results, _ = cli
-    assert results[key]["exit"].startswith(message.format(**reward_files))
+    assert error_line_of_call(results[key]).startswith(message.format(**reward_files))
 
 
 def test_a_reward_of_nan_stops_the_run_with_one_line_naming_the_row(tiny_build, reward_files, tmp_path):
