@@ -8,6 +8,7 @@ fp32 bounds are fp32_noise.FACTOR x the fp32 noise measured at test time (tests/
 """
 
 import copy
+import functools
 import json
 import os
 
@@ -357,12 +358,13 @@ def test_vllm_serves_the_merged_policy_after_a_push(trained, random_models, monk
     model.load_state_dict(ft._with_adapters(state, model.lora_config, lora))
     before = {k: v.clone() for k, v in model.state_dict().items()}
     llm = rollout.make_engine(path, dtype="float32", max_model_len=256, gpu_memory_utilization=0.2, seed=0)
-    assert sync.check_sync(llm, model) > 1e-2  # the engine serves the base: the adapters matter
+    trainer_logprobs = functools.partial(ft.sequence_logprobs, model)  # the trainer's own log-prob path
+    assert sync.check_sync(llm, trainer_logprobs) > 1e-2  # the engine serves the base: the adapters matter
     pushed = [name for name, _ in sync.full_params(model)]
     assert sync.push_weights(llm, sync.full_params(model)) == len(pushed)
     assert not [n for n in pushed if "lora_" in n or "base_layer" in n]  # the base model's own names
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())  # out of place
-    assert sync.check_sync(llm, model) <= 1e-4
+    assert sync.check_sync(llm, trainer_logprobs) <= 1e-4
     samples = rollout.generate(llm, PROMPT, n=3, temperature=1.0, max_tokens=12, seed=1)
     probe = torch.load(trained[2][1] / "probe.pt")["batch"]
     ref, noise = fp32_noise.measure(lambda dtype: merged_logprobs(model, samples, probe, dtype))
@@ -374,7 +376,7 @@ def test_vllm_serves_the_merged_policy_after_a_push(trained, random_models, monk
     )
     sync.push_weights(llm, sync.full_params(model))
     monkeypatch.undo()
-    assert sync.check_sync(llm, model) > 1e-2
+    assert sync.check_sync(llm, trainer_logprobs) > 1e-2
     del llm
 
 
