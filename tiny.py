@@ -267,7 +267,7 @@ def build(out_dir: str = ".cache/tiny", seed: int = 0) -> dict[str, str]:
     }
     if os.path.exists(os.path.join(root, "COMPLETE")):
         return paths
-    say(f"building the offline tiny model, tokenizer and data in {root} (once: later runs reuse it; ~2 min on 2 cores)")
+    say(f"building the offline tiny model, tokenizer and data in {root} (once: later runs reuse it; ~4 min on 2 cores)")
     start = time.time()
     tmp = f"{root}.tmp-{os.getpid()}"
     os.makedirs(tmp, exist_ok=True)
