@@ -31,8 +31,12 @@ lint: install
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 
+# Two pytest workers (pytest-xdist) even on 2 cores: a 1-rank run keeps ~1.1 cores busy (imports, vLLM's
+# scheduling), so two at once fill the machine. --dist loadscope keeps a test file on one worker, so its
+# module fixtures (a run several tests read) run once. TEST_WORKERS=0: one process, as plain pytest.
+TEST_WORKERS ?= 2
 test: install lint
-	$(PY) -m pytest -q $(PYTEST_ARGS)
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadscope $(PYTEST_ARGS)
 
 # OMP_NUM_THREADS: the cores shared out over the ranks (torchrun would print a banner and pick 1).
 demo: install

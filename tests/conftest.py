@@ -40,10 +40,17 @@ def random_models(tiny_tokenizer, tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def tiny_build():
-    """The full tiny set-up (data, warm-started model): built once, cached in .cache/tiny."""
+    """The full tiny set-up (data, warm-started model): built once, cached in .cache/tiny. The pytest workers
+    (`make test` runs two) take a lock: one builds, the other waits and reuses the build."""
+    import fcntl
+
     import tiny
 
-    return tiny.build(os.path.join(ROOT, ".cache", "tiny"), seed=0)
+    cache = os.path.join(ROOT, ".cache", "tiny")
+    os.makedirs(cache, exist_ok=True)
+    with open(os.path.join(cache, ".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        return tiny.build(cache, seed=0)
 
 
 def run_torchrun(script: str, nproc: int, *args: str, timeout: int = 600, killed: bool = False) -> list[dict]:
@@ -58,7 +65,7 @@ def run_torchrun(script: str, nproc: int, *args: str, timeout: int = 600, killed
         "--nproc_per_node",
         str(nproc),
         "--master_port",
-        str(29500 + os.getpid() % 1000),
+        str(free_port()),
         os.path.join(ROOT, "tests", script),
         *args,
     ]

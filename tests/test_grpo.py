@@ -671,7 +671,7 @@ def run_grpo(
             "--nproc_per_node",
             str(nproc),
             "--master_port",
-            str(29600 + os.getpid() % 300),
+            str(free_port()),
             script,
         ]
     )
