@@ -9,8 +9,8 @@ grpo.grpo_loss_fn) once off-policy (dumped-style old log-probs: clipping and the
 once on-policy (from the same initial weights), and computes metrics.batch_metrics. The optimizer is
 SGD with lr 1 and no clipping, so weights_after - weights_before = -gradient. Rank 0 saves the
 weights; every rank reports its metrics (tests/reporting.py). The GRPO family: one off-policy update per
-FAMILY entry (a loss mode or aggregation), and per ESTIMATORS entry grpo.compute_advantages (with rejected
-tokens in the response mask) written out by data.dump_batch. Then 4 global steps with the real AdamW
+FAMILY entry (a loss mode, an aggregation, or two PPO epochs), and per ESTIMATORS entry grpo.compute_advantages
+(with rejected tokens in the response mask) written out by data.dump_batch. Then 4 global steps with the real AdamW
 and LR schedule (constant with one mini-batch per step, cosine with two) record the lr of every optimizer
 step and the logged actor/lr.
 
@@ -79,6 +79,7 @@ FAMILY = {  # one off-policy update each, on the grpo advantages (tests/test_loo
     "geo_mean": ["actor.policy_loss.loss_mode=geo_mean", "actor.ppo_max_token_len_per_gpu=4096"],  # 1 micro-batch
     "token_sum": ["actor.loss_agg_mode=token-sum"],
     "sum_norm": ["actor.loss_agg_mode=seq-mean-token-sum-norm", "actor.loss_scale_factor=5"],
+    "two_epochs": ["actor.ppo_epochs=2"],  # two optimizer steps on the batch, the second off the moved weights
 }
 KL_IN_REWARD = ["algorithm.use_kl_in_reward=true", "algorithm.kl_ctrl.kl_coef=0.05"]
 ESTIMATORS = {  # grpo.compute_advantages, then data.dump_batch (tests/test_loop.py: estimator_reference)

@@ -4,6 +4,7 @@
 import glob
 import json
 import os
+import random
 import re
 import shutil
 import signal
@@ -1071,7 +1072,9 @@ def test_val_only_logs_what_the_training_run_validated(e2e, val_file, hub_cache,
 @pytest.fixture(scope="module")
 def sampled_validation(tiny_build, val_file, tmp_path_factory) -> dict:
     """{nproc: (the samples trainer.validation_data_dir dumped, the logged metrics)} of trainer.val_only with
-    rollout.val_n=4 at temperature 1 on the 7 rows of val_file, at 1 and at 2 ranks (4 + 3 rows)."""
+    rollout.val_n=4 at temperature 1 on the 7 rows of val_file, at 1 and at 2 ranks (4 + 3 rows). The TRAINING
+    sampling keys are set greedy (top_k 1, top_p 0.01, temperature 0.01): validation that read any of them in
+    place of its val_* key would draw 4 equal samples per prompt."""
     out = {}
     for nproc in (1, 2):
         root = tmp_path_factory.mktemp(f"sampled{nproc}")
@@ -1083,6 +1086,9 @@ def sampled_validation(tiny_build, val_file, tmp_path_factory) -> dict:
             "reward.method=flexible",
             "rollout.val_n=4",
             "rollout.val_temperature=1.0",
+            "rollout.temperature=0.01",
+            "rollout.top_k=1",
+            "rollout.top_p=0.01",
             f"trainer.validation_data_dir={root / 'generations'}",
         )
         out[nproc] = read_jsonl(root / "generations" / "0.jsonl"), read_jsonl(root / "eval" / "val_metrics.jsonl")[0]
@@ -1218,7 +1224,9 @@ def test_a_reward_file_must_return_a_finite_number(tmp_path, returned):
 def test_the_example_reward_file_trains(tiny_build, tmp_path):
     """examples/gsm8k_partial_credit.py (veRL's format, a dict with acc and pred): 3 steps; every dumped reward is 1
     where veRL's strict GSM8K rule scores the text 1, 0.1 where it finds another "#### N", else 0; its acc becomes
-    the val-core metric (veRL's rule) and is logged as a training mean."""
+    the val-core metric (veRL's rule) and is logged as a training mean. With data.shuffle on and trainer.seed 3
+    (not 0, which would hide a seed left out): each step's prompts are those of the documented per-epoch
+    permutation, random.Random(seed * 100_003 + epoch).shuffle(range(rows)) (docs/verl-mapping.md)."""
     run_grpo(
         tmp_path / "run",
         1,
@@ -1226,6 +1234,8 @@ def test_the_example_reward_file_trains(tiny_build, tmp_path):
         f"trainer.dump_batches={tmp_path / 'dump'}",
         "trainer.val_every=3",
         "trainer.save_every=0",
+        "data.shuffle=true",
+        "trainer.seed=3",
     )
     rows = read_metrics(tmp_path / "run")
     assert [r["step"] for r in rows] == [0, 1, 2, 3]
@@ -1236,14 +1246,20 @@ def test_the_example_reward_file_trains(tiny_build, tmp_path):
     tokenizer = AutoTokenizer.from_pretrained(tiny_build["model"])
     with open(tiny_build["train"]) as f:
         train = [json.loads(line) for line in f]
+    order = list(range(len(train)))
+    random.Random(3 * 100_003 + 0).shuffle(order)  # epoch 0: steps 1-3 of 8 prompts
+    assert order[:24] != list(range(24))
     for step in (1, 2, 3):
         d = torch.load(tmp_path / "dump" / f"step_{step}.pt")
         width = d["response_mask"].shape[1]
         for k in range(d["input_ids"].shape[0]):
+            row = train[order[(step - 1) * 8 + k // 8]]
+            prompt = d["input_ids"][k, :-width][d["attention_mask"][k, :-width].bool()].tolist()
+            assert prompt == rollout.render_prompt(tokenizer, reward.make_prompt(row["question"]))
             text = tokenizer.decode(
                 d["input_ids"][k, -width:][d["attention_mask"][k, -width:].bool()], skip_special_tokens=True
             )
-            truth = reward.extract_ground_truth(train[(step - 1) * 8 + k // 8]["answer"])
+            truth = reward.extract_ground_truth(row["answer"])
             right, found = reward.compute_score(text, truth) == 1.0, reward.extract_solution(text) is not None
             assert d["rewards"][k].item() == pytest.approx(1.0 if right else 0.1 if found else 0.0)
         assert rows[step]["reward_extra_info/acc/mean"] == pytest.approx(

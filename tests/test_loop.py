@@ -207,18 +207,16 @@ def correction(b: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     return truncated, normalised, sampled * keep
 
 
-def corrected_reference(model) -> dict:
-    """loop_worker.corrected_update from the formulas: the correction above, advantages over the surviving
-    tokens, then one SGD step (lr 1) per mini-batch of 2 prompts: rows 0-7, then rows 8-15 on the moved
-    weights, each the token mean over its surviving tokens of w * pg - ENTROPY_COEFF * entropy + KL_COEF * kl.
-    Metrics: the mini-batches' mean; the step: before - after over both."""
+def sequential_updates(model, b: dict, mask, w, parts: tuple) -> dict:
+    """One SGD step (lr 1) per part of the batch, in order, each on the weights the previous one moved: the
+    token mean over the part's kept tokens (mask) of w * pg - ENTROPY_COEFF * entropy + KL_COEF * kl, with
+    the off-policy old log-probs and ADVANTAGES over the kept tokens. Metrics: the mean over the steps (as
+    veRL's update_policy logs them); the step: before - after over all of them."""
     dtype = next(model.parameters()).dtype
-    b = in_dtype(global_batch(model.config.vocab_size), dtype)
-    _, w, mask = correction(b)
     adv = torch.tensor(ADVANTAGES, dtype=dtype)[:, None] * mask  # [B, R]
     before = {name: p.detach().clone() for name, p in model.named_parameters()}
     sums = {}
-    for rows in (slice(0, 8), slice(8, 16)):
+    for rows in parts:
         logp, entropy = forward(model, {k: v[rows] for k, v in b.items()})
         m = mask[rows]
 
@@ -234,10 +232,26 @@ def corrected_reference(model) -> dict:
         values.update({"actor/pg_clipfrac": mean(upper), "actor/pg_clipfrac_lower": mean(lower)})
         values["actor/grad_norm"] = grad_norm(model)
         for k, v in values.items():
-            sums[k] = sums.get(k, 0.0) + float(v.detach()) / 2
+            sums[k] = sums.get(k, 0.0) + float(v.detach()) / len(parts)
         sgd_step(model)
     step = fp32_noise.Flat({name: before[name] - p.detach() for name, p in model.named_parameters()})
     return {**sums, "step": step}
+
+
+def corrected_reference(model) -> dict:
+    """loop_worker.corrected_update from the formulas: the correction above, advantages over the surviving
+    tokens, then one SGD step per mini-batch of 2 prompts: rows 0-7, then rows 8-15 on the moved weights."""
+    b = in_dtype(global_batch(model.config.vocab_size), next(model.parameters()).dtype)
+    _, w, mask = correction(b)
+    return sequential_updates(model, b, mask, w, (slice(0, 8), slice(8, 16)))
+
+
+def two_epochs_reference(model) -> dict:
+    """loop_worker's two_epochs update (actor.ppo_epochs=2, one mini-batch) from the formulas: two SGD steps on
+    the whole batch, the second on the weights the first moved, both against the same old log-probs."""
+    b = in_dtype(global_batch(model.config.vocab_size), next(model.parameters()).dtype)
+    mask = b["response_mask"]
+    return sequential_updates(model, b, mask, torch.ones_like(mask), (slice(0, 16), slice(0, 16)))
 
 
 def margin(log_ratio, mask, threshold: float) -> float:
@@ -272,7 +286,7 @@ def bypass_reference(model) -> dict:
     return {**{k: float(v.detach()) for k, v in metrics.items()}, "step": sgd_step(model), **info}
 
 
-REFERENCES = {"corrected": corrected_reference, "bypass": bypass_reference}
+REFERENCES = {"corrected": corrected_reference, "bypass": bypass_reference, "two_epochs": two_epochs_reference}
 
 
 @pytest.fixture(scope="module")
