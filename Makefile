@@ -31,11 +31,14 @@ lint: install
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 
-# Two pytest workers (pytest-xdist) even on 2 cores: a 1-rank run keeps ~1.1 cores busy (imports, vLLM's
-# scheduling), so two at once fill the machine. --dist loadscope keeps a test file on one worker, so its
-# module fixtures (a run several tests read) run once. TEST_WORKERS=0: one process, as plain pytest.
+# Two pytest workers (pytest-xdist) on 2 cores: much of a test's time is one busy core (imports, vLLM's
+# scheduling, waiting on a subprocess), so two tests at once fill the machine. tests/conftest.py gives every
+# process a test starts its share of the cores (one OpenMP thread each here: more spin-wait). --dist loadscope
+# keeps a test file on one worker, so its module fixtures (a run several tests read) run once.
+# TEST_WORKERS=0: one process, as plain pytest. The tiny model is built first, alone (~4 min on 2 cores, once).
 TEST_WORKERS ?= 2
 test: install lint
+	$(PY) -c "import tiny; tiny.build()"
 	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadscope $(PYTEST_ARGS)
 
 # OMP_NUM_THREADS: the cores shared out over the ranks (torchrun would print a banner and pick 1).

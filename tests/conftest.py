@@ -15,6 +15,19 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
+# `make test` runs two pytest workers (pytest-xdist). Each worker gets its share of the cores, and every process
+# a test starts gets its share of the worker's: OpenMP threads that outnumber the cores spin-wait, and a run
+# then takes several times as long (docs/cpu-notes.md). Set before torch loads, for the tests' own torch too.
+WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+CORES = max(1, (os.cpu_count() or 1) // WORKERS)
+if WORKERS > 1:
+    os.environ["OMP_NUM_THREADS"] = str(CORES)
+
+
+def threads(nproc: int = 1) -> str:
+    """OMP_NUM_THREADS for each of the nproc ranks (or processes) a test starts at once."""
+    return str(max(1, CORES // nproc))
+
 
 @pytest.fixture(scope="session")
 def tiny_tokenizer():
@@ -57,7 +70,7 @@ def run_torchrun(script: str, nproc: int, *args: str, timeout: int = 600, killed
     """Run tests/<script> under torchrun; returns what each rank report()ed (tests/reporting.py).
     killed=True: the script is expected to die (SIGKILL) part-way; returns [] after checking it did."""
     results_dir = tempfile.mkdtemp(prefix="torchrun-results-")
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT, "TEST_RESULTS": results_dir}
+    env = {**os.environ, "OMP_NUM_THREADS": threads(nproc), "PYTHONPATH": ROOT, "TEST_RESULTS": results_dir}
     cmd = [
         sys.executable,
         "-m",
@@ -101,7 +114,7 @@ def run_nodes(
     port = free_port()
     procs = []
     for k, node in enumerate(nodes):
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": ROOT, **node.get("env", {})}
+        env = {**os.environ, "OMP_NUM_THREADS": threads(nproc * len(nodes)), "PYTHONPATH": ROOT, **node.get("env", {})}
         cmd = [
             *node.get("wrap", []),
             sys.executable,

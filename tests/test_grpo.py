@@ -23,7 +23,7 @@ import fsdp_train
 import metrics
 import reward
 import rollout
-from conftest import ROOT, free_port
+from conftest import ROOT, free_port, threads
 
 VAL_KEY = "val-core/openai/gsm8k/reward/mean@1"  # veRL's name of greedy validation accuracy on GSM8K
 
@@ -661,7 +661,7 @@ def run_grpo(
     env: dict | None = None,
     script: str = "grpo.py",
 ):
-    env = {**os.environ, "OMP_NUM_THREADS": str(2 // nproc), **(env or {})}
+    env = {**os.environ, "OMP_NUM_THREADS": threads(nproc), **(env or {})}
     launcher = (
         [sys.executable, script]
         if nproc == 1
@@ -909,7 +909,7 @@ def test_killed_and_resumed_run_logs_the_same_metrics(tmp_path, tiny_build):
         capture_output=True,
         text=True,
         timeout=600,
-        env={**os.environ, "OMP_NUM_THREADS": "2"},
+        env={**os.environ, "OMP_NUM_THREADS": threads(1)},
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert json.loads(proc.stdout.strip().splitlines()[-1]) == {
@@ -1304,7 +1304,7 @@ def test_a_ten_step_run_in_a_log_file_is_one_line_per_step(tiny_build, tmp_path)
             stderr=subprocess.STDOUT,
             timeout=900,
             check=True,
-            env={**os.environ, "OMP_NUM_THREADS": "2"},
+            env={**os.environ, "OMP_NUM_THREADS": threads(1)},
         )
     lines = log.read_text().splitlines()
     assert len(lines) <= 25, lines
