@@ -219,9 +219,13 @@ def test_a_stop_signal_to_one_rank_stops_every_rank_after_the_step(straight, tmp
             stderr=subprocess.STDOUT,
             start_new_session=True,
         )
-        wait_for_step(out, 1, proc)
-        os.kill(worker_of_rank(proc.pid, 1), signal.SIGTERM)
-        assert proc.wait(timeout=300) != 0
+        try:
+            wait_for_step(out, 1, proc)
+            os.kill(worker_of_rank(proc.pid, 1), signal.SIGTERM)
+            assert proc.wait(timeout=300) != 0
+        finally:  # a rank that never learns of the stop waits in a collective: leave no run behind
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
     # The first worker to end exits 143 from stop(); torchrun then SIGTERMs the others, and one that is past
     # stop() already, in the interpreter's shutdown (Python's handlers are gone), may end by that signal (-15).
     report = (tmp_path / "torchrun.log").read_text()
