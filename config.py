@@ -92,7 +92,7 @@ SCHEMA = {
         "tau_pos": (1.0, "> 0 (sapo's gate temperature where the advantage is > 0)"),
         "tau_neg": (1.05, "> 0 (sapo's gate temperature where the advantage is <= 0)"),
         "loss_agg_mode": ("token-mean", losses.AGG_MODES),
-        "loss_scale_factor": (None, "> 0 (seq-mean-token-sum-norm's divisor; null: the micro-batch's response width)"),
+        "loss_scale_factor": (None, "> 0 (seq-mean-token-sum-norm's divisor; null: data.max_response_length)"),
         "recompute_old_log_prob": False,
         "entropy_coeff": (0.0, GE0),
         "use_kl_loss": True,
@@ -313,6 +313,16 @@ def _keys_near(key: str) -> list[str]:
     if not section:
         return list(SCHEMA)
     return [k for k in FLAT if k.startswith(section + ".")]
+
+
+def loss_scale_factor(cfg: dict) -> float:
+    """seq-mean-token-sum-norm's divisor: actor.loss_scale_factor, or when it is null the generation budget,
+    data.max_response_length. veRL's agg_loss divides by loss_mask.shape[-1] then, and its batches are padded to
+    the rollout's response length, so that width is this constant (Dr. GRPO's normaliser). flatgrpo's micro-batches
+    are trimmed to their own longest response: their width would weigh a row by the rows it happens to share a
+    micro-batch with, and the gradient would depend on actor.ppo_max_token_len_per_gpu and the row order."""
+    factor = cfg["actor"]["loss_scale_factor"]
+    return float(cfg["data"]["max_response_length"] if factor is None else factor)
 
 
 def check_config(cfg: dict) -> dict:

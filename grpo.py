@@ -446,10 +446,11 @@ def grpo_loss_fn(cfg: dict, captured: dict | None = None):
     The policy term is weighted per token by the rollout-correction IS weights when the batch has them.
     captured: {"logp", "entropy"} [B, R] buffers that receive the forward's values (see update_actor)."""
     ac, rc = cfg["actor"], cfg["algorithm"]["rollout_correction"]
+    scale_factor = config.loss_scale_factor(cfg)  # seq-mean-token-sum-norm's: the generation budget by default
 
     def loss_fn(logp, entropy, mb, counts):
         mask, mode = mb["response_mask"], ac["loss_agg_mode"]
-        agg = dict(num_tokens=counts["num_tokens"], num_seqs=counts["num_seqs"], scale_factor=ac["loss_scale_factor"])
+        agg = dict(num_tokens=counts["num_tokens"], num_seqs=counts["num_seqs"], scale_factor=scale_factor)
         old = mb["old_logprobs"] if "old_logprobs" in mb else logp.detach()  # on-policy shortcut: ratio = 1
         pg_mask = mask
         if rc["bypass_mode"] and rc["rollout_rs"]:  # veRL's bypass: rejection against the CURRENT policy, pg only
@@ -482,9 +483,9 @@ def grpo_loss_fn(cfg: dict, captured: dict | None = None):
 
 def policy_gradient_loss(ac: dict, logp, old, advantages, mask, is_weights, agg: dict) -> tuple:
     """The policy term of actor.policy_loss.loss_mode (veRL's get_policy_loss_fn): the ONE place that chooses.
-    Tensors [b, R]; agg: the mini-batch's global counts and actor.loss_scale_factor. vanilla, gspo and cispo
-    aggregate with actor.loss_agg_mode, sapo always with seq-mean-token-mean, geo_mean with its own mean over
-    the micro-batch's rows. Returns (loss, {pg_clipfrac, pg_clipfrac_lower, ppo_kl})."""
+    Tensors [b, R]; agg: the mini-batch's global counts and seq-mean-token-sum-norm's divisor. vanilla, gspo and
+    cispo aggregate with actor.loss_agg_mode, sapo always with seq-mean-token-mean, geo_mean with its mean over
+    the mini-batch's rows (all of them, every rank's). Returns (loss, {pg_clipfrac, pg_clipfrac_lower, ppo_kl})."""
     mode, agg_mode = ac["policy_loss"]["loss_mode"], ac["loss_agg_mode"]
     clips = dict(clip_low=ac["clip_ratio_low"], clip_high=ac["clip_ratio_high"])
     if mode == "gspo":
@@ -494,9 +495,10 @@ def policy_gradient_loss(ac: dict, logp, old, advantages, mask, is_weights, agg:
     if mode == "sapo":
         taus = dict(tau_pos=ac["tau_pos"], tau_neg=ac["tau_neg"])
         return losses.sapo_loss(logp, old, advantages, mask, **taus, num_seqs=agg["num_seqs"], is_weights=is_weights)
-    if mode == "geo_mean":  # veRL backpropagates its mean as is; train_step's "* world" is for the global counts
-        loss, m = losses.geo_mean_loss(logp, old, advantages, mask, **clips, is_weights=is_weights)
-        return loss / dist.get_world_size(), m
+    if mode == "geo_mean":
+        return losses.geo_mean_loss(
+            logp, old, advantages, mask, **clips, num_seqs=agg["num_seqs"], is_weights=is_weights
+        )
     return losses.policy_loss(
         logp, old, advantages, mask, **clips, clip_c=ac["clip_ratio_c"], agg_mode=agg_mode, is_weights=is_weights, **agg
     )

@@ -99,7 +99,10 @@ def agg_loss(
     seq-mean-token-sum:       sum_i (sum_t x_it m_it) / N_seqs
     seq-mean-token-mean:      sum_i (sum_t x_it m_it / (sum_t m_it + 1e-8)) / N_seqs
     seq-mean-token-sum-norm:  seq-mean-token-sum / scale_factor (veRL's actor.loss_scale_factor; None: T, the
-                              width of `mask`, i.e. the longest response of this micro-batch)
+                              width of `mask`, as veRL's agg_loss). Pass the generation budget (max response
+                              length, Dr. GRPO's constant): veRL's batches are padded to it, so its T is that
+                              constant, while a micro-batch trimmed to its longest row would weigh each row
+                              by its neighbours (the trainer passes it unless actor.loss_scale_factor is set)
 
     N_tokens defaults to sum(m) and N_seqs to the number of rows with at least one token (veRL's
     defaults). Pass `num_tokens` / `num_seqs` = the GLOBAL counts of the whole mini-batch (all
@@ -484,6 +487,7 @@ def geo_mean_loss(
     mask: torch.Tensor,
     clip_low: float = 0.4,
     clip_high: float = 0.4,
+    num_seqs: float | torch.Tensor | None = None,
     is_weights: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """GMPO: the geometric mean of the token ratios, clipped per token in LOG space (veRL
@@ -492,13 +496,15 @@ def geo_mean_loss(
     d = logp - old_logp (unclamped);  dc = clamp(d, -clip_low, clip_high);  g = sgn(A) * min(sgn(A) d, sgn(A) dc)
         (A > 0: d capped at clip_high; A < 0: d floored at -clip_low; A = 0: g = 0)
     rho_i = exp(sum_t g_it m_it / (L_i + 1e-8));  Abar_i = sum_t A_it m_it / (L_i + 1e-8)
-    loss = mean_i(-Abar_i * rho_i)   over the rows of THIS micro-batch (torch.mean)
+    loss = sum_i(-Abar_i * rho_i) / num_seqs;  num_seqs None: the rows of these tensors (veRL's torch.mean)
     is_weights: per row exp(sum_t log(w_it + 1e-10) m_it / (L_i + 1e-8)) (their geometric mean) multiply the row.
     metrics: clipped = (d != dc); pg_clipfrac = mean(clipped and A > 0), pg_clipfrac_lower = mean(clipped
     and A < 0), ppo_kl = mean(-d)   (masked means over tokens)
 
-    veRL's quirk, kept: it ignores actor.loss_agg_mode and the global counts, so the gradient scales with the
-    number of micro-batches (and of ranks: see grpo.policy_gradient_loss); compare runs at equal splits.
+    actor.loss_agg_mode does not apply. veRL takes torch.mean over each micro-batch, so its gradient grows with
+    the number of micro-batches per rank; pass num_seqs = the mini-batch's global row count (as the trainer
+    does) for the mean over the whole mini-batch, whatever the split: the same value as veRL's when the
+    mini-batch is one micro-batch.
     Example: one row, d = [0.6, 0.0], A = 1, clips 0.4: g = [0.4, 0], rho = exp(0.2), loss = -1.2214.
     """
     _check_same_shape("geo_mean_loss", logp=logp, old_logp=old_logp, advantages=advantages, mask=mask)
@@ -512,7 +518,7 @@ def geo_mean_loss(
     per_seq = -seq_advantage * rho  # [B]
     if is_weights is not None:
         per_seq = per_seq * torch.exp((torch.log(is_weights + 1e-10) * mask).sum(-1) / lengths)  # [B]
-    loss = torch.mean(per_seq)
+    loss = torch.mean(per_seq) if num_seqs is None else per_seq.sum() / _nonzero(num_seqs)
     with torch.no_grad():
         clipped = torch.ne(log_ratio, clamped)  # [B, T]
         metrics = {

@@ -10,6 +10,7 @@ from collections import defaultdict
 import numpy as np
 import torch.distributed as dist
 
+import config
 import fsdp_train
 import losses
 
@@ -190,7 +191,7 @@ def old_logprob_metrics(batch: dict, old_logp, entropy, cfg: dict) -> dict:
         cfg["actor"]["loss_agg_mode"],
         num_tokens=tokens,
         num_seqs=seqs,
-        scale_factor=cfg["actor"]["loss_scale_factor"] or cfg["data"]["max_response_length"],  # veRL: the batch's
+        scale_factor=config.loss_scale_factor(cfg),
     )
     return {
         "actor/entropy": fsdp_train.all_reduce(entropy),

@@ -33,6 +33,7 @@ import config
 import data
 import fsdp_train as ft
 import grpo
+import losses
 import metrics
 from reporting import report, shut_down
 
@@ -76,7 +77,7 @@ FAMILY = {  # one off-policy update each, on the grpo advantages (tests/test_loo
     "gspo": ["actor.policy_loss.loss_mode=gspo", "actor.loss_agg_mode=seq-mean-token-mean"],
     "cispo": ["actor.policy_loss.loss_mode=cispo", "actor.clip_ratio_low=10"],  # veRL's example: no lower bound
     "sapo": ["actor.policy_loss.loss_mode=sapo", "actor.tau_pos=1.5"],  # its pg term: seq-mean-token-mean
-    "geo_mean": ["actor.policy_loss.loss_mode=geo_mean", "actor.ppo_max_token_len_per_gpu=4096"],  # 1 micro-batch
+    "geo_mean": ["actor.policy_loss.loss_mode=geo_mean"],
     "token_sum": ["actor.loss_agg_mode=token-sum"],
     "sum_norm": ["actor.loss_agg_mode=seq-mean-token-sum-norm", "actor.loss_scale_factor=5"],
     "two_epochs": ["actor.ppo_epochs=2"],  # two optimizer steps on the batch, the second off the moved weights
@@ -90,6 +91,19 @@ ESTIMATORS = {  # grpo.compute_advantages, then data.dump_batch (tests/test_loop
     "rloo_kl": ["algorithm.adv_estimator=rloo", *KL_IN_REWARD],
 }
 HOLES = [(1, 3), (9, 0), (14, 5)]  # (row, token): rejected by "rollout correction" (response mask 0, sampled)
+# Every loss mode x every aggregation (seq-mean-token-sum-norm with its default divisor), one off-policy update
+# under each token budget: about two rows per micro-batch (widths and row counts differ between micro-batches),
+# and the whole rank's rows in one.
+GRID = [(mode, agg) for mode in losses.LOSS_MODES for agg in losses.AGG_MODES]
+GRID_BUDGETS = (24, 4096)
+ADAPTIVE = [  # veRL's AdaptiveKLController over two steps; its KL is large against target_kl: the clip binds
+    "algorithm.use_kl_in_reward=true",
+    "algorithm.kl_penalty=abs",
+    "algorithm.kl_ctrl.type=adaptive",
+    "algorithm.kl_ctrl.kl_coef=0.05",
+    "algorithm.kl_ctrl.target_kl=0.1",
+    "algorithm.kl_ctrl.horizon=40",
+]
 
 
 def empty_response(batch: dict, row: int) -> dict:
@@ -139,6 +153,49 @@ def estimators(path_out: str, batch: dict, positions: list[int]) -> dict:
         run = types.SimpleNamespace(cfg=cfg, positions=positions, rank=rank, world=world)
         data.dump_batch(run, 1, b)
     return out
+
+
+def adaptive_kl(path_out: str, batch: dict, positions: list[int]) -> list[dict]:
+    """Two steps of grpo.compute_advantages on one run with ADAPTIVE (the same batch twice), each dumped by
+    data.dump_batch to <out>/dump_adaptive/step_<k>.pt: the KL metrics each step logged."""
+    cfg = config.load_config(None, CONFIG + ADAPTIVE + [f"trainer.dump_batches={path_out}/dump_adaptive"])
+    rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
+    run = types.SimpleNamespace(
+        cfg=cfg, positions=positions, rank=rank, world=world, kl_coef=cfg["algorithm"]["kl_ctrl"]["kl_coef"]
+    )
+    logged = []
+    for step in (1, 2):
+        b = {k: v.clone() for k, v in batch.items()}
+        logged.append(grpo.compute_advantages(run, b))
+        data.dump_batch(run, step, b)
+    return logged
+
+
+def grid(path: str, out: str, batch: dict, device) -> dict:
+    """GRID x GRID_BUDGETS: one off-policy update each. Rank 0 saves the weights after the first budget's
+    update (<out>/grid_ws<world>.pt, with the weights before, the same for all); every rank reports the largest
+    difference between the weights the two budgets left."""
+    world, diffs, saved = torch.distributed.get_world_size(), {}, {}
+    for loss_mode, agg in GRID:
+        after = []
+        for budget in GRID_BUDGETS:
+            cfg = config.load_config(
+                None,
+                CONFIG
+                + [
+                    f"actor.policy_loss.loss_mode={loss_mode}",
+                    f"actor.loss_agg_mode={agg}",
+                    f"actor.ppo_max_token_len_per_gpu={budget}",
+                    "actor.tau_pos=1.5",  # sapo's, as in FAMILY
+                ],
+            )
+            before, weights, _ = one_update(path, cfg, batch, False, device)
+            after.append(weights)
+        saved[f"{loss_mode} {agg}"] = after[0]
+        diffs[f"{loss_mode} {agg}"] = max((after[0][k] - after[1][k]).abs().max().item() for k in after[0])
+    if torch.distributed.get_rank() == 0:
+        torch.save({"before": before, "after": saved}, os.path.join(out, f"grid_ws{world}.pt"))
+    return diffs
 
 
 def full_weights(model) -> dict:
@@ -261,6 +318,8 @@ def main():
         if row in rows:
             holed["response_mask"][rows.index(row), token] = 0.0
     result["estimators"] = estimators(out, holed, positions)
+    result["adaptive"] = adaptive_kl(out, batch, positions)
+    result["grid"] = grid(path, out, batch, device)
     result["constant"] = schedule(path, ["actor.lr=0.01", "actor.lr_warmup_steps=2"], full, device)
     # two mini-batches per global step (2 prompts each, 1 per rank at world size 2): still ONE schedule step
     result["cosine"] = schedule(

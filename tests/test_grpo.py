@@ -989,6 +989,40 @@ def test_sync_rule_on_recorded_numbers():
     assert verdict(0.33, 8.1, exact=False) == "warn"  # bf16, one step after a skipped push (tiny, lr 1e-3)
 
 
+@pytest.mark.parametrize("key", ["rollout/logprob_diff_max", "rollout/sync_check"])
+@pytest.mark.parametrize("threshold, gap", [(1e-4, 5e-4), (0.05, 0.01)])
+def test_the_fp32_stop_is_trainer_logprob_diff_max_fp32(key, threshold, gap):
+    """metrics.judge_sync on an fp32 run with a gap between the default 1e-3 and a configured threshold, on either
+    probe: it stops exactly when the gap is above trainer.logprob_diff_max_fp32, with one line naming that key's
+    value, and never on a bf16 run (its rule is the mean's)."""
+    cfg = config.load_config(None, [f"trainer.logprob_diff_max_fp32={threshold}"])
+    gaps = {key: gap, "rollout/logprob_diff_mean": gap / 10}
+    if gap > threshold:  # below the default: stops only if the configured threshold is read
+        with pytest.raises(metrics.OutOfSync) as stop:
+            metrics.judge_sync(cfg, 0, 3, gaps, exact=True)
+        assert f"({key}) in an fp32 run, above trainer.logprob_diff_max_fp32 = {threshold:g}" in str(stop.value)
+    else:  # above the default: runs on only if the configured threshold is read
+        metrics.judge_sync(cfg, 0, 3, gaps, exact=True)
+    metrics.judge_sync(cfg, 0, 3, gaps, exact=False)
+
+
+def test_the_printed_config_reaches_a_pipe_whole():
+    """`python grpo.py --print-config | ...` with PYTHONUNBUFFERED unset: stdout is a pipe, so Python buffers it,
+    and the process ends with os._exit (cluster.end_process), which must flush it first: the whole config,
+    parsed back equal to the merged one."""
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}
+    proc = subprocess.run(
+        [sys.executable, "grpo.py", "--config", "tiny.yaml", "--print-config", "actor.lr=2e-5"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    expected = config.load_config(os.path.join(ROOT, "tiny.yaml"), ["actor.lr=2e-5"])
+    assert yaml.safe_load(proc.stdout) == expected and len(proc.stdout) > 1000
+
+
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_a_skipped_push_stops_an_fp32_run_and_warns_in_bf16(tmp_path, tiny_build, dtype):
     """tests/grpo_without_push.py leaves the engine on the initial weights; the step after, the sync proof

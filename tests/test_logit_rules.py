@@ -6,7 +6,8 @@ Each rule gets a tiny random model of a family that has it (tiny.save_random_fam
 at the tiny shape (logits ~0.1-1) and with the output embedding scaled up until its logits reach 100, where
 every rule changes the log-probs by whole nats. The chunked path (ft._forward, as compute_logprobs and
 train_step run it: one piece, and chunks of 16 with recompute) must give the log-probs, entropy, loss and
-every gradient of the plain path: log_softmax(model(...).logits / T) from HF's full forward, in float64,
+every gradient of the plain path: log_softmax(model(...).logits / T) from HF's full forward, in float64, and
+compute_logprobs' no-grad pass its log-probs and entropy,
 within fp32_noise.FACTOR x the fp32 noise measured at test time (tests/fp32_noise.py). Each test also
 shows that the bare output embedding (the path before logits_fn) misses the reference by far more than
 that bound, so the test fails when its rule breaks. World size 2 (FSDP2: the rule runs inside the root's
@@ -100,6 +101,18 @@ def chunked(model, b: dict, chunk: int) -> dict:
     return out
 
 
+def no_grad_pass(model, b: dict, reference: tuple[dict, dict], what: str) -> None:
+    """ft.compute_logprobs, the old and reference log-prob pass (no autograd, token-budget micro-batches of
+    several widths, chunks of 16), in this process: the log-probs and entropy of the plain path."""
+    ft.init_distributed()
+    logp, entropy = ft.compute_logprobs(
+        model, b, temperature=TEMPERATURE, max_tokens=40, entropy_fn=losses.entropy_from_logits, chunk_size=16
+    )
+    ref, noise = reference
+    for key, value in (("logp", logp), ("entropy", entropy)):
+        fp32_noise.check(value, ref[key], noise[key], f"{what} compute_logprobs {key}")
+
+
 @pytest.mark.parametrize("scale", ["tiny", "large"])
 @pytest.mark.parametrize("rule", list(RULES))
 def test_chunked_logprobs_and_gradients_are_the_models_own(family_models, monkeypatch, rule, scale):
@@ -111,6 +124,7 @@ def test_chunked_logprobs_and_gradients_are_the_models_own(family_models, monkey
     )
     for chunk in CHUNKS:
         check_all(chunked(model, b, chunk), (ref, noise), f"{rule} {scale} chunk {chunk}")
+    no_grad_pass(model, b, (ref, noise), f"{rule} {scale}")
     # The rule matters here: the bare output embedding misses the reference by more than the bound.
     monkeypatch.setattr(ft, "logits_fn", lambda m: ("none", m.get_output_embeddings()))
     bare = chunked(model, b, CHUNKS[-1])["logp"]

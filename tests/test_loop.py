@@ -24,11 +24,13 @@ import math
 import pytest
 import torch
 from loop_worker import (
+    ADAPTIVE,
     BYPASS_RS,
     CORRECTION_RS,
     EMPTY_ROW,
     ESTIMATORS,
     FAMILY,
+    GRID,
     HOLES,
     REWARDS,
     ROLLOUT_LOGPROB,
@@ -49,58 +51,73 @@ DEVIATIONS = [0.75, -0.25, -0.25, -0.25, 0.5, 0.5, -0.5, -0.5, 0.0, 0.0, 0.0, 0.
 STDS = [0.5] * 4 + [S3] * 4 + [0.0] * 4 + [0.5] * 4
 ADVANTAGES = [d / (s + 1e-6) for d, s in zip(DEVIATIONS, STDS, strict=True)]
 MODES = ("off_policy", "on_policy", "seq_mean_empty", *FAMILY)
-AGG = {"seq_mean_empty": "seq-mean-token-mean", "gspo": "seq-mean-token-mean", "token_sum": "token-sum"}
-AGG["sum_norm"] = "seq-mean-token-sum-norm"  # the other modes: token-mean
 TAU_POS, TAU_NEG, SCALE_FACTOR = 1.5, 1.05, 5.0  # FAMILY's sapo and sum_norm
 
 
-def aggregate(agg: str, x, mask):
-    """veRL's agg_loss written out over the whole batch (the seq-mean modes count all 16 rows)."""
+# FAMILY and the default modes -> (loss mode, aggregation, clip_ratio_low, seq-mean-token-sum-norm's divisor)
+SETTINGS = {
+    "gspo": ("gspo", "seq-mean-token-mean", CLIP_LOW, None),
+    "cispo": ("cispo", "token-mean", 10.0, None),  # clip_ratio_low 10: only the upper bound 1 + CLIP_HIGH acts
+    "sapo": ("sapo", "token-mean", CLIP_LOW, None),
+    "geo_mean": ("geo_mean", "token-mean", CLIP_LOW, None),
+    "token_sum": ("vanilla", "token-sum", CLIP_LOW, None),
+    "sum_norm": ("vanilla", "seq-mean-token-sum-norm", CLIP_LOW, SCALE_FACTOR),
+    "seq_mean_empty": ("vanilla", "seq-mean-token-mean", CLIP_LOW, None),
+}
+
+
+def aggregate(agg: str, x, mask, divisor: float | None = None):
+    """veRL's agg_loss written out over the whole batch (the seq-mean modes count all 16 rows);
+    seq-mean-token-sum-norm divides by `divisor`, by default the generation budget MAX_RESPONSE."""
     if agg == "seq-mean-token-mean":
         return ((x * mask).sum(-1) / (mask.sum(-1) + 1e-8)).sum() / 16
     if agg == "token-sum":
         return (x * mask).sum()
+    if agg == "seq-mean-token-sum":
+        return (x * mask).sum(-1).sum() / 16
     if agg == "seq-mean-token-sum-norm":
-        return (x * mask).sum(-1).sum() / 16 / SCALE_FACTOR
+        return (x * mask).sum(-1).sum() / 16 / (divisor or MAX_RESPONSE)
     return (x * mask).sum() / mask.sum()
 
 
-def policy_term(mode: str, logp, old, adv, mask) -> tuple:
-    """(pg_loss, its metrics) of the mode's policy loss, veRL's formula over the whole batch."""
-    agg = AGG.get(mode, "token-mean")
+def policy_term(loss_mode: str, agg: str, logp, old, adv, mask, clip_low=CLIP_LOW, divisor=None) -> tuple:
+    """(pg_loss, its metrics) of the loss mode, veRL's formula over the whole batch."""
     d = logp - old  # [B, R]
     ratio = d.clamp(-20, 20).exp()
 
     def token_mean(x):
         return (x * mask).sum() / mask.sum()
 
-    if mode == "gspo":  # the sequence's mean log-ratio as every token's ratio (value), gradient through its own logp
+    if loss_mode == "gspo":  # the sequence's mean log-ratio as every token's ratio (value), gradient via its logp
         seq = (d * mask).sum(-1) / mask.sum(-1).clamp(min=1)  # [B]
         s = torch.exp(seq.detach()[:, None].clamp(max=10)) * torch.exp(logp - logp.detach())
-        loss1, loss2 = -adv * s, -adv * s.clamp(1 - CLIP_LOW, 1 + CLIP_HIGH)
-        pg = aggregate(agg, torch.maximum(loss1, loss2), mask)
+        loss1, loss2 = -adv * s, -adv * s.clamp(1 - clip_low, 1 + CLIP_HIGH)
+        pg = aggregate(agg, torch.maximum(loss1, loss2), mask, divisor)
         return pg, {"actor/pg_clipfrac": token_mean((loss2 > loss1).float()), "actor/ppo_kl": token_mean(-d)}
-    if mode == "cispo":  # clip_ratio_low 10: only the upper bound 1 + CLIP_HIGH acts
-        c = ratio.clamp(max=1 + CLIP_HIGH)
-        pg = aggregate(agg, -c.detach() * adv * logp, mask)
-        return pg, {"actor/pg_clipfrac": token_mean((ratio > c).float()), "actor/ppo_kl": token_mean(-d.clamp(-20, 20))}
-    if mode == "sapo":  # always seq-mean-token-mean over all 16 rows
+    if loss_mode == "cispo":
+        c = ratio.clamp(1 - clip_low, 1 + CLIP_HIGH)
+        pg = aggregate(agg, -c.detach() * adv * logp, mask, divisor)
+        return pg, {
+            "actor/pg_clipfrac": token_mean((ratio != c).float()),
+            "actor/ppo_kl": token_mean(-d.clamp(-20, 20)),
+        }
+    if loss_mode == "sapo":  # always seq-mean-token-mean over all 16 rows
         tau = torch.where(adv > 0, TAU_POS, TAU_NEG)
         gate = torch.sigmoid(tau * (ratio - 1)) * 4 / tau
         pg = aggregate("seq-mean-token-mean", -gate * adv, mask)
         return pg, {"actor/pg_clipfrac": torch.zeros(()), "actor/ppo_kl": token_mean(-d.clamp(-20, 20))}
-    if mode == "geo_mean":  # per row: exp(mean of the log-ratios clipped by the sign of A), times the mean A
+    if loss_mode == "geo_mean":  # per row: exp(mean of the log-ratios clipped by the sign of A), times the mean A
         n = mask.sum(-1) + 1e-8
-        g = torch.where(adv > 0, d.clamp(max=CLIP_HIGH), torch.where(adv < 0, d.clamp(min=-CLIP_LOW), 0 * d))
-        pg = (-(adv * mask).sum(-1) / n * torch.exp((g * mask).sum(-1) / n)).mean()
-        outside = (d < -CLIP_LOW) | (d > CLIP_HIGH)
+        g = torch.where(adv > 0, d.clamp(max=CLIP_HIGH), torch.where(adv < 0, d.clamp(min=-clip_low), 0 * d))
+        pg = (-(adv * mask).sum(-1) / n * torch.exp((g * mask).sum(-1) / n)).mean()  # over all 16 rows
+        outside = (d < -clip_low) | (d > CLIP_HIGH)
         return pg, {
             "actor/pg_clipfrac": token_mean((outside & (adv > 0)).float()),
             "actor/pg_clipfrac_lower": token_mean((outside & (adv < 0)).float()),
             "actor/ppo_kl": token_mean(-d),
         }
-    pg, upper, lower, ppo_kl = ppo_terms(logp, old, adv)
-    return aggregate(agg, pg, mask), {
+    pg, upper, lower, ppo_kl = ppo_terms(logp, old, adv, clip_low)
+    return aggregate(agg, pg, mask, divisor), {
         "actor/pg_clipfrac": token_mean(upper),
         "actor/pg_clipfrac_lower": token_mean(lower),
         "actor/ppo_kl": token_mean(ppo_kl),
@@ -119,12 +136,12 @@ def forward(model, b: dict) -> tuple[torch.Tensor, torch.Tensor]:
     return logp, entropy
 
 
-def ppo_terms(logp, old, adv) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+def ppo_terms(logp, old, adv, clip_low=CLIP_LOW) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """veRL's compute_policy_loss_vanilla per token [B, R]: (loss after both clips, clipped above (0/1),
     dual-clipped (0/1), -log ratio)."""
     log_ratio = (logp - old).clamp(-20, 20)
     ratio = log_ratio.exp()
-    loss1, loss2 = -adv * ratio, -adv * ratio.clamp(1 - CLIP_LOW, 1 + CLIP_HIGH)
+    loss1, loss2 = -adv * ratio, -adv * ratio.clamp(1 - clip_low, 1 + CLIP_HIGH)
     clipped, loss3 = torch.maximum(loss1, loss2), -adv * CLIP_C
     pg = torch.where(adv < 0, torch.minimum(loss3, clipped), clipped)
     return pg, (loss2 > loss1).to(logp.dtype), ((clipped > loss3) & (adv < 0)).to(logp.dtype), -log_ratio
@@ -150,12 +167,13 @@ def grad_norm(model) -> torch.Tensor:
     return torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in model.parameters()]))
 
 
-def reference(model, mode: str) -> dict:
+def reference(model, mode: str, settings: tuple | None = None) -> dict:
     """The metrics and the SGD step (lr 1: before - after = the gradient) of one update on the whole batch,
     from the formulas, in the model's dtype (float64: the reference; float32: measures the fp32 noise,
     tests/fp32_noise.py). Returns {metric: value, "step": {name: before - after}}. seq_mean_empty: row
     EMPTY_ROW has no response tokens and the loss terms are seq-mean-token-mean over ALL 16 rows. FAMILY
-    modes: off-policy, with that loss mode or aggregation (tests/loop_worker.py)."""
+    modes: off-policy, with that loss mode or aggregation (tests/loop_worker.py). settings: (loss mode,
+    aggregation, clip_ratio_low, divisor) instead of SETTINGS[mode] (the GRID)."""
     on_policy, seq_mean_empty = mode == "on_policy", mode == "seq_mean_empty"
     dtype = next(model.parameters()).dtype
     b = global_batch(model.config.vocab_size)
@@ -168,15 +186,17 @@ def reference(model, mode: str) -> dict:
 
     adv = torch.tensor(ADVANTAGES, dtype=dtype)[:, None] * mask  # [B, R]
     old = logp.detach() if on_policy else b["old_logprobs"]
-    pg, metrics = policy_term(mode, logp, old, adv, mask)
+    loss_mode, agg, clip_low, divisor = settings or SETTINGS.get(mode, ("vanilla", "token-mean", CLIP_LOW, None))
+    pg, metrics = policy_term(loss_mode, agg, logp, old, adv, mask, clip_low, divisor)
     kl = low_var_kl(logp, b["ref_logprobs"])
-    agg = AGG.get(mode, "token-mean")  # the entropy and KL terms: actor.loss_agg_mode, whatever the loss mode
-    loss = pg - ENTROPY_COEFF * aggregate(agg, entropy, mask) + KL_COEF * aggregate(agg, kl, mask)
+    # the entropy and KL terms: actor.loss_agg_mode, whatever the loss mode
+    entropy_term, kl_term = aggregate(agg, entropy, mask, divisor), aggregate(agg, kl, mask, divisor)
+    loss = pg - ENTROPY_COEFF * entropy_term + KL_COEF * kl_term
     model.zero_grad(set_to_none=True)
     loss.backward()
     metrics = {
         "actor/pg_loss": pg,
-        "actor/kl_loss": aggregate(agg, kl, mask),
+        "actor/kl_loss": kl_term,
         "actor/pg_clipfrac_lower": torch.zeros(()),
         **metrics,
         "actor/grad_norm": grad_norm(model),
@@ -296,9 +316,14 @@ def references(random_models):
     cache = {}
 
     def get(mode):
+        """mode: a MODES or REFERENCES name, or a GRID entry (loss mode, aggregation)."""
         if mode not in cache:
+            if isinstance(mode, tuple):
+                compute = functools.partial(reference, mode="grid", settings=(*mode, CLIP_LOW, None))
+            else:
+                compute = REFERENCES.get(mode, functools.partial(reference, mode=mode))
             cache[mode] = fp32_noise.measure(
-                lambda dtype: REFERENCES.get(mode, functools.partial(reference, mode=mode))(
+                lambda dtype: compute(
                     fp32_noise.float64_copy(model) if dtype == torch.float64 else copy.deepcopy(model)
                 )
             )
@@ -397,6 +422,84 @@ def test_update_matches_the_formulas(runs, references, world, mode):
     assert max(g.abs().max().item() for g in ref["step"].values()) > 1e-3  # the gradient is not trivially zero
     step = {name: weights["before"][name] - weights["after"][name] for name in ref["step"]}
     fp32_noise.check(step, ref["step"], noise["step"], f"world {world} {mode} gradient")
+
+
+@pytest.fixture(scope="module")
+def grid_weights(runs):
+    """world -> loop_worker.grid's saved weights (read once)."""
+    cache = {}
+
+    def get(world):
+        if world not in cache:
+            cache[world] = torch.load(runs[world][1] / f"grid_ws{world}.pt")
+        return cache[world]
+
+    return get
+
+
+@pytest.mark.parametrize("world", [1, 2])
+@pytest.mark.parametrize("loss_mode,agg", GRID)
+def test_every_loss_and_aggregation_is_the_formula_whatever_the_micro_batches(
+    runs, references, grid_weights, world, loss_mode, agg
+):
+    """Every actor.policy_loss.loss_mode x every actor.loss_agg_mode (seq-mean-token-sum-norm with its default
+    divisor, the generation budget): one update under a token budget of ~2 rows per micro-batch (micro-batches
+    of different widths and row counts) gives the float64 formulas' gradient over the whole batch; and the
+    same update with all of a rank's rows in one micro-batch gives the same weights, within FACTOR x the fp32
+    noise of that gradient. A divisor taken from a micro-batch's width or rows fails both."""
+    ref, noise = references((loss_mode, agg))
+    weights = grid_weights(world)
+    after = weights["after"][f"{loss_mode} {agg}"]
+    step = {name: weights["before"][name] - after[name] for name in ref["step"]}
+    fp32_noise.check(step, ref["step"], noise["step"], f"world {world} {loss_mode} {agg} gradient")
+    for rep in runs[world][0]:
+        difference = rep["grid"][f"{loss_mode} {agg}"]
+        allowed = fp32_noise.FACTOR * noise["step"] + fp32_noise.FLOOR
+        assert difference <= allowed, (
+            f"world {world} {loss_mode} {agg}: the two budgets' weights differ by {difference:.3g}"
+        )
+
+
+def adaptive_rewards(dtype) -> dict:
+    """loop_worker.ADAPTIVE over two steps, from veRL's formulas (apply_kl_penalty, AdaptiveKLController.update):
+    kl_it = |old - ref| on every sampled token, each step's rewards = the score at the last token - beta * kl,
+    the logged KL the mean over all 16 rows of each row's token mean, and beta_2 = beta_1 (1 + e * 16 / horizon),
+    e = clip(kl / target - 1, -0.2, 0.2): the WHOLE batch's row count, at any world size."""
+    b = in_dtype(global_batch(100), dtype)
+    sampled = b["response_mask"]
+    kl = (b["old_logprobs"] - b["ref_logprobs"]).abs() * sampled
+    scores = torch.zeros_like(sampled)
+    scores[torch.arange(16), sampled.sum(-1).long() - 1] = torch.tensor(REWARDS, dtype=dtype)
+    current = (kl.sum(-1) / (sampled.sum(-1) + 1e-8)).mean().item()
+    beta = 0.05
+    second = beta * (1 + min(max(current / 0.1 - 1, -0.2), 0.2) * 16 / 40)
+    return {"kl": current, "beta_2": second, "step_1": scores - beta * kl, "step_2": scores - second * kl}
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_the_adaptive_kl_coefficient_moves_the_rewards_and_counts_every_rank(runs, world):
+    """Two steps of the KL in the reward with the adaptive controller: step 1 logs and applies kl_coef; step 2
+    the coefficient veRL's controller gives after step 1's KL over the WHOLE batch's 16 rows (at 2 ranks too),
+    and that coefficient, not the configured one, is what the dumped rewards of step 2 subtract."""
+    assert ADAPTIVE[1:] == [  # what adaptive_rewards writes out
+        "algorithm.kl_penalty=abs",
+        "algorithm.kl_ctrl.type=adaptive",
+        "algorithm.kl_ctrl.kl_coef=0.05",
+        "algorithm.kl_ctrl.target_kl=0.1",
+        "algorithm.kl_ctrl.horizon=40",
+    ]
+    reports, folder = runs[world]
+    ref, noise = fp32_noise.measure(adaptive_rewards)
+    assert ref["beta_2"] != 0.05 and ref["kl"] > 0.12  # the controller moves, its clip binds: beta_2 exact
+    for rep in reports:
+        first, second = rep["adaptive"]
+        assert first["actor/reward_kl_penalty_coeff"] == 0.05
+        fp32_noise.check(first["actor/reward_kl_penalty"], ref["kl"], noise["kl"], f"world {world} step 1 KL")
+        assert second["actor/reward_kl_penalty_coeff"] == pytest.approx(ref["beta_2"], rel=1e-12)
+    for step in (1, 2):
+        dump = torch.load(folder / "dump_adaptive" / f"step_{step}.pt")
+        key = f"step_{step}"
+        fp32_noise.check(dump["token_level_rewards"], ref[key], noise[key], f"world {world} rewards of step {step}")
 
 
 @pytest.mark.parametrize("world", [1, 2])

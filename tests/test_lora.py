@@ -153,6 +153,123 @@ def test_targets_that_match_nothing_name_the_layers_there_are(random_models, tar
         ft.lora_targets(model, targets, exclude)
 
 
+# ------------------------------------------------------------------ LoRA as the trainer builds it
+def trainer_lora_model(path: str, *overrides: str) -> torch.nn.Module:
+    """The policy as grpo.py loads it (grpo.lora_spec from the config's model.* and trainer.seed, then
+    fsdp_train.load_model), in this process (world size 1)."""
+    import config
+    import grpo
+
+    ft.init_distributed()
+    cfg = config.load_config(None, ["model.lora_rank=4", "model.lora_alpha=8", *overrides])
+    return ft.load_model(path, device=torch.device("cpu"), lora=grpo.lora_spec(cfg, path))
+
+
+def adapted(model) -> list[str]:
+    return [name for name, m in model.named_modules() if isinstance(m, ft.LoraLinear)]
+
+
+@pytest.mark.parametrize(
+    "targets, exclude",
+    [("all-linear", "[down_proj, model.layers.0.self_attn.o_proj]"), ("[q_proj, v_proj]", r"'model\.layers\.1\..*'")],
+)
+def test_the_loaded_policy_adapts_what_peft_adapts_excludes_included(random_models, targets, exclude):
+    """model.target_modules and model.exclude_modules through load_model: the LoraLinear modules of the policy
+    are PEFT's choice for the same LoraConfig, and the excluded ones are plain layers."""
+    import yaml
+
+    model = trainer_lora_model(
+        random_models["untied"], f"model.target_modules={targets}", f"model.exclude_modules={exclude}"
+    )
+    config = LoraConfig(
+        r=4, lora_alpha=8, target_modules=yaml.safe_load(targets), exclude_modules=yaml.safe_load(exclude)
+    )
+    peft = get_peft_model(AutoModelForCausalLM.from_pretrained(random_models["untied"]), config)
+    theirs = [n.removeprefix("base_model.model.") for n, m in peft.named_modules() if isinstance(m, PeftLinear)]
+    without = trainer_lora_model(random_models["untied"], f"model.target_modules={targets}")
+    assert adapted(model) == theirs and len(adapted(without)) > len(theirs) > 0
+
+
+@pytest.mark.parametrize("seed", [0, 3])
+def test_the_adapters_are_drawn_from_trainer_seed(random_models, seed):
+    """PEFT's initialisation (lora_A Kaiming-uniform with a = sqrt(5): uniform in +-1/sqrt(in_features); lora_B 0),
+    drawn layer by layer in module order from a generator seeded with trainer.seed, written out here."""
+    model = trainer_lora_model(random_models["tied"], f"trainer.seed={seed}")
+    g = torch.Generator().manual_seed(seed)
+    for name in adapted(model):
+        layer = model.get_submodule(name)
+        bound = 1 / layer.base_layer.in_features**0.5
+        expected = torch.empty(4, layer.base_layer.in_features).uniform_(-bound, bound, generator=g)
+        assert torch.equal(layer.lora_A.weight.detach(), expected), name
+        assert not layer.lora_B.weight.any()
+    other = trainer_lora_model(random_models["tied"], f"trainer.seed={seed + 1}")
+    name = adapted(model)[0]
+    assert not torch.equal(model.get_submodule(name).lora_A.weight, other.get_submodule(name).lora_A.weight)
+
+
+def test_a_bf16_engine_receives_the_merged_weights(random_models):
+    """sync.full_params for a bf16 engine (the push's tensors, no engine): every adapted layer's weight is PEFT's
+    merged weight W + (B @ A) * alpha / r cast to bf16 (to one bf16 rounding), not the base; the rest is the
+    base cast to bf16."""
+    model = trainer_lora_model(random_models["tied"])
+    g = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        for name in adapted(model):
+            model.get_submodule(name).lora_B.weight.copy_(
+                torch.randn(model.get_submodule(name).lora_B.weight.shape, generator=g)
+            )
+    pushed = dict(sync.full_params(model, torch.bfloat16))
+    peft = get_peft_model(
+        AutoModelForCausalLM.from_pretrained(random_models["tied"], dtype=torch.float32),
+        LoraConfig(r=4, lora_alpha=8, target_modules="all-linear"),
+    )
+    with torch.no_grad():
+        for name in adapted(model):
+            layer = peft.base_model.model.get_submodule(name)
+            layer.lora_A.default.weight.copy_(model.get_submodule(name).lora_A.weight)
+            layer.lora_B.default.weight.copy_(model.get_submodule(name).lora_B.weight)
+    merged = peft.merge_and_unload().state_dict()
+    assert set(pushed) == set(merged) - {"lm_head.weight"}  # tied: the head is embed_tokens
+    bf16_step = torch.finfo(torch.bfloat16).eps
+    for key, tensor in pushed.items():
+        assert tensor.dtype == torch.bfloat16, key
+        expected = merged[key].double()
+        assert ((tensor.double() - expected).abs() <= bf16_step * expected.abs()).all(), key
+    base = AutoModelForCausalLM.from_pretrained(random_models["tied"], dtype=torch.float32).state_dict()
+    key = f"{adapted(model)[0]}.weight"
+    assert (pushed[key].double() - base[key].double()).abs().max() > 100 * bf16_step * base[key].abs().max()
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        ("model.lora_alpha=16", "this run has LoRA rank 4, alpha 16 on 28 modules"),
+        ("model.target_modules=[q_proj, v_proj]", "this run has LoRA rank 4, alpha 8 on 8 modules"),
+        ("model.exclude_modules=[down_proj]", "this run has LoRA rank 4, alpha 8 on 24 modules"),
+        ("model.lora_rank=2", "this run has LoRA rank 2, alpha 8 on 28 modules"),
+    ],
+)
+def test_resume_refuses_another_alpha_or_other_targets(random_models, tmp_path, change, message):
+    """A checkpoint of rank 4, alpha 8 on every linear layer, resumed (grpo.resume) with one LoRA key changed:
+    one line naming both settings, before anything loads."""
+    import config
+    import grpo
+
+    model = trainer_lora_model(random_models["tied"])
+    optimizer = torch.optim.AdamW(ft.trainable_params(model))
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
+    path = ft.save_checkpoint(str(tmp_path), 1, model, optimizer, scheduler, extra={"step": 1})
+    other = trainer_lora_model(random_models["tied"], change)
+    optimizer = torch.optim.AdamW(ft.trainable_params(other))
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
+    cfg = config.load_config(None, [f"trainer.resume={path}"])
+    with pytest.raises(config.ConfigError) as error:
+        grpo.resume(cfg, other, optimizer, scheduler, 0, 1)
+    assert str(error.value).startswith(
+        f"trainer.resume: {path} was written by LoRA rank 4, alpha 8 on 28 modules, {message}"
+    )
+
+
 def plain_lora_model(path: str, lora: dict) -> torch.nn.Module:
     """The HF model (fp32, one process, no FSDP) with LoRA added and initialised exactly as load_model does
     (fsdp_train._with_adapters from the same seed), the base frozen: the plain computation for the references."""
