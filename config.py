@@ -16,8 +16,12 @@ import re
 import torch
 import yaml
 
-import fsdp_train
+import dapo
+import grpo_family
+import lora
 import losses
+import reward_files
+import rollout_correction
 
 # The schema: section -> key -> default, or (default, accepted). A dict is a sub-section
 # (algorithm.rollout_correction.rollout_is). accepted: a tuple of choices, a type where the default's is not
@@ -88,7 +92,7 @@ SCHEMA = {
         "clip_ratio_low": (0.2, ">= 0 (>= 1: no lower bound; geo_mean: a log-ratio bound)"),
         "clip_ratio_high": (0.28, GE0),
         "clip_ratio_c": (3.0, "> 1 (the dual-clip bound)"),
-        "policy_loss": {"loss_mode": ("vanilla", losses.LOSS_MODES)},
+        "policy_loss": {"loss_mode": ("vanilla", ("vanilla", *grpo_family.LOSS_MODES))},
         "tau_pos": (1.0, "> 0 (sapo's gate temperature where the advantage is > 0)"),
         "tau_neg": (1.05, "> 0 (sapo's gate temperature where the advantage is <= 0)"),
         "loss_agg_mode": ("token-mean", losses.AGG_MODES),
@@ -101,7 +105,7 @@ SCHEMA = {
         "kl_loss_type": ("low_var_kl", losses.KL_KINDS + tuple(k + "+" for k in losses.KL_KINDS)),
     },
     "algorithm": {
-        "adv_estimator": ("grpo", losses.ADV_ESTIMATORS),
+        "adv_estimator": ("grpo", ("grpo", *grpo_family.ESTIMATORS)),
         "norm_adv_by_std_in_grpo": True,
         "gamma": (1.0, "0 <= value <= 1 (reinforce_plus_plus's discount)"),
         "use_kl_in_reward": False,
@@ -215,6 +219,11 @@ def _passes(rule: str, value) -> bool:
 
 class ConfigError(ValueError):
     pass
+
+
+# What ends a run with one line `error: ...` and exit status 1 (grpo.main): a bad configuration, data or
+# reward file, DAPO's generation batches exhausted.
+ONE_LINE_ERRORS = (ConfigError, yaml.YAMLError, reward_files.RewardFileError, dapo.TooFewGroups)
 
 
 class _Loader(yaml.SafeLoader):
@@ -364,9 +373,11 @@ def check_config(cfg: dict) -> dict:
     one = torch.zeros(1, 1), torch.zeros(1, 1), torch.ones(1, 1)  # the specs, parsed by the code that uses them
     try:
         if rc["rollout_is"]:
-            losses.rollout_is_weights(*one, level=rc["rollout_is"], threshold=rc["rollout_is_threshold"])
+            rollout_correction.rollout_is_weights(*one, level=rc["rollout_is"], threshold=rc["rollout_is_threshold"])
         if rc["rollout_rs"]:
-            losses.rollout_rejection_mask(*one, modes=rc["rollout_rs"], thresholds=rc["rollout_rs_threshold"])
+            rollout_correction.rollout_rejection_mask(
+                *one, modes=rc["rollout_rs"], thresholds=rc["rollout_rs_threshold"]
+            )
     except ValueError as e:
         specs = ", ".join(f"{k} = {rc[k]!r}" for k in rc if k.startswith("rollout_"))
         raise ConfigError(f"config: algorithm.rollout_correction.{specs}: {e}") from None
@@ -376,7 +387,7 @@ def check_config(cfg: dict) -> dict:
 
 def check_lora(m: dict) -> None:
     """The LoRA keys: names are strings; targets only with LoRA on; an adapter directory is a PEFT LoRA adapter
-    flatgrpo can train (fsdp_train.read_adapter_config) of the rank asked for (0: the adapter's)."""
+    flatgrpo can train (lora.read_adapter_config) of the rank asked for (0: the adapter's)."""
     for key in ("target_modules", "exclude_modules"):
         if isinstance(m[key], list) and not all(isinstance(x, str) and x for x in m[key]):
             raise ConfigError(f"config: model.{key} = {m[key]!r}; accepted: all-linear, a regex, or a list of names")
@@ -389,8 +400,8 @@ def check_lora(m: dict) -> None:
     if not m["lora_adapter_path"]:
         return
     try:
-        adapter = fsdp_train.read_adapter_config(m["lora_adapter_path"])
-    except fsdp_train.LoraError as e:
+        adapter = lora.read_adapter_config(m["lora_adapter_path"])
+    except lora.LoraError as e:
         raise ConfigError(f"config: {e}") from None
     if m["lora_rank"] and m["lora_rank"] != adapter["r"]:
         raise ConfigError(
@@ -399,11 +410,28 @@ def check_lora(m: dict) -> None:
         )
 
 
+def lora_settings(cfg: dict, model_path: str) -> dict:
+    """lora.adapter's settings from the model.lora_* keys (LoRA on: model.lora_rank > 0 or an adapter directory);
+    the adapters' initialisation is seeded by trainer.seed. An adapter directory must belong to model.path's
+    model (check_adapter_base)."""
+    m = cfg["model"]
+    if m["lora_adapter_path"]:
+        check_adapter_base(m, model_path)
+    return {
+        "rank": m["lora_rank"],
+        "alpha": m["lora_alpha"],
+        "target_modules": m["target_modules"],
+        "exclude_modules": m["exclude_modules"],
+        "adapter_path": m["lora_adapter_path"],
+        "seed": cfg["trainer"]["seed"],
+    }
+
+
 def check_adapter_base(m: dict, model_path: str) -> None:
     """model.lora_adapter_path was trained on model.path: its base_model_name_or_path names the same model, as
     written (a hub id), as the same directory, or by its last path component ("Qwen/Qwen2.5-0.5B-Instruct" and
     "/models/Qwen2.5-0.5B-Instruct"). Another base with the same shapes would load and train without error."""
-    base = fsdp_train.read_adapter_config(m["lora_adapter_path"]).get("base_model_name_or_path")
+    base = lora.read_adapter_config(m["lora_adapter_path"]).get("base_model_name_or_path")
     if not base:
         return
     names = {m["path"], os.path.realpath(model_path), os.path.basename(m["path"].rstrip("/"))}

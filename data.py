@@ -8,10 +8,7 @@ directory, and the dumped batches of the seed's Experiment 1. Plumbing for grpo.
 """
 
 import glob
-import importlib.util
 import json
-import math
-import numbers
 import os
 import random
 
@@ -19,7 +16,9 @@ import torch
 import torch.distributed as dist
 
 import fsdp_train
+import grpo_family
 import reward
+import reward_files
 import rollout
 from config import ConfigError
 
@@ -155,64 +154,25 @@ def local_positions(batch: int, mini: int, world: int, rank: int) -> list[int]:
 
 # ------------------------------------------------------------------------------------- the scorer
 def make_scorer(cfg: dict):
-    """score(row, text) -> (reward: float, extras: dict) for a response decoded with skip_special_tokens.
-    custom_reward_function.path set: that file's function (veRL's signature: compute_score(data_source,
-    solution_str, ground_truth, extra_info) -> a number, or a dict with a numeric "score" whose other keys
-    are extras); otherwise veRL's GSM8K rule (reward.compute_score), with the extracted answer as "pred"
-    (majority voting in validation). The file is loaded once per process; a bad return stops the run."""
-    path, name, rw = cfg["custom_reward_function"]["path"], cfg["custom_reward_function"]["name"], cfg["reward"]
-    if path is None:
+    """score(row, text) -> (reward: float, extras: dict) for a response decoded with skip_special_tokens: veRL's
+    GSM8K rule (reward.compute_score, reward.* keys), with the extracted answer as "pred" (majority voting in
+    validation); with custom_reward_function.path, that file's function (reward_files.py)."""
+    if cfg["custom_reward_function"]["path"] is not None:  # a user's reward file
+        return reward_files.load_scorer(cfg["custom_reward_function"]["path"], cfg["custom_reward_function"]["name"])
+    settings = cfg["reward"]
 
-        def gsm8k(row, text):
-            pred = reward.extract_solution(text, method=rw["method"], clip_chars=rw["clip_chars"])
-            return reward.compute_score(
-                text,
-                row["ground_truth"],
-                method=rw["method"],
-                format_score=rw["format_score"],
-                score=rw["score"],
-                clip_chars=rw["clip_chars"],
-            ), {"pred": pred or "[no answer]"}
+    def gsm8k(row, text):
+        pred = reward.extract_solution(text, method=settings["method"], clip_chars=settings["clip_chars"])
+        return reward.compute_score(
+            text,
+            row["ground_truth"],
+            method=settings["method"],
+            format_score=settings["format_score"],
+            score=settings["score"],
+            clip_chars=settings["clip_chars"],
+        ), {"pred": pred or "[no answer]"}
 
-        return gsm8k
-    fn = load_reward_function(path, name)
-
-    def custom(row, text):
-        out = fn(
-            data_source=row["data_source"],
-            solution_str=text,
-            ground_truth=row["ground_truth"],
-            extra_info=row["extra_info"],
-        )
-        value, extras = out, {}
-        if isinstance(out, dict):  # {"score": ..., other keys: extras}
-            extras = dict(out)
-            value = extras.pop("score", None)
-        if not isinstance(value, numbers.Real) or not math.isfinite(value):
-            raise ConfigError(
-                f"custom_reward_function: {path}:{name} returned {out!r} for {row['where']}; accepted: "
-                "a finite number, or a dict with a numeric 'score'"
-            )
-        return float(value), extras
-
-    return custom
-
-
-def load_reward_function(path: str, name: str):
-    """The function `name` of the Python file `path` (custom_reward_function.path / .name)."""
-    if not os.path.isfile(path):
-        raise ConfigError(f"config: custom_reward_function.path = {path!r}: no such file")
-    spec = importlib.util.spec_from_file_location("custom_reward", path)
-    module = importlib.util.module_from_spec(spec)
-    try:
-        spec.loader.exec_module(module)
-    except Exception as e:
-        raise ConfigError(
-            f"config: custom_reward_function.path = {path!r}: importing it failed ({type(e).__name__}: {e})"
-        ) from None
-    if not callable(getattr(module, name, None)):
-        raise ConfigError(f"config: custom_reward_function.name = {name!r}: {path} defines no function {name}")
-    return getattr(module, name)
+    return gsm8k
 
 
 def check_scorer(rows: list[dict], cfg: dict) -> None:
@@ -277,6 +237,11 @@ def dump_batch(run, step: int, batch: dict):
     old, reference and vLLM log-probs, and the IS weights (the seed's Experiment 1: replay them elsewhere
     with trainer.replay_batches)."""
     n, root = run.cfg["rollout"]["n"], run.cfg["trainer"]["dump_batches"]
+    if "token_level_rewards" not in batch:  # GRPO's: the score at the last sampled token, the returns its advantages
+        width = batch["response_mask"].shape[1]
+        sampled = batch["attention_mask"][:, -width:].float()  # [B, R]
+        scores = {"token_level_rewards": grpo_family.token_level_scores(batch["rewards"], sampled)}
+        batch = {**batch, **scores, "returns": batch["advantages"]}
     rows = []
     for i in range(batch["input_ids"].shape[0]):
         row = {k: v[i] for k, v in batch.items()}

@@ -12,7 +12,7 @@ The same code runs one CPU process (`python ...`, gloo) and many GPU nodes (`tor
 Log-probs never hold a [tokens, V] tensor: the lm_head, log-softmax and entropy run over chunks of
 positions, recomputed in the backward (chunked_logprobs; at Qwen2.5's V = 151,936 the plain path costs
 ~3.8 MB per token of a micro-batch, the chunked one ~0.1 MB: bench/memory.py). Each chunk's logits are the
-model's own, whatever the family's forward does to them (logits_fn; checked at load time, check_logits_fn).
+model's own, whatever the family's forward does to them (logits_head; checked at load time, check_logits_fn).
 
 Batches are dicts of tensors in veRL's layout: `input_ids` / `attention_mask` [B, P + R] with the
 prompt LEFT-padded to width P and the response RIGHT-padded to width R; `response_mask` and every
@@ -25,9 +25,7 @@ that of one process on the full batch, however unevenly tokens fall on micro-bat
 (tests/test_fsdp_train.py checks it against a plain PyTorch reference).
 """
 
-import contextlib
 import glob
-import json
 import math
 import os
 import re
@@ -50,7 +48,7 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
 from torch.utils.checkpoint import checkpoint
 from transformers import AutoConfig, AutoModelForCausalLM
-from transformers.modeling_utils import load_state_dict, safe_save_file  # safetensors' reader and writer
+from transformers.modeling_utils import load_state_dict  # safetensors' reader and writer
 
 SEQ_KEYS = ("input_ids", "attention_mask")  # [B, P + R]; every other 2-D tensor is [B, R]
 
@@ -101,7 +99,8 @@ def load_model(
     compute_dtype: torch.dtype | None = None,
     activation_checkpointing: bool = False,
     trainable: bool = True,
-    lora: dict | None = None,
+    adapt=None,
+    head=None,
 ) -> torch.nn.Module:
     """An HF causal LM sharded with FSDP2: fully_shard on each decoder layer, then on the root
     (at world size 1 with one dtype throughout, a plain module: the same code path otherwise).
@@ -110,20 +109,23 @@ def load_model(
     shard it, allocate only their shards, and rank 0 reads the checkpoint and broadcasts it
     parameter by parameter. Tied embeddings stay tied (one parameter). compute_dtype (e.g. bf16 on
     GPU, as veRL) keeps `param_dtype` master weights and casts for the forward/backward only.
-    Raises UnsupportedModel (one line) when the model's forward post-processes its logits in a way the
-    log-prob path does not reproduce (check_logits_fn).
+    Raises UnsupportedModel (one line) when the log-prob path's head does not give the model's own logits
+    (check_logits_fn).
 
-    lora (see LoRA below): {"rank", "alpha", "target_modules", "exclude_modules", "seed"} or {"adapter_path"}:
-    the targeted linear layers become LoraLinear before sharding; the base stays frozen in param_dtype, the
-    adapters (fp32) are the only trainable parameters. Initialised as PEFT (from `seed`) or read from a PEFT
-    adapter directory (its own rank, alpha and targets).
+    Optional features plug in here (both None by default):
+    adapt(meta model) -> (settings, convert, trains) may replace modules before sharding (LoRA: lora.adapter);
+    convert(the HF state dict) -> the adapted model's (rank 0); trains(name) -> does that parameter train (the
+    others are frozen); settings are kept as model.adapter_settings and in checkpoints.
+    head(model) -> (rule, function hidden [n, h] -> logits [n, V]): a model family's logits when its forward
+    does more than the output embedding (logit_rules.logits_head), kept as model.logits_head.
     """
     config = AutoConfig.from_pretrained(path)
     compute_dtype = compute_dtype or param_dtype
     with init_empty_weights(include_buffers=False):  # parameters on meta; small buffers (RoPE) real
         model = AutoModelForCausalLM.from_config(config, dtype=param_dtype)
     model.tie_weights()  # init_empty_weights re-registers parameters, which unties lm_head from embed_tokens
-    model.lora_config = add_lora(model, lora) if lora else None
+    settings, convert, trains = adapt(model) if adapt else (None, None, None)  # e.g. LoRA's layers
+    model.adapter_settings = settings
     buffers = {name: b.clone() for name, b in model.named_buffers()}
     if activation_checkpointing:  # must come before fully_shard
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -140,12 +142,13 @@ def load_model(
         for name, b in model.named_buffers():
             b.copy_(buffers[name])
     full = _read_hf_weights(path, param_dtype, config) if dist.get_rank() == 0 else {}
-    if model.lora_config and dist.get_rank() == 0:
-        full = _with_adapters(full, model.lora_config, lora)
+    if convert is not None and dist.get_rank() == 0:
+        full = convert(full)
     set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
-    for name, p in model.named_parameters():  # LoRA: only the adapters train (before any forward: pytorch#186998)
-        p.requires_grad_(trainable and (not model.lora_config or ".lora_" in name))
+    for name, p in model.named_parameters():  # before any forward (pytorch#186998)
+        p.requires_grad_(trainable and (trains is None or trains(name)))
     model.train(trainable)
+    model.logits_rule, model.logits_head = head(model) if head else ("none", None)
     check_logits_fn(model)  # a family whose logits the log-prob path would compute wrongly stops here
     return model
 
@@ -161,281 +164,6 @@ def _read_hf_weights(path: str, dtype: torch.dtype, config) -> dict[str, torch.T
     return weights
 
 
-# -------------------------------------------------------------------------------------- LoRA
-# PEFT's plain LoRA (peft/tuners/lora, 0.21), written out so that this file keeps importing only torch, transformers
-# and accelerate; tests/test_lora.py holds it against PEFT itself. veRL 0.9.1 applies PEFT's get_peft_model before
-# FSDP (verl/workers/engine/fsdp/transformer_impl.py, _build_lora_module), so names, shapes, scaling and the
-# adapter files are PEFT's and move freely between PEFT, veRL, vLLM and flatgrpo.
-ADAPTER_CONFIG, ADAPTER_WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
-ADAPTER_PREFIX = "base_model.model."  # PEFT's key prefix in adapter files: base_model.model.<module>.lora_A.weight
-# adapter_config.json entries flatgrpo's LoRA needs at these values: PEFT's plain LoRA, as veRL's lora_rank builds it
-PLAIN_LORA = {
-    "use_rslora": False,
-    "use_dora": False,
-    "fan_in_fan_out": False,
-    "bias": "none",
-    "lora_bias": False,
-    "lora_dropout": 0.0,
-    "modules_to_save": None,
-    "layers_to_transform": None,
-    "rank_pattern": {},
-    "alpha_pattern": {},
-    "target_parameters": None,
-    "trainable_token_indices": None,
-}
-
-
-class LoraError(ValueError):
-    """A LoRA setting or adapter file this code cannot use: the message names the key or file and what is accepted."""
-
-
-class LoraLinear(torch.nn.Module):
-    """A frozen linear layer plus a trainable low-rank update: PEFT's lora.Linear (forward, vanilla LoRA, no dropout)
-
-        y = base_layer(x) + lora_B(lora_A(x)) * scaling,   scaling = alpha / r
-
-    base_layer is the model's own nn.Linear (weight [out, in], bias), lora_A.weight [r, in], lora_B.weight [out, r]:
-    PEFT's module names, so that the keys read `<module>.base_layer.weight`, `<module>.lora_A.weight`, ... x is cast
-    to the adapters' dtype and the sum back to the base output's dtype, as PEFT does. enabled=False computes the
-    base layer alone (PEFT's disable_adapter(): veRL's reference model in a LoRA run, see adapters_off).
-    Initial values come from load_model: A Kaiming-uniform (a = sqrt(5)), B = 0, so B A x = 0 and the layer starts
-    as the base layer bit for bit. E.g. r = 32, alpha = 16: scaling 0.5.
-    """
-
-    def __init__(self, base_layer: torch.nn.Linear, r: int, alpha: float):
-        super().__init__()
-        self.base_layer = base_layer
-        device = base_layer.weight.device
-        self.lora_A = torch.nn.Linear(base_layer.in_features, r, bias=False, device=device, dtype=torch.float32)
-        self.lora_B = torch.nn.Linear(r, base_layer.out_features, bias=False, device=device, dtype=torch.float32)
-        self.scaling = alpha / r
-        self.enabled = True
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., in] -> [..., out]
-        result = self.base_layer(x)
-        if not self.enabled:
-            return result
-        update = self.lora_B(self.lora_A(x.to(self.lora_A.weight.dtype)))  # [..., out]
-        return (result + update * self.scaling).to(result.dtype)
-
-    @torch.no_grad()
-    def merged_weight(self, dtype: torch.dtype | None = None) -> torch.Tensor:
-        """The full merged weight [out, in] (merge_lora) cast to dtype (default: the base weight's); the layer is
-        not modified. Under FSDP2 each of the three gathers is a collective: every rank must call it."""
-        w, a, b = (_full_tensor(p) for p in (self.base_layer.weight, self.lora_A.weight, self.lora_B.weight))
-        return merge_lora(w, a, b, self.scaling).to(dtype or self.base_layer.weight.dtype)
-
-
-def _full_tensor(param: torch.Tensor) -> torch.Tensor:
-    param = param.detach()
-    return param.full_tensor() if hasattr(param, "full_tensor") else param
-
-
-def merge_lora(weight: torch.Tensor, lora_A: torch.Tensor, lora_B: torch.Tensor, scaling: float) -> torch.Tensor:
-    """W + (B @ A) * scaling in fp32, a NEW tensor [out, in]: PEFT's merge (get_delta_weight: (B @ A) * scaling, added
-    to W), the weight vLLM and the hf/ export receive. weight [out, in], lora_A [r, in], lora_B [out, r]."""
-    return weight.float() + (lora_B.float() @ lora_A.float()) * scaling
-
-
-@contextlib.contextmanager
-def adapters_off(model: torch.nn.Module):
-    """Within the block every LoraLinear computes its base layer alone: the model IS the base model (veRL 0.9.1's
-    reference in a LoRA run, ref_in_actor: the actor under disable_adapter(); no second copy). No-op without LoRA."""
-    layers = [m for m in model.modules() if isinstance(m, LoraLinear)]
-    for layer in layers:
-        layer.enabled = False
-    try:
-        yield model
-    finally:
-        for layer in layers:
-            layer.enabled = True
-
-
-def lora_targets(model: torch.nn.Module, target_modules: str | list[str], exclude_modules=None) -> list[str]:
-    """Names of the linear layers LoRA adapts, matched as PEFT matches them (tuners_utils.check_target_module_exists,
-    _maybe_include_all_linear_layers): "all-linear" = every nn.Linear but the output head (Qwen2: q, k, v, o, gate,
-    up and down_proj of every layer); another string = a regex that must match the whole module name; a list =
-    names equal to an entry or ending in "." + entry. exclude_modules (a regex string or a list) removes names
-    the same way. Every list entry must match a linear layer, and the output head is never adapted.
-    E.g. ["q_proj", "v_proj"] -> model.layers.0.self_attn.q_proj, model.layers.0.self_attn.v_proj, ..."""
-    head = model.get_output_embeddings()
-    linear = [n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and m is not head]
-    head_name = next((n for n, m in model.named_modules() if m is head), None)
-    leaves = sorted({n.rsplit(".", 1)[-1] for n in linear})
-    if target_modules == "all-linear":
-        chosen = linear
-    elif isinstance(target_modules, str):
-        chosen = [n for n in linear if re.fullmatch(target_modules, n)]
-    else:
-        chosen = [n for n in linear if _listed(n, target_modules)]
-        for entry in target_modules:
-            if head_name and _listed(head_name, [entry]):
-                raise LoraError(
-                    f"model.target_modules: {entry!r} is the output head ({head_name}); flatgrpo adapts the "
-                    f"decoder's linear layers only: {', '.join(leaves)}"
-                )
-            if not any(_listed(n, [entry]) for n in linear):
-                raise LoraError(
-                    f"model.target_modules: {entry!r} matches no linear layer of the model; its linear layers: "
-                    f"{', '.join(leaves)} (or all-linear)"
-                )
-    if exclude_modules:
-        chosen = [n for n in chosen if not _excluded(n, exclude_modules)]
-    if not chosen:
-        raise LoraError(
-            f"model.target_modules = {target_modules!r} with model.exclude_modules = {exclude_modules!r} leaves no "
-            f"linear layer to adapt; the model's linear layers: {', '.join(leaves)} (or all-linear)"
-        )
-    return chosen
-
-
-def _listed(name: str, entries) -> bool:
-    return any(name == e or name.endswith("." + e) for e in entries)
-
-
-def _excluded(name: str, exclude_modules) -> bool:
-    return (
-        bool(re.fullmatch(exclude_modules, name))
-        if isinstance(exclude_modules, str)
-        else _listed(name, exclude_modules)
-    )
-
-
-def add_lora(model: torch.nn.Module, lora: dict) -> dict:
-    """Replace the targeted nn.Linear modules of a (meta) model by LoraLinear; returns the LoRA settings
-    {"r", "lora_alpha", "target_modules": [adapted module names]} (kept as model.lora_config, written into
-    checkpoints and the exported adapter). lora: {"rank", "alpha", "target_modules", "exclude_modules"} or
-    {"adapter_path"}: then rank, alpha and targets are the adapter's (PeftModel.from_pretrained, as veRL's
-    lora_adapter_path), and its tensors must have the model's shapes."""
-    if lora.get("adapter_path"):
-        config = read_adapter_config(lora["adapter_path"])
-        r, alpha = config["r"], config["lora_alpha"]
-        if lora.get("rank") and lora["rank"] != r:
-            raise LoraError(
-                f"model.lora_rank = {lora['rank']}, but the adapter in model.lora_adapter_path = "
-                f"{lora['adapter_path']!r} has rank {r}; accepted: {r}, or 0 (the adapter's rank)"
-            )
-        names = lora_targets(model, config["target_modules"], config.get("exclude_modules"))
-        _check_adapter_shapes(model, lora["adapter_path"], names, r)
-    else:
-        r, alpha = lora["rank"], lora["alpha"]
-        names = lora_targets(model, lora["target_modules"], lora.get("exclude_modules"))
-    for name in names:
-        parent, _, child = name.rpartition(".")
-        owner = model.get_submodule(parent)
-        setattr(owner, child, LoraLinear(getattr(owner, child), r, alpha))
-    return {"r": r, "lora_alpha": alpha, "target_modules": names}
-
-
-def read_adapter_config(path: str) -> dict:
-    """adapter_config.json of a PEFT LoRA adapter directory, checked: the weights file is there, peft_type is LORA and
-    every entry of PLAIN_LORA has its plain value (no rsLoRA, DoRA, dropout, bias, extra modules or patterns)."""
-    file = os.path.join(path, ADAPTER_CONFIG)
-    if not os.path.isfile(file) or not os.path.isfile(os.path.join(path, ADAPTER_WEIGHTS)):
-        raise LoraError(
-            f"model.lora_adapter_path = {path!r}: no {ADAPTER_CONFIG} and {ADAPTER_WEIGHTS} there; accepted: a PEFT "
-            "LoRA adapter directory (PeftModel.save_pretrained, or a run's hf/lora_adapter)"
-        )
-    with open(file) as f:
-        config = json.load(f)
-    if config.get("peft_type") != "LORA":
-        raise LoraError(f"model.lora_adapter_path: {file} has peft_type {config.get('peft_type')!r}; accepted: LORA")
-    for key, plain in PLAIN_LORA.items():
-        value = config.get(key, plain)
-        if value != plain and (value or plain):  # None, [] and {} all mean "none"
-            raise LoraError(
-                f"model.lora_adapter_path: {file} has {key} = {value!r}; accepted: {plain!r} (flatgrpo trains plain "
-                "LoRA, as veRL's lora_rank path builds it)"
-            )
-    return config
-
-
-def _safetensors_shapes(file: str) -> dict[str, list[int]]:
-    """{key: shape} from a safetensors file's header (8-byte little-endian length, then JSON), tensors unread."""
-    with open(file, "rb") as f:
-        header = json.loads(f.read(int.from_bytes(f.read(8), "little")))
-    return {k: v["shape"] for k, v in header.items() if k != "__metadata__"}
-
-
-def _check_adapter_shapes(model: torch.nn.Module, path: str, names: list[str], r: int) -> None:
-    """The adapter file holds exactly lora_A [r, in] and lora_B [out, r] of every targeted layer of THIS model."""
-    shapes = _safetensors_shapes(os.path.join(path, ADAPTER_WEIGHTS))
-    expected = {}
-    for name in names:
-        layer = model.get_submodule(name)
-        expected[f"{ADAPTER_PREFIX}{name}.lora_A.weight"] = [r, layer.in_features]
-        expected[f"{ADAPTER_PREFIX}{name}.lora_B.weight"] = [layer.out_features, r]
-    for key in sorted(expected.keys() | shapes.keys()):
-        if shapes.get(key) != expected.get(key):
-            raise LoraError(
-                f"model.lora_adapter_path: {os.path.join(path, ADAPTER_WEIGHTS)}: {key} has shape {shapes.get(key)}, "
-                f"the model needs {expected.get(key)} (rank {r}): an adapter of another base model or rank"
-            )
-
-
-def _with_adapters(full: dict[str, torch.Tensor], lora_config: dict, lora: dict) -> dict[str, torch.Tensor]:
-    """The HF state dict renamed for the LoraLinear layers (<module>.weight -> <module>.base_layer.weight, bias alike)
-    plus their adapters (fp32): the adapter file's, or PEFT's initialisation, A Kaiming-uniform (a = sqrt(5), bound
-    1 / sqrt(in)) and B = 0, drawn layer by layer in model order from a generator seeded with lora["seed"] (the same
-    adapters at any world size: rank 0 draws them and broadcasts them with the weights)."""
-    full = dict(full)
-    adapter = {}
-    if lora.get("adapter_path"):
-        stored = load_state_dict(os.path.join(lora["adapter_path"], ADAPTER_WEIGHTS))
-        adapter = {k.removeprefix(ADAPTER_PREFIX): v.float() for k, v in stored.items()}
-    g = torch.Generator().manual_seed(lora.get("seed", 0))
-    for name in lora_config["target_modules"]:
-        for kind in ("weight", "bias"):
-            if f"{name}.{kind}" in full:
-                full[f"{name}.base_layer.{kind}"] = full.pop(f"{name}.{kind}")
-        if adapter:
-            full[f"{name}.lora_A.weight"] = adapter[f"{name}.lora_A.weight"]
-            full[f"{name}.lora_B.weight"] = adapter[f"{name}.lora_B.weight"]
-            continue
-        out_features, in_features = full[f"{name}.base_layer.weight"].shape
-        a = torch.empty(lora_config["r"], in_features)  # [r, in]
-        full[f"{name}.lora_A.weight"] = torch.nn.init.kaiming_uniform_(a, a=math.sqrt(5), generator=g)
-        full[f"{name}.lora_B.weight"] = torch.zeros(out_features, lora_config["r"])  # [out, r]
-    return full
-
-
-def split_merged(full: dict[str, torch.Tensor], lora_config: dict) -> tuple[dict, dict]:
-    """A full state dict of a LoRA model -> (the merged plain HF state dict: W + (B @ A) * scaling in fp32 under
-    the base names, the adapter tensors under PEFT's file keys base_model.model.<module>.lora_A.weight)."""
-    merged, adapter = dict(full), {}
-    scaling = lora_config["lora_alpha"] / lora_config["r"]
-    for name in lora_config["target_modules"]:
-        a, b = merged.pop(f"{name}.lora_A.weight"), merged.pop(f"{name}.lora_B.weight")
-        adapter[f"{ADAPTER_PREFIX}{name}.lora_A.weight"] = a.contiguous()
-        adapter[f"{ADAPTER_PREFIX}{name}.lora_B.weight"] = b.contiguous()
-        merged[f"{name}.weight"] = merge_lora(merged.pop(f"{name}.base_layer.weight"), a, b, scaling)
-        if f"{name}.base_layer.bias" in merged:
-            merged[f"{name}.bias"] = merged.pop(f"{name}.base_layer.bias")
-    return merged, adapter
-
-
-def write_adapter(out_dir: str, adapter: dict[str, torch.Tensor], lora_config: dict, base_model: str) -> None:
-    """A PEFT adapter directory: adapter_model.safetensors (split_merged's keys) and adapter_config.json with
-    PEFT's LoraConfig fields (target_modules: the adapted modules' full names, as PEFT 0.21 saves all-linear),
-    which PeftModel.from_pretrained, vLLM's LoRARequest and veRL's lora_adapter_path read."""
-    os.makedirs(out_dir, exist_ok=True)
-    safe_save_file(adapter, os.path.join(out_dir, ADAPTER_WEIGHTS), metadata={"format": "pt"})
-    config = {
-        "peft_type": "LORA",
-        "task_type": "CAUSAL_LM",
-        "base_model_name_or_path": base_model,
-        "r": lora_config["r"],
-        "lora_alpha": lora_config["lora_alpha"],
-        "target_modules": lora_config["target_modules"],
-        "exclude_modules": None,
-        "init_lora_weights": True,
-        "inference_mode": True,
-        **PLAIN_LORA,
-    }
-    with open(os.path.join(out_dir, ADAPTER_CONFIG), "w") as f:
-        json.dump(config, f, indent=2)
-
-
 def make_optimizer(
     model,
     *,
@@ -447,7 +175,7 @@ def make_optimizer(
     schedule: str = "constant",
     min_lr_ratio: float = 0.0,
 ):
-    """AdamW (veRL's defaults) over the trainable parameters (with LoRA: the adapters only) and veRL 0.9.1's
+    """AdamW (veRL's defaults) over the trainable parameters (trainable_params) and veRL 0.9.1's
     per-global-step LR schedule (lr_factor); call scheduler.step() once per global step, after its optimizer steps."""
     if schedule not in ("constant", "cosine"):
         raise ValueError(f"make_optimizer: schedule={schedule!r}; accepted: constant, cosine")
@@ -460,7 +188,7 @@ def make_optimizer(
 
 
 def trainable_params(model) -> list[torch.nn.Parameter]:
-    """The parameters that train: all of them, or with LoRA the adapters only (the base is frozen)."""
+    """The parameters that train: all of them, or those load_model's `adapt` left trainable (LoRA: the adapters)."""
     return [p for p in model.parameters() if p.requires_grad]
 
 
@@ -563,53 +291,7 @@ def token_logprobs(
         return logp, entropy_fn(logits)  # [n]
 
 
-# ------------------------------------------------------------------------------ the family's logits
-def logits_fn(model) -> tuple[str, Callable[[torch.Tensor], torch.Tensor]]:
-    """(rule, head): head(hidden [n, h]) -> logits [n, V], what the model's OWN forward computes from the
-    decoder's final hidden states; rule names what it does besides the output embedding ("none" for most).
-    The log-prob path runs head chunk by chunk (chunked_logprobs) instead of the forward's [n, V] logits,
-    so whatever the family does to its logits must be here, or the trainer trains another policy than
-    vLLM samples from. The output embedding is transformers' get_output_embeddings().
-
-    What the ForCausalLM forwards of transformers 5.19 do between the decoder and the logits they return:
-        final_logit_softcapping c  Gemma 2, 3, 3n, 4, VaultGemma, NanoChat           c * tanh(logits / c)
-        logit_scale s              Cohere, Cohere2, Cohere2-MoE, Cohere-Compass       logits * s
-        logits_scaling s           Granite, GraniteMoe (-Shared, -Hybrid), their SWA  logits / s
-        logits_scaling s           HyperCLOVAX: the same key, the other way            logits * s
-        lm_head_multiplier m       Falcon-H1                                          logits * m
-        logits_scaling s           MiniCPM3 (s = hidden_size / dim_model_base)        head(hidden / s)
-    Not reproduced here, so check_logits_fn stops them at start-up: RecurrentGemma (logits_soft_cap) and
-    xLSTM (output_logit_soft_cap), which vLLM does not serve; Inkling (hidden / logits_mup_width_multiplier,
-    logits cut to unpadded_vocab_size); ModernBertDecoder (a dense + norm head before the output embedding).
-    Mamba, Mllama, NemotronH and Blt only cast their logits to fp32, as token_logprobs does.
-    vLLM applies the same rules (its LogitsProcessor's scale and soft_cap), and veRL's default path reads
-    model(...).logits, so they are in its log-probs too.
-    Example, Gemma 2 (c = 30): a logit of 10 becomes 30 * tanh(1/3) = 9.65, one of 100 becomes 29.9.
-    """
-    config = model.config.get_text_config()
-    head = model.get_output_embeddings()
-    family = config.model_type
-    if getattr(config, "final_logit_softcapping", None) is not None:  # the forward's order of operations
-        cap = config.final_logit_softcapping
-        return f"final_logit_softcapping: {cap} * tanh(logits / {cap})", lambda h: torch.tanh(head(h) / cap) * cap
-    if family.startswith("cohere"):
-        scale = config.logit_scale
-        return f"logit_scale: logits * {scale}", lambda h: head(h) * scale
-    if family.startswith("granite"):
-        scale = config.logits_scaling
-        return f"logits_scaling: logits / {scale}", lambda h: head(h) / scale
-    if family == "hyperclovax":
-        scale = config.logits_scaling
-        return f"logits_scaling: logits * {scale}", lambda h: head(h) * scale
-    if family == "falcon_h1":
-        scale = config.lm_head_multiplier
-        return f"lm_head_multiplier: logits * {scale}", lambda h: head(h) * scale
-    if family == "minicpm3":
-        scale = config.logits_scaling
-        return f"logits_scaling: head(hidden / {scale})", lambda h: head(h / scale)
-    return "none", head
-
-
+# ------------------------------------------------------------------------------ log-probs
 def final_hidden(model, input_ids: torch.Tensor, attention_mask=None, position_ids=None) -> torch.Tensor:
     """The decoder's final hidden states [b, s, h] (after its last norm); the decoder is transformers'
     get_decoder(). input_ids, attention_mask, position_ids [b, s]."""
@@ -631,7 +313,7 @@ def chunked_logprobs(
     """token_logprobs(head(hidden), targets, ...) without ever holding a [n, V] tensor.
 
     hidden [n, h] (final hidden states, after the last norm), targets [n] -> logp [n], entropy [n] or None;
-    head: hidden [c, h] -> logits [c, V], the family's (logits_fn).
+    head: hidden [c, h] -> logits [c, V] (logits_head).
     The n positions are cut into chunks of chunk_size; each chunk runs head -> logits -> log-softmax ->
     gather (+ entropy) and keeps only its [chunk] outputs. With autograd on, every chunk is wrapped in
     torch.utils.checkpoint: the forward keeps just the chunk's inputs, the backward recomputes the chunk's
@@ -676,7 +358,7 @@ def response_logprobs(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Log-probs [b, R] of the last r_width tokens (the response) and their entropy [b, R] or None:
     the decoder's final hidden states, then chunked_logprobs over the b * R response positions with the
-    family's head (logits_fn: the output embedding and whatever the forward does to its logits; nothing
+    model's head (logits_head: the output embedding, or a family's rule for its logits; nothing
     on the prompt; position t predicts token t + 1).
 
     Under FSDP2 this must run as a forward of the ROOT module: the root's pre-forward unshards the
@@ -691,7 +373,7 @@ def response_logprobs(
     logp, entropy = chunked_logprobs(
         hidden.reshape(b * r_width, h),
         input_ids[:, -r_width:].reshape(-1),
-        logits_fn(model)[1],
+        logits_head(model),
         temperature,
         chunk_size,
         entropy_fn,
@@ -702,10 +384,16 @@ def response_logprobs(
 
 
 def trainer_logits(model, input_ids: torch.Tensor) -> torch.Tensor:
-    """The logits [b, s, V] of the log-prob path, unchunked: final_hidden, then logits_fn's head (input_ids
+    """The logits [b, s, V] of the log-prob path, unchunked: final_hidden, then logits_head (input_ids
     [b, s], no padding). For check_logits_fn and the tests; a forward method of the model like
     response_logprobs."""
-    return logits_fn(model)[1](final_hidden(model, input_ids))
+    return logits_head(model)(final_hidden(model, input_ids))
+
+
+def logits_head(model) -> Callable[[torch.Tensor], torch.Tensor]:
+    """hidden [n, h] -> logits [n, V] as the model's own forward computes them: transformers' output embedding
+    (get_output_embeddings()), or the family's rule that load_model was handed (model.logits_head)."""
+    return getattr(model, "logits_head", None) or model.get_output_embeddings()
 
 
 def add_logprob_forward(model) -> None:
@@ -725,7 +413,7 @@ class UnsupportedModel(ValueError):
 
 @torch.no_grad()
 def check_logits_fn(model) -> None:
-    """Start-up proof that logits_fn is the model's own: the model's forward and trainer_logits on one probe
+    """Start-up proof that logits_head is the model's own: the model's forward and trainer_logits on one probe
     must give the same logits, else UnsupportedModel names the class, what its forward did and the config
     keys that may be the rule. A forward hook scales the output embedding's logits to at most PROBE_LOGIT
     in both passes (by the first pass's gain), so that a rule shows even on a random tiny model whose
@@ -749,7 +437,7 @@ def check_logits_fn(model) -> None:
     error = all_reduce((own.double() - ours.double()).abs().max(), op=dist.ReduceOp.MAX)
     if error > 8 * torch.finfo(own.dtype).eps * PROBE_LOGIT:
         raise UnsupportedModel(
-            f"{name}: its forward post-processes the logits in a way fsdp_train.logits_fn does not reproduce "
+            f"{name}: its forward post-processes the logits in a way the log-prob path does not reproduce "
             f"(output-embedding logits scaled to at most {PROBE_LOGIT:g} come out at most "
             f"{own.abs().max().item():.4g}, the log-prob path's {ours.abs().max().item():.4g}; config keys "
             f"that may set it: {_logit_keys(config)}); training would follow another policy than vLLM samples"
@@ -874,7 +562,8 @@ def train_step(
     entropy_fn=None,
     entropy_grad: bool = True,
     chunk_size: int = LOGPROB_CHUNK,
-) -> dict[str, float]:
+    keep_logprobs: bool = False,
+) -> dict:
     """One optimizer step on this rank's share of ONE mini-batch (veRL's update_policy inner loop).
 
     loss_fn(logp [b, R], entropy [b, R] | None, mb, counts) -> (loss, metrics), where counts are the
@@ -883,6 +572,8 @@ def train_step(
     micro-batch losses and metric shares SUM to the mini-batch values (metrics are all-reduced here;
     keys ending in "_max" are maxima instead). entropy_fn with entropy_grad=False: entropy for metrics.
     Skips the step (zeroing the gradients) when the pre-clip gradient norm is not finite.
+    keep_logprobs: the forward's log-probs and entropy [B, R] (0 past each response) come back too, under
+    "logprobs" and "entropy" (the on-policy shortcut takes them as the old log-probs).
     """
     device = next(model.parameters()).device
     world = dist.get_world_size()
@@ -892,6 +583,8 @@ def train_step(
         "num_seqs": all_reduce(batch["response_mask"].shape[0]),  # veRL's global_batch_size: ALL rows
     }
     sums: dict[str, float] = {}
+    shape = batch["response_mask"].shape
+    kept = {"logprobs": torch.zeros(shape), "entropy": torch.zeros(shape)} if keep_logprobs else {}  # [B, R]
     optimizer.zero_grad(set_to_none=True)
     for rows in _synced_micro_batches(batch, max_tokens):
         mb, _ = _device_batch(batch, rows, device)
@@ -901,7 +594,11 @@ def train_step(
         loss, metrics = loss_fn(logp, entropy, mb, counts)
         (loss * world).backward()  # FSDP averages gradients over ranks: * world makes it the global sum
         _accumulate(sums, metrics)
-    grad_norm = torch.nn.utils.clip_grad_norm_(trainable_params(model), max_norm=grad_clip)  # LoRA: the adapters
+        if keep_logprobs and rows:
+            kept["logprobs"][rows, : logp.shape[1]] = (logp.detach() * mb["response_mask"]).cpu()  # [b, R]
+            if entropy is not None:
+                kept["entropy"][rows, : entropy.shape[1]] = (entropy.detach() * mb["response_mask"]).cpu()
+    grad_norm = torch.nn.utils.clip_grad_norm_(trainable_params(model), max_norm=grad_clip)
     grad_norm = (grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm).item()
     skipped = not math.isfinite(grad_norm)
     if not skipped:
@@ -921,7 +618,7 @@ def train_step(
     }
     if torch.cuda.is_available():  # the trainer's own peak: without other memory pools (a sleeping vLLM's)
         out["perf/max_memory_allocated_gb"] = (torch.cuda.max_memory_allocated() - other_pools_bytes()) / 1024**3
-    return out
+    return {**out, **kept}
 
 
 def _accumulate(sums: dict[str, float], metrics: dict) -> None:
@@ -972,8 +669,9 @@ def save_checkpoint(root: str, step: int, model, optimizer, scheduler, extra: di
     """Write <root>/step_<N> atomically: DCP shards (model + optimizer) and the loop's state go into
     step_<N>.tmp, a COMPLETE marker is written last, then the directory is renamed. A crash at any
     point leaves either the previous checkpoints or a *.tmp that nothing loads. `extra` is saved per
-    rank (RNG states differ by rank). Keeps the newest `keep` checkpoints. With LoRA only the adapters and
-    their optimizer state are saved (the frozen base comes from the model's path), with the LoRA settings."""
+    rank (RNG states differ by rank). Keeps the newest `keep` checkpoints. With frozen parameters (LoRA) only the
+    trainable ones and their optimizer state are saved (the frozen base comes from the model's path), with the
+    model's adapter settings (load_model's `adapt`)."""
     rank = dist.get_rank()
     final, tmp = os.path.join(root, f"step_{step}"), os.path.join(root, f"step_{step}.tmp")
     if rank == 0:
@@ -983,7 +681,7 @@ def save_checkpoint(root: str, step: int, model, optimizer, scheduler, extra: di
     model_sd, optim_sd = _checkpoint_state(model, optimizer)
     dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=tmp)
     state = {"scheduler": scheduler.state_dict(), "extra": extra or {}, "world_size": dist.get_world_size()}
-    torch.save({**state, "lora": getattr(model, "lora_config", None)}, os.path.join(tmp, f"state_rank{rank}.pt"))
+    torch.save({**state, "lora": getattr(model, "adapter_settings", None)}, os.path.join(tmp, f"state_rank{rank}.pt"))
     dist.barrier()
     if rank == 0:
         with open(os.path.join(tmp, "COMPLETE"), "w") as f:
@@ -1011,65 +709,71 @@ def list_checkpoints(root: str) -> list[str]:
 
 def load_checkpoint(path: str, model, optimizer, scheduler) -> dict:
     """Load a checkpoint written at ANY world size (DCP reshards). Returns this rank's `extra`
-    (rank 0's when this rank did not exist in the saving run). A checkpoint whose LoRA settings (rank, alpha,
-    adapted modules; None: full fine-tuning) differ from the model's raises LoraError before anything loads."""
+    (rank 0's when this rank did not exist in the saving run). A checkpoint whose adapter settings (LoRA's rank,
+    alpha, adapted modules; None: full fine-tuning) differ from the model's raises CheckpointMismatch before
+    anything loads."""
     if not os.path.exists(os.path.join(path, "COMPLETE")):
         raise FileNotFoundError(f"load_checkpoint: {path} is not a complete checkpoint (no COMPLETE marker)")
     own = os.path.join(path, f"state_rank{dist.get_rank()}.pt")
     saved = torch.load(own if os.path.exists(own) else os.path.join(path, "state_rank0.pt"), weights_only=False)
-    _check_same_lora(path, saved.get("lora"), getattr(model, "lora_config", None))
+    _check_same_adapter(path, saved.get("lora"), getattr(model, "adapter_settings", None))
     model_sd, optim_sd = _checkpoint_state(model, optimizer)
     state = {"model": model_sd, "optim": optim_sd}
     dcp.load(state, checkpoint_id=path)
-    options = StateDictOptions(strict=getattr(model, "lora_config", None) is None)  # LoRA: the base is not loaded
+    options = StateDictOptions(strict=not _frozen(model))  # LoRA: the frozen base is not in the checkpoint
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"], options=options)
     scheduler.load_state_dict(saved["scheduler"])
     return {**saved["extra"], "saved_world_size": saved["world_size"]}
 
 
 def _checkpoint_state(model, optimizer) -> tuple[dict, dict]:
-    """What a checkpoint holds: the model's and the optimizer's state dicts; with LoRA, of the adapters only (the
-    frozen base, a tied lm_head included, comes from the model's path)."""
+    """What a checkpoint holds: the model's and the optimizer's state dicts; with frozen parameters (LoRA's base,
+    a tied lm_head included, which come from the model's path), of the trainable ones only."""
     model_sd, optim_sd = get_state_dict(model, optimizer)
-    if getattr(model, "lora_config", None):
+    if _frozen(model):
         trainable = {name for name, p in model.named_parameters() if p.requires_grad}
         model_sd = {k: v for k, v in model_sd.items() if k in trainable}
     return model_sd, optim_sd
 
 
-def _check_same_lora(path: str, saved: dict | None, current: dict | None) -> None:
+def _frozen(model) -> bool:
+    return any(not p.requires_grad for p in model.parameters())
+
+
+class CheckpointMismatch(ValueError):
+    """trainer.resume names a checkpoint of other adapter settings than this run's: one line."""
+
+
+def _check_same_adapter(path: str, saved: dict | None, current: dict | None) -> None:
     def describe(c):
         if not c:
             return "full fine-tuning (model.lora_rank 0)"
         return f"LoRA rank {c['r']}, alpha {c['lora_alpha']:g} on {len(c['target_modules'])} modules"
 
     if saved != current:
-        raise LoraError(
+        raise CheckpointMismatch(
             f"trainer.resume: {path} was written by {describe(saved)}, this run has {describe(current)}; resume "
             "with the checkpoint's model.lora_rank / lora_alpha / target_modules / exclude_modules, or start afresh"
         )
 
 
-def export_hf(model, out_dir: str, tokenizer=None) -> str:
+def export_hf(model, out_dir: str, tokenizer=None, convert=None) -> str:
     """Write a safetensors HF model (config, generation config, tokenizer) that transformers and vLLM
-    load directly. Gathers the full state dict on rank 0 only (CPU-offloaded). With LoRA: the MERGED model
-    (W + (B @ A) * scaling, fp32) and, in <out_dir>/lora_adapter, the adapter in PEFT's format."""
+    load directly. Gathers the full state dict on rank 0 only (CPU-offloaded). convert(state dict, directory)
+    -> the state dict to save, and it may write more files there (LoRA, lora.export: the MERGED weights, and
+    <out_dir>/lora_adapter in PEFT's format)."""
     full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     if dist.get_rank() == 0:
-        lora_config = getattr(model, "lora_config", None)
-        adapter = None
-        if lora_config:
-            full, adapter = split_merged(full, lora_config)
         tmp = out_dir.rstrip("/") + ".tmp"
         shutil.rmtree(tmp, ignore_errors=True)
+        if convert is not None:
+            full = convert(full, tmp)
         with torch.device("meta"):  # a plain (un-FSDP'd) model, so config.architectures stays the HF class
             plain = AutoModelForCausalLM.from_config(model.config)
         plain.generation_config = model.generation_config
         plain.save_pretrained(tmp, state_dict=full, safe_serialization=True)
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp)
-        if adapter is not None:
-            write_adapter(os.path.join(tmp, "lora_adapter"), adapter, lora_config, model.config.name_or_path)
         shutil.rmtree(out_dir, ignore_errors=True)
         os.rename(tmp, out_dir)
     dist.barrier()

@@ -8,18 +8,21 @@ weights go back into the same vLLM engine, every step.
 
 One step (grpo_step) on every rank; a rank owns whole prompts (the n samples of a prompt stay together):
 
-    prompts -> rollout.generate: n samples, vLLM's log-probs -> score: rewards   (DAPO: keep groups with signal)
-      -> fsdp_train.compute_logprobs: old (pi_old) and reference log-probs
-      -> losses.rollout_is_weights / rollout_rejection_mask: rollout correction (vLLM != trainer numerics)
-      -> (KL in the reward) the advantages of algorithm.adv_estimator: losses.grpo_advantages, rloo, REINFORCE++
-      -> fsdp_train.train_step per mini-batch: the actor.policy_loss.loss_mode loss + KL - entropy
+    prompts -> rollout.generate: n samples and vLLM's log-probs -> reward.compute_score: rewards
+      -> losses.grpo_advantages: each reward normalised within its group
+      -> fsdp_train.train_step: the clipped policy loss (losses.policy_loss) + KL to the reference, one
+         optimizer step per mini-batch (one by default: the policy that sampled is the one updated, so the
+         update's own forward gives the old log-probs, the "on-policy shortcut")
       -> sync.push_weights into the same engine -> metrics (veRL's names), validation, checkpoint
 
 Only this file wires the components (rollout, reward, losses, fsdp_train, sync), which import nothing of the
-project; config, data, logs, metrics and cluster are its plumbing. Read train() and grpo_step() first.
+project; config, data, logs, metrics and cluster are its plumbing. Each optional feature is a file of its own
+that enters through one guarded call here: rollout_correction.py, dapo.py, grpo_family.py, lora.py,
+logit_rules.py, reward_files.py (through data.make_scorer). Read train() and grpo_step() first.
 """
 
 import argparse
+import contextlib
 import functools
 import os
 import random
@@ -37,13 +40,17 @@ import yaml  # noqa: E402
 
 import cluster  # noqa: E402
 import config  # noqa: E402
+import dapo  # noqa: E402
 import data  # noqa: E402
 import fsdp_train  # noqa: E402
+import grpo_family  # noqa: E402
+import logit_rules  # noqa: E402
 import logs  # noqa: E402
+import lora  # noqa: E402
 import losses  # noqa: E402
 import metrics  # noqa: E402
-import reward  # noqa: E402
 import rollout  # noqa: E402
+import rollout_correction  # noqa: E402
 import sync  # noqa: E402
 import tiny  # noqa: E402
 from config import ConfigError  # noqa: E402
@@ -69,7 +76,7 @@ def main(argv=None) -> int:
             print(yaml.safe_dump(cfg, sort_keys=False), end="")
             return 0
         return evaluate(cfg) if cfg["trainer"]["val_only"] else train(cfg)
-    except (ConfigError, yaml.YAMLError, metrics.OutOfSync) as e:
+    except (*config.ONE_LINE_ERRORS, metrics.OutOfSync) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
 
@@ -133,40 +140,31 @@ def grpo_step(run: "Run", step: int) -> dict:
 
 # ------------------------------------------------------------------------------------- the phases
 def sample_batch(run: "Run", t: dict) -> tuple[dict, dict]:
-    """gen + reward: n samples of each of this rank's prompts, scored. With algorithm.filter_groups (DAPO's
-    dynamic sampling) generation batches of data.gen_batch_size prompts are sampled and scored until
-    train_batch_size groups with a reward signal (losses.nonzero_std_groups) are kept, the first ones in
-    generation order; ranks then exchange groups so that each keeps its own equal share.
-    Returns the batch (fsdp_train's layout; rewards [B], vLLM's log-probs [B, R]) and its metrics."""
-    d, fg, n = run.cfg["data"], run.cfg["algorithm"]["filter_groups"], run.cfg["rollout"]["n"]
-    kept, gen_batches = [], 0  # kept: groups of n scored samples, in generation order
-    while len(kept) < d["train_batch_size"]:
-        if fg["max_num_gen_batches"] and gen_batches == fg["max_num_gen_batches"]:
-            raise ConfigError(
-                f"algorithm.filter_groups: {gen_batches} generation batches (max_num_gen_batches) gave "
-                f"{len(kept)} of {d['train_batch_size']} prompts whose rewards differ; raise it (0: no "
-                "limit), or use data the policy neither always solves nor always fails"
-            )
-        run.gen_cursor += 1
-        gen_batches += 1
-        prompts = data.step_prompts(
-            run.train_rows, run.gen_cursor, run.gen_batch_size, d["shuffle"], run.cfg["trainer"]["seed"]
+    """gen + reward: n samples of each of this rank's prompts of the next batch, scored. Returns the batch
+    (fsdp_train's layout; rewards [B], vLLM's log-probs [B, R]) and its metrics. With algorithm.filter_groups,
+    DAPO's dynamic sampling picks the groups instead (dapo.py)."""
+    if run.cfg["algorithm"]["filter_groups"]["enable"]:  # DAPO's dynamic sampling
+        groups, out = dapo.dynamic_sampling(
+            functools.partial(next_prompts, run),
+            functools.partial(sample_groups, run, t=t),
+            n=run.cfg["rollout"]["n"],
+            train_batch_size=run.cfg["data"]["train_batch_size"],
+            max_num_gen_batches=run.cfg["algorithm"]["filter_groups"]["max_num_gen_batches"],
+            positions=run.positions,
         )
-        if not fg["enable"]:  # every group kept: this rank's own prompts
-            kept = sample_groups(run, [prompts[i] for i in run.positions], t)
-            break
-        # Dynamic sampling: rank r samples prompts r, r + world, ...; all ranks see all groups in generation order.
-        groups = sample_groups(run, prompts[run.rank :: run.world], t)
-        parts = [None] * run.world
-        dist.all_gather_object(parts, groups)
-        ordered = [parts[i % run.world][i // run.world] for i in range(run.gen_batch_size)]
-        keep = losses.nonzero_std_groups(torch.cat([g["rewards"] for g in ordered]), n)  # [gen_batch_size]
-        kept += [group for group, k in zip(ordered, keep, strict=True) if k]
+    else:
+        prompts = next_prompts(run)
+        groups, out = sample_groups(run, [prompts[i] for i in run.positions], t), {}
     rollout.sleep(run.llm, run.cfg["rollout"]["sleep_level"])
-    if not fg["enable"]:
-        return groups_to_batch(kept, run.pad_id), {}
-    mine = [kept[p] for p in run.positions]  # this rank's share of the first train_batch_size kept groups
-    return groups_to_batch(mine, run.pad_id), {"train/num_gen_batches": gen_batches}
+    return groups_to_batch(groups, run.pad_id), out
+
+
+def next_prompts(run: "Run") -> list[dict]:
+    """The next generation batch's prompts (gen_batch_size of them, in the epoch's order); counts it."""
+    run.gen_cursor += 1
+    return data.step_prompts(
+        run.train_rows, run.gen_cursor, run.gen_batch_size, run.cfg["data"]["shuffle"], run.cfg["trainer"]["seed"]
+    )
 
 
 def groups_to_batch(groups: list[dict], pad_id: int) -> dict:
@@ -188,16 +186,16 @@ def groups_to_batch(groups: list[dict], pad_id: int) -> dict:
 def sample_groups(run: "Run", prompts: list[dict], t: dict) -> list[dict]:
     """n samples of each prompt from vLLM, scored: one group {"samples", "rewards" [n], "extras"} per prompt.
     Seeded per (generation batch, rank): a resumed run resamples the same (on CPU; see README)."""
-    ro, n = run.cfg["rollout"], run.cfg["rollout"]["n"]
+    sampling, n = run.cfg["rollout"], run.cfg["rollout"]["n"]
     with timed(t, "gen"):
-        seed = sample_seed(run.cfg["trainer"]["seed"], run.gen_cursor, run.rank) if ro["seed_samples"] else None
+        seed = sample_seed(run.cfg["trainer"]["seed"], run.gen_cursor, run.rank) if sampling["seed_samples"] else None
         samples = rollout.generate(
             run.llm,
             [p["prompt"] for p in prompts],
             n=n,
-            temperature=ro["temperature"],
-            top_p=ro["top_p"],
-            top_k=ro["top_k"],
+            temperature=sampling["temperature"],
+            top_p=sampling["top_p"],
+            top_k=sampling["top_k"],
             max_tokens=run.cfg["data"]["max_response_length"],
             seed=seed,
         )
@@ -214,33 +212,31 @@ def sample_groups(run: "Run", prompts: list[dict], t: dict) -> list[dict]:
 
 
 def score_samples(run: "Run", samples: list, prompts: list[dict]) -> tuple[torch.Tensor, list[dict]]:
-    """reward: rewards [len(samples)] in float32 (sample k answers prompt k // n), the task's score plus, with
-    reward.overlong_buffer.enable, DAPO's overlong penalty on the response length (EOS included), added in
-    float32 as veRL adds it; and each sample's extra outputs of the scorer."""
+    """reward: rewards [len(samples)] in float32 (sample k answers prompt k // n), and each sample's extra outputs
+    of the scorer (run.score: data.make_scorer). With reward.overlong_buffer, DAPO's overlong penalty on the
+    response length (EOS included) is added, in float32 as veRL adds it."""
     n = len(samples) // max(1, len(prompts))
     scored = [run.score(prompts[k // n], s.text) for k, s in enumerate(samples)]
     rewards = torch.tensor([r for r, _ in scored], dtype=torch.float32)  # [N]
-    ob, max_len = run.cfg["reward"]["overlong_buffer"], run.cfg["data"]["max_response_length"]
-    if ob["enable"]:
-        rewards += torch.tensor(
-            [reward.overlong_penalty(len(s.response_ids), max_len, ob["len"], ob["penalty_factor"]) for s in samples],
-            dtype=torch.float32,
-        )
+    buffer = run.cfg["reward"]["overlong_buffer"]
+    if buffer["enable"]:  # DAPO's overlong shaping
+        lengths, budget = [len(s.response_ids) for s in samples], run.cfg["data"]["max_response_length"]
+        penalties = [dapo.overlong_penalty(k, budget, buffer["len"], buffer["penalty_factor"]) for k in lengths]
+        rewards += torch.tensor(penalties, dtype=torch.float32)
     return rewards, [e for _, e in scored]
 
 
 def old_and_ref_logprobs(run: "Run", batch: dict, t: dict) -> dict:
     """old_log_prob: the sampling policy's log-probs (the PPO ratio's denominator), with actor/entropy and the
-    sync proof; ref: the reference model's, for the KL loss. bypass_mode takes vLLM's log-probs as the old
-    ones (no pass); the on-policy shortcut (see setup) takes them from the update's own forward. With LoRA the
-    reference is the policy itself with its adapters off: the base model (veRL's ref_in_actor)."""
-    ac, out = run.cfg["actor"], {}
+    sync proof; ref: the reference model's, for the KL loss. The on-policy shortcut (run.capture, see setup)
+    takes the old log-probs from the update's own forward instead (no pass here); bypass_mode takes vLLM's."""
+    actor, out = run.cfg["actor"], {}
     logprobs = functools.partial(
         fsdp_train.compute_logprobs,
         batch=batch,
         temperature=run.cfg["rollout"]["temperature"],
-        max_tokens=ac["ppo_max_token_len_per_gpu"],
-        chunk_size=ac["logprob_chunk_size"],
+        max_tokens=actor["ppo_max_token_len_per_gpu"],
+        chunk_size=actor["logprob_chunk_size"],
     )
     if run.capture:
         t["old_log_prob"] = 0.0
@@ -252,101 +248,51 @@ def old_and_ref_logprobs(run: "Run", batch: dict, t: dict) -> dict:
         out = metrics.old_logprob_metrics(batch, old, entropy, run.cfg)
         batch.setdefault("old_logprobs", old)  # a replayed batch keeps its dumped ones
     if run.ref is not None and "ref_logprobs" not in batch:
-        with timed(t, "ref"), fsdp_train.adapters_off(run.ref):
+        with timed(t, "ref"), run.reference(run.ref):  # LoRA: the policy with its adapters off
             batch["ref_logprobs"], _ = logprobs(run.ref)
     return out
 
 
 def correct_rollout(run: "Run", batch: dict, old: torch.Tensor, apply: bool = True) -> dict:
-    """Rollout correction (veRL's compute_rollout_correction_and_add_to_batch), over the WHOLE batch of all
-    ranks, so that the weights and metrics do not depend on the world size: the off-policy diagnostics of
-    old vs vLLM's log-probs (rollout_corr/*, always), and with algorithm.rollout_correction set, the IS
-    weights (batch["is_weights"], used by the policy loss) and the rejection mask (which REPLACES
-    batch["response_mask"]: rejected tokens leave the loss and its token counts). Statistics are over every
-    sampled token (the attention mask), as veRL's; a replayed batch keeps its dumped weights and mask."""
-    rc = run.cfg["algorithm"]["rollout_correction"]
+    """rollout_corr/*: how far the trainer's old log-probs are from vLLM's (metrics.offpolicy_metrics: veRL's
+    training/rollout mismatch diagnostics, logged every step), over the WHOLE batch of all ranks, so that nothing
+    depends on the world size. With algorithm.rollout_correction set, the rollout correction too
+    (rollout_correction.correct): IS weights (batch["is_weights"], used by the policy loss) and a rejection mask
+    that REPLACES batch["response_mask"]; a replayed batch keeps its dumped ones. Statistics are over every
+    sampled token (the attention mask), as veRL's."""
     if "rollout_logprobs" not in batch:
         return {}
     width = batch["response_mask"].shape[1]
     sampled = batch["attention_mask"][:, -width:].float()  # [B, R]: every sampled token, before rejection
     local = [old, batch["rollout_logprobs"], sampled, batch["response_mask"]]
     (g_old, g_roll, g_sampled, g_mask), mine = cluster.global_rows(local, run.positions, run.cfg["rollout"]["n"])
-    apply = apply and not run.cfg["trainer"]["replay_batches"]
-    if apply and rc["rollout_is"]:
-        weights = losses.rollout_is_weights(
-            g_old,
-            g_roll,
-            g_sampled,
-            level=rc["rollout_is"],
-            threshold=rc["rollout_is_threshold"],
-            batch_normalize=rc["rollout_is_batch_normalize"],
-        )  # [B_all, R]
-        batch["is_weights"] = weights[mine, :width]
-    if apply and rc["rollout_rs"]:
-        g_mask = losses.rollout_rejection_mask(
-            g_old, g_roll, g_sampled, modes=rc["rollout_rs"], thresholds=rc["rollout_rs_threshold"]
-        )  # [B_all, R]
-        batch["response_mask"] = g_mask[mine, :width]
-    out = losses.offpolicy_metrics(g_old, g_roll, g_sampled)
-    out.update(
-        losses.rollout_correction_metrics(
-            g_old,
-            g_roll,
-            g_sampled,
-            level=rc["rollout_is"],
-            threshold=rc["rollout_is_threshold"],
-            new_mask=g_mask if rc["rollout_rs"] else None,
-        )
-    )
+    out = metrics.offpolicy_metrics(g_old, g_roll, g_sampled)
+    settings = run.cfg["algorithm"]["rollout_correction"]
+    if rollout_correction.enabled(settings):  # the rollout correction
+        apply = apply and not run.cfg["trainer"]["replay_batches"]
+        weights, new_mask, corrected = rollout_correction.correct(g_old, g_roll, g_sampled, g_mask, settings, apply)
+        if weights is not None:
+            batch["is_weights"] = weights[mine, :width]  # [B, R]: this rank's rows
+        if new_mask is not None:
+            batch["response_mask"] = new_mask[mine, :width]
+        out.update(corrected)
     return {f"rollout_corr/{k}": v for k, v in out.items()}
 
 
 def compute_advantages(run: "Run", batch: dict) -> dict:
-    """adv, on the WHOLE batch of all ranks as veRL's driver computes it (so nothing depends on the world
-    size): the per-token rewards (each score at its response's last token; with algorithm.use_kl_in_reward,
-    minus beta times the old policy's KL to the reference on every sampled token: veRL's apply_kl_penalty,
-    before rejection), then algorithm.adv_estimator's advantages and returns over the response mask (after
-    rejection). Fills batch["token_level_rewards"], ["advantages"], ["returns"] [B, R]; returns the KL metrics."""
-    al, n = run.cfg["algorithm"], run.cfg["rollout"]["n"]
-    width = batch["response_mask"].shape[1]
-    sampled = batch["attention_mask"][:, -width:].float()  # [B, R]: every sampled token, before rejection
-    local = [losses.token_level_scores(batch["rewards"], sampled), sampled, batch["response_mask"]]
-    if al["use_kl_in_reward"]:
-        local += [batch["old_logprobs"], batch["ref_logprobs"]]
-    everything, mine = cluster.global_rows(local, run.positions, n)
-    rewards, out = everything[0], {}  # [B_all, R]
-    if al["use_kl_in_reward"]:
-        scores, g_sampled, _, old, ref = everything
-        rewards, row_kl = losses.kl_in_reward(scores, old, ref, g_sampled, run.kl_coef, al["kl_penalty"])
-        out = {"actor/reward_kl_penalty": row_kl.mean().item(), "actor/reward_kl_penalty_coeff": run.kl_coef}
-        kc = al["kl_ctrl"]
-        if kc["type"] == "adaptive":  # veRL's AdaptiveKLController.update, n_steps = the batch's rows
-            current = out["actor/reward_kl_penalty"]
-            run.kl_coef = losses.adaptive_kl_coef(run.kl_coef, current, kc["target_kl"], kc["horizon"], len(row_kl))
-    advantages, returns = estimate_advantages(al, rewards, everything[2], n)
-    for key, value in (("token_level_rewards", rewards), ("advantages", advantages), ("returns", returns)):
-        batch[key] = value[mine, :width]  # [B, R]: this rank's rows
-    return out
-
-
-def estimate_advantages(al: dict, token_rewards: torch.Tensor, mask: torch.Tensor, n: int) -> tuple:
-    """(advantages, returns) [B, R] of algorithm.adv_estimator (veRL's compute_advantage): the ONE place that
-    chooses. token_rewards, mask [B, R]: the whole batch, row k answering prompt k // n. grpo and rloo see each
-    response's summed reward, broadcast back over its tokens; the REINFORCE++ pair whiten over all tokens."""
-    groups = [k // n for k in range(len(token_rewards))]
-    if al["adv_estimator"] == "reinforce_plus_plus":
-        return losses.reinforce_pp_advantages(token_rewards, mask, al["gamma"])
-    if al["adv_estimator"] == "reinforce_plus_plus_baseline":
-        advantages = losses.reinforce_pp_baseline_advantages(token_rewards, mask, groups)
-        return advantages, advantages
-    if al["adv_estimator"] == "rloo":
-        per_response = losses.rloo_advantages(token_rewards.sum(-1), groups)  # [B]
-    else:
-        per_response = losses.grpo_advantages(
-            token_rewards.sum(-1), groups, norm_by_std=al["norm_adv_by_std_in_grpo"]
-        )  # [B]
-    advantages = per_response[:, None] * mask  # [B, R]
-    return advantages, advantages
+    """adv: GRPO's advantage of each response, its reward normalised within its group (losses.grpo_advantages),
+    broadcast over its tokens of the response mask: batch["advantages"] [B, R]. A rank owns whole groups, so
+    this needs no other rank's rows. The GRPO family's estimators and the KL in the reward
+    (algorithm.adv_estimator, algorithm.use_kl_in_reward) work on the whole batch: grpo_family.py."""
+    algorithm, n = run.cfg["algorithm"], run.cfg["rollout"]["n"]
+    if algorithm["adv_estimator"] != "grpo" or algorithm["use_kl_in_reward"]:  # the GRPO family
+        gather = functools.partial(cluster.global_rows, positions=run.positions, n=n)
+        out, run.kl_coef = grpo_family.compute_advantages(batch, algorithm, n, run.kl_coef, gather, losses)
+        return out
+    groups = [k // n for k in range(len(batch["rewards"]))]  # row k answers this rank's prompt k // n
+    per_response = losses.grpo_advantages(batch["rewards"], groups, norm_by_std=algorithm["norm_adv_by_std_in_grpo"])
+    batch["advantages"] = per_response[:, None] * batch["response_mask"]  # [B, R]
+    return {}
 
 
 def update_actor(run: "Run", batch: dict, t: dict) -> dict:
@@ -354,17 +300,14 @@ def update_actor(run: "Run", batch: dict, t: dict) -> dict:
     schedule step for the global step; returns the mean of the mini-batches' metrics. When the update's
     forward stands in for the old pass (run.capture), its log-probs and entropy are kept in the batch
     (update_logprobs) and logged as that pass would have logged them."""
-    ac, ro = run.cfg["actor"], run.cfg["rollout"]
-    rows = ac["ppo_mini_batch_size"] // run.world * ro["n"]  # this rank's rows of one mini-batch
-    captured = None
-    if run.capture:  # buffers for the update's log-probs and entropy, and each row's place in them
-        captured = {k: torch.zeros_like(batch["response_mask"]) for k in ("logp", "entropy")}
-        batch["row"] = torch.arange(batch["input_ids"].shape[0])  # [B]
-    loss_fn = grpo_loss_fn(run.cfg, captured)
-    need_entropy = ac["entropy_coeff"] or run.capture  # in the loss, or logged in place of the old pass's
+    actor, sampling = run.cfg["actor"], run.cfg["rollout"]
+    rows = actor["ppo_mini_batch_size"] // run.world * sampling["n"]  # this rank's rows of one mini-batch
+    loss_fn = grpo_loss_fn(run.cfg)
+    need_entropy = actor["entropy_coeff"] or run.capture  # in the loss, or logged in place of the old pass's
+    update_logprobs, update_entropy = torch.zeros_like(batch["response_mask"]), torch.zeros_like(batch["response_mask"])
     with timed(t, "update_actor"):
         results = []
-        for _ in range(ac["ppo_epochs"]):
+        for _ in range(actor["ppo_epochs"]):
             for j in range(0, batch["input_ids"].shape[0], rows):
                 mini_batch = fsdp_train.select(batch, list(range(j, j + rows)))
                 step_metrics = fsdp_train.train_step(
@@ -372,13 +315,18 @@ def update_actor(run: "Run", batch: dict, t: dict) -> dict:
                     run.optimizer,
                     mini_batch,
                     loss_fn,
-                    temperature=ro["temperature"],
-                    max_tokens=ac["ppo_max_token_len_per_gpu"],
-                    grad_clip=ac["grad_clip"],
-                    chunk_size=ac["logprob_chunk_size"],
-                    entropy_grad=bool(ac["entropy_coeff"]),
+                    temperature=sampling["temperature"],
+                    max_tokens=actor["ppo_max_token_len_per_gpu"],
+                    grad_clip=actor["grad_clip"],
+                    chunk_size=actor["logprob_chunk_size"],
+                    entropy_grad=bool(actor["entropy_coeff"]),
                     entropy_fn=losses.entropy_from_logits if need_entropy else None,
+                    keep_logprobs=run.capture,
                 )
+                if run.capture:  # [b, R_mini] each: this mini-batch's rows of the update's forward
+                    logp, entropy = step_metrics.pop("logprobs"), step_metrics.pop("entropy")
+                    update_logprobs[j : j + rows, : logp.shape[1]] = logp
+                    update_entropy[j : j + rows, : entropy.shape[1]] = entropy
                 results.append(step_metrics)
         run.scheduler.step()
     out = {k: sum(m[k] for m in results) / len(results) for k in results[0]}
@@ -393,10 +341,10 @@ def update_actor(run: "Run", batch: dict, t: dict) -> dict:
                 "perf/device_used_gb": (total - free) / 2**30,
             }
         )
-    out["actor/kl_coef"] = ac["kl_loss_coef"] if kl_loss_on(ac) else 0.0
-    if captured is not None:
-        batch["update_logprobs"] = captured["logp"]  # [B, R]
-        out.update(metrics.old_logprob_metrics(batch, captured["logp"], captured["entropy"], run.cfg))
+    out["actor/kl_coef"] = actor["kl_loss_coef"] if kl_loss_on(actor) else 0.0
+    if run.capture:
+        batch["update_logprobs"] = update_logprobs  # [B, R]
+        out.update(metrics.old_logprob_metrics(batch, update_logprobs, update_entropy, run.cfg))
     return out
 
 
@@ -428,85 +376,75 @@ def sync_gap(run: "Run") -> float:
 def validate_and_save(run: "Run", step: int, t: dict) -> dict:
     """testing every trainer.val_every steps, save_checkpoint every trainer.save_every steps (both also
     after the last step)."""
-    tr, last = run.cfg["trainer"], step == run.total_steps
+    trainer, last = run.cfg["trainer"], step == run.total_steps
     out = {}
-    if run.llm is not None and tr["val_every"] > 0 and (step % tr["val_every"] == 0 or last):
+    if run.llm is not None and trainer["val_every"] > 0 and (step % trainer["val_every"] == 0 or last):
         with timed(t, "testing"):
             out = validate(run, step)
-    if tr["save_every"] > 0 and (step % tr["save_every"] == 0 or last):
+    if trainer["save_every"] > 0 and (step % trainer["save_every"] == 0 or last):
         with timed(t, "save_checkpoint"):
             save(run, step)
     return out
 
 
 # ----------------------------------------------------------------------------- loss and validation
-def grpo_loss_fn(cfg: dict, captured: dict | None = None):
-    """veRL's actor loss for one micro-batch: pg_loss - entropy_coeff * entropy + kl_coef * kl_loss,
-    each aggregated over the GLOBAL mini-batch counts; returns the loss and summable metric shares.
-    The policy term is weighted per token by the rollout-correction IS weights when the batch has them.
-    captured: {"logp", "entropy"} [B, R] buffers that receive the forward's values (see update_actor)."""
-    ac, rc = cfg["actor"], cfg["algorithm"]["rollout_correction"]
+def grpo_loss_fn(cfg: dict):
+    """veRL's actor loss for one micro-batch: pg_loss - entropy_coeff * entropy + kl_coef * kl_loss, each term
+    aggregated once (losses.agg_loss in actor.loss_agg_mode, over the GLOBAL mini-batch counts that train_step
+    hands in), so that the micro-batch losses sum to the mini-batch's; returns the loss and summable metric
+    shares. The policy term is policy_term (vanilla PPO-clip), or a GRPO-family loss mode's (grpo_family.py);
+    with the rollout correction's bypass_mode and rejection, that term rejects tokens against the current policy
+    (rollout_correction.py)."""
+    actor, correction = cfg["actor"], cfg["algorithm"]["rollout_correction"]
     scale_factor = config.loss_scale_factor(cfg)  # seq-mean-token-sum-norm's: the generation budget by default
+    term = functools.partial(policy_term, actor)
+    if actor["policy_loss"]["loss_mode"] != "vanilla":  # the GRPO family's loss modes
+        term = functools.partial(grpo_family.policy_term, actor)
+    if correction["bypass_mode"] and correction["rollout_rs"]:  # the rollout correction's bypass rejection
+        term = rollout_correction.bypass_rejection(term, correction)
 
     def loss_fn(logp, entropy, mb, counts):
-        mask, mode = mb["response_mask"], ac["loss_agg_mode"]
-        agg = dict(num_tokens=counts["num_tokens"], num_seqs=counts["num_seqs"], scale_factor=scale_factor)
+        mask = mb["response_mask"]
+        aggregate = functools.partial(
+            losses.agg_loss,
+            mode=actor["loss_agg_mode"],
+            num_tokens=counts["num_tokens"],
+            num_seqs=counts["num_seqs"],
+            scale_factor=scale_factor,
+        )
         old = mb["old_logprobs"] if "old_logprobs" in mb else logp.detach()  # on-policy shortcut: ratio = 1
-        pg_mask = mask
-        if rc["bypass_mode"] and rc["rollout_rs"]:  # veRL's bypass: rejection against the CURRENT policy, pg only
-            pg_mask = losses.rollout_rejection_mask(
-                logp.detach(), mb["rollout_logprobs"], mask, rc["rollout_rs"], rc["rollout_rs_threshold"]
-            )
-        pg, m = policy_gradient_loss(ac, logp, old, mb["advantages"], pg_mask, mb.get("is_weights"), agg)
+        pg, pg_metrics = term(logp, old, mb, aggregate)
         share = mask.sum().item() / counts["num_tokens"]  # this micro-batch's share of the mini-batch tokens
         loss = pg
-        out = {
-            "actor/pg_loss": pg.item(),
-            "actor/pg_clipfrac": m["pg_clipfrac"] * share,
-            "actor/pg_clipfrac_lower": m["pg_clipfrac_lower"] * share,
-            "actor/ppo_kl": m["ppo_kl"] * share,
-        }
-        if captured is not None and mask.any():
-            rows, width = mb["row"].cpu(), logp.shape[1]
-            captured["logp"][rows, :width] = (logp.detach() * mask).cpu()
-            captured["entropy"][rows, :width] = (entropy.detach() * mask).cpu()
-        if ac["entropy_coeff"]:
-            loss = loss - ac["entropy_coeff"] * losses.agg_loss(entropy, mask, mode, **agg)
-        if kl_loss_on(ac):
-            kl = losses.agg_loss(losses.kl_penalty(logp, mb["ref_logprobs"], ac["kl_loss_type"]), mask, mode, **agg)
-            loss = loss + ac["kl_loss_coef"] * kl
+        out = {"actor/pg_loss": pg.item(), **{f"actor/{k}": v * share for k, v in pg_metrics.items()}}
+        if actor["entropy_coeff"]:
+            loss = loss - actor["entropy_coeff"] * aggregate(entropy, mask)
+        if kl_loss_on(actor):
+            kl = aggregate(losses.kl_penalty(logp, mb["ref_logprobs"], actor["kl_loss_type"]), mask)
+            loss = loss + actor["kl_loss_coef"] * kl
             out["actor/kl_loss"] = kl.item()
         return loss, out
 
     return loss_fn
 
 
-def policy_gradient_loss(ac: dict, logp, old, advantages, mask, is_weights, agg: dict) -> tuple:
-    """The policy term of actor.policy_loss.loss_mode (veRL's get_policy_loss_fn): the ONE place that chooses.
-    Tensors [b, R]; agg: the mini-batch's global counts and seq-mean-token-sum-norm's divisor. vanilla, gspo and
-    cispo aggregate with actor.loss_agg_mode, sapo always with seq-mean-token-mean, geo_mean with its mean over
-    the mini-batch's rows (all of them, every rank's). Returns (loss, {pg_clipfrac, pg_clipfrac_lower, ppo_kl})."""
-    mode, agg_mode = ac["policy_loss"]["loss_mode"], ac["loss_agg_mode"]
-    clips = dict(clip_low=ac["clip_ratio_low"], clip_high=ac["clip_ratio_high"])
-    if mode == "gspo":
-        return losses.gspo_loss(logp, old, advantages, mask, **clips, agg_mode=agg_mode, is_weights=is_weights, **agg)
-    if mode == "cispo":
-        return losses.cispo_loss(logp, old, advantages, mask, **clips, agg_mode=agg_mode, is_weights=is_weights, **agg)
-    if mode == "sapo":
-        taus = dict(tau_pos=ac["tau_pos"], tau_neg=ac["tau_neg"])
-        return losses.sapo_loss(logp, old, advantages, mask, **taus, num_seqs=agg["num_seqs"], is_weights=is_weights)
-    if mode == "geo_mean":
-        return losses.geo_mean_loss(
-            logp, old, advantages, mask, **clips, num_seqs=agg["num_seqs"], is_weights=is_weights
-        )
-    return losses.policy_loss(
-        logp, old, advantages, mask, **clips, clip_c=ac["clip_ratio_c"], agg_mode=agg_mode, is_weights=is_weights, **agg
-    )
+def policy_term(actor: dict, logp, old_logp, mb: dict, aggregate) -> tuple:
+    """The policy-gradient term (veRL's compute_policy_loss_vanilla): PPO's clipped loss per token
+    (losses.policy_loss, clip-higher and the dual clip), times the rollout correction's IS weights when mb has
+    them, aggregated over the response mask; returns (loss, {pg_clipfrac, pg_clipfrac_lower, ppo_kl}: masked
+    means). mb: advantages, response_mask [b, R]; aggregate(values, mask): losses.agg_loss with the counts."""
+    per_token, parts = losses.policy_loss(
+        logp, old_logp, mb["advantages"], actor["clip_ratio_low"], actor["clip_ratio_high"], actor["clip_ratio_c"]
+    )  # [b, R]
+    if "is_weights" in mb:  # the rollout correction's
+        per_token = per_token * mb["is_weights"]
+    mask = mb["response_mask"]
+    return aggregate(per_token, mask), {key: losses.masked_mean(part, mask).item() for key, part in parts.items()}
 
 
-def kl_loss_on(ac: dict) -> bool:
+def kl_loss_on(actor: dict) -> bool:
     """Is the KL loss term on (actor.use_kl_loss with a non-zero actor.kl_loss_coef)?"""
-    return ac["use_kl_loss"] and ac["kl_loss_coef"] != 0
+    return actor["use_kl_loss"] and actor["kl_loss_coef"] != 0
 
 
 def validate(run: "Run", step: int) -> dict:
@@ -515,7 +453,7 @@ def validate(run: "Run", step: int) -> dict:
     best@k, maj@k, ...). Prompts are cut into contiguous blocks over the ranks and sampled with seeds that
     follow the global prompt index, so the result does not depend on the world size. With
     trainer.validation_data_dir every sample is also written to <dir>/<step>.jsonl (veRL's dump)."""
-    ro, rows, n = run.cfg["rollout"], run.val_rows, run.cfg["rollout"]["val_n"]
+    sampling, rows, n = run.cfg["rollout"], run.val_rows, run.cfg["rollout"]["val_n"]
     lo, hi = len(rows) * run.rank // run.world, len(rows) * (run.rank + 1) // run.world
     mine = rows[lo:hi]
     samples = []
@@ -524,11 +462,11 @@ def validate(run: "Run", step: int) -> dict:
             run.llm,
             [r["prompt"] for r in mine],
             n=n,
-            temperature=ro["val_temperature"],
-            top_p=ro["val_top_p"],
-            top_k=ro["val_top_k"],
+            temperature=sampling["val_temperature"],
+            top_p=sampling["val_top_p"],
+            top_k=sampling["val_top_k"],
             max_tokens=run.cfg["data"]["max_response_length"],
-            seed=run.cfg["trainer"]["seed"] + lo * n if ro["val_temperature"] > 0 else None,
+            seed=run.cfg["trainer"]["seed"] + lo * n if sampling["val_temperature"] > 0 else None,
         )
     rewards, extras = score_samples(run, samples, mine)
     scores, generations = [], []  # one per sample: what the metrics read; what validation_data_dir writes
@@ -552,7 +490,8 @@ class Run(types.SimpleNamespace):
     cfg, rank, world; score (data.make_scorer: (row, text) -> (reward, extras)); train_rows, val_rows;
     llm (the vLLM engine; None when replaying dumped batches); positions (this rank's positions in every step's
     prompt list: data.local_positions); pad_id, tokenizer; total_steps, start (the first step: > 1 after a
-    resume); policy, ref (the reference model, None without a KL loss or KL in the reward), optimizer, scheduler;
+    resume); policy, ref (the reference model, None without a KL loss or KL in the reward), reference (the
+    context the reference's pass runs in: LoRA's lora.adapters_off, else none), optimizer, scheduler;
     kl_coef (the KL-in-the-reward beta: algorithm.kl_ctrl's, moved by the adaptive controller); logger
     (logs.MetricsLogger); gen_batch_size (prompts per generation batch), gen_cursor (generation batches
     consumed: the steps, without dynamic sampling); capture (the update's own forward gives the old log-probs:
@@ -565,21 +504,20 @@ def setup(cfg: dict) -> Run:
     """Distributed, output directory, data, models, optimizer, resume, engine, in that order; validation at
     step 0; stop signals caught from here on."""
     rank, world, device = fsdp_train.init_distributed()
-    tr, d, ac, rc = cfg["trainer"], cfg["data"], cfg["actor"], cfg["algorithm"]["rollout_correction"]
+    trainer, mini_batch_size = cfg["trainer"], cfg["actor"]["ppo_mini_batch_size"]
     score = data.make_scorer(cfg)  # a bad reward file stops here, before anything loads
-    cluster.check_shared_dir(tr["output_dir"])  # every rank writes checkpoint shards there
-    engine_log = logs.route_library_logs(tr["output_dir"], rank, tr["verbose"])
+    cluster.check_shared_dir(trainer["output_dir"])  # every rank writes checkpoint shards there
+    engine_log = logs.route_library_logs(trainer["output_dir"], rank, trainer["verbose"])
     log0(
         rank,
-        f"flatgrpo: model {cfg['model']['path']} on {world} rank(s); output in {tr['output_dir']} "
+        f"flatgrpo: model {cfg['model']['path']} on {world} rank(s); output in {trainer['output_dir']} "
         f"(library and engine logs: {engine_log})",
     )
-    if ac["ppo_mini_batch_size"] % world:
+    if mini_batch_size % world:
         raise ConfigError(
-            f"config: actor.ppo_mini_batch_size ({ac['ppo_mini_batch_size']}) must be a multiple of "
-            f"the world size ({world})"
+            f"config: actor.ppo_mini_batch_size ({mini_batch_size}) must be a multiple of the world size ({world})"
         )
-    cluster.seed_everything(tr["seed"] + rank)
+    cluster.seed_everything(trainer["seed"] + rank)
     model_path, tokenizer, train_rows, val_rows, total_steps = load_data(cfg, rank, world)
     policy, ref = load_models(cfg, model_path, device)
     optimizer, scheduler = build_optimizer(cfg, policy, total_steps)
@@ -592,23 +530,24 @@ def setup(cfg: dict) -> Run:
         train_rows=train_rows,
         val_rows=val_rows,
         llm=None,
-        positions=data.local_positions(d["train_batch_size"], ac["ppo_mini_batch_size"], world, rank),
+        positions=data.local_positions(cfg["data"]["train_batch_size"], mini_batch_size, world, rank),
         pad_id=tokenizer.eos_token_id if tokenizer.pad_token_id is None else tokenizer.pad_token_id,
         tokenizer=tokenizer,
         total_steps=total_steps,
         start=start,
         policy=policy,
         ref=ref,
+        reference=lora.adapters_off if policy.adapter_settings else contextlib.nullcontext,
         optimizer=optimizer,
         scheduler=scheduler,
         logger=logs.MetricsLogger(cfg, rank, resume_step=start - 1),
         saved=start - 1,
-        gen_batch_size=d["gen_batch_size"] or d["train_batch_size"],
+        gen_batch_size=cfg["data"]["gen_batch_size"] or cfg["data"]["train_batch_size"],
         gen_cursor=extra.get("gen_batches", start - 1),
         kl_coef=cfg["algorithm"]["kl_ctrl"]["kl_coef"],  # as veRL's, the adaptive one restarts on resume
     )
-    run.capture = rc["bypass_mode"] or on_policy_shortcut(cfg)
-    if not tr["replay_batches"]:  # the engine, one per rank, AFTER torch.distributed (replay needs none)
+    run.capture = cfg["algorithm"]["rollout_correction"]["bypass_mode"] or on_policy_shortcut(cfg)
+    if not trainer["replay_batches"]:  # the engine, one per rank, AFTER torch.distributed (replay needs none)
         run.llm = start_engine(cfg, model_path, rank)
         if start > 1 or cfg["model"]["lora_adapter_path"]:  # the engine loaded model.path: push what trains
             sync.push_weights(run.llm, sync.full_params(policy, sync.engine_dtype(run.llm)))
@@ -617,7 +556,7 @@ def setup(cfg: dict) -> Run:
         metrics.judge_sync(cfg, rank, start - 1, {"rollout/sync_check": sync_gap(run)}, exact=True)
     if "rng" in extra:
         cluster.restore_rng(extra["rng"])  # AFTER the engine: vLLM re-seeds Python's, NumPy's and torch's RNGs
-    if run.llm is not None and tr["val_before_train"] and tr["val_every"] > 0 and start == 1:
+    if run.llm is not None and trainer["val_before_train"] and trainer["val_every"] > 0 and start == 1:
         run.logger.log(0, validate(run, 0))
     cluster.catch_stop_signals()
     return run
@@ -632,8 +571,8 @@ def exact_run(cfg: dict, llm) -> bool:
         return False
     if llm is None:
         return True
-    ro = cfg["rollout"]
-    return sync.engine_dtype(llm) == torch.float32 and ro["top_p"] == 1.0 and ro["top_k"] in (-1, 0)
+    sampling = cfg["rollout"]
+    return sync.engine_dtype(llm) == torch.float32 and sampling["top_p"] == 1.0 and sampling["top_k"] in (-1, 0)
 
 
 def on_policy_shortcut(cfg: dict) -> bool:
@@ -643,11 +582,11 @@ def on_policy_shortcut(cfg: dict) -> bool:
     the later ones would take an already-updated policy as "old": never. veRL 0.9.1 always runs that pass
     (actor.recompute_old_log_prob=true); so do a rollout correction and the KL in the reward (they need the old
     log-probs before the update); dumps carry explicit old log-probs, replays bring them."""
-    ac, tr, rc = cfg["actor"], cfg["trainer"], cfg["algorithm"]["rollout_correction"]
-    one_update = ac["ppo_epochs"] == 1 and ac["ppo_mini_batch_size"] == cfg["data"]["train_batch_size"]
-    needs_old_pass = ac["recompute_old_log_prob"] or rc["rollout_is"] or rc["rollout_rs"]
+    actor, trainer, correction = cfg["actor"], cfg["trainer"], cfg["algorithm"]["rollout_correction"]
+    one_update = actor["ppo_epochs"] == 1 and actor["ppo_mini_batch_size"] == cfg["data"]["train_batch_size"]
+    needs_old_pass = actor["recompute_old_log_prob"] or correction["rollout_is"] or correction["rollout_rs"]
     needs_old_pass = needs_old_pass or cfg["algorithm"]["use_kl_in_reward"]
-    return one_update and not needs_old_pass and not tr["dump_batches"] and not tr["replay_batches"]
+    return one_update and not needs_old_pass and not trainer["dump_batches"] and not trainer["replay_batches"]
 
 
 def load_data(cfg: dict, rank: int, world: int, train: bool = True) -> tuple:
@@ -655,9 +594,9 @@ def load_data(cfg: dict, rank: int, world: int, train: bool = True) -> tuple:
     or built (tiny.py) is fetched by each node's first rank, then read from disk by the node's others. A
     missing model or file, a bad row, an overlong prompt with filtering off, or a data source without a
     scorer stops the run here, in one line."""
-    d, tr = cfg["data"], cfg["trainer"]
+    data_cfg, trainer = cfg["data"], cfg["trainer"]
     tiny_paths = None
-    if "tiny" in (cfg["model"]["path"], d["train"], d["val"]):
+    if "tiny" in (cfg["model"]["path"], data_cfg["train"], data_cfg["val"]):
         tiny_paths = cluster.node_first(
             lambda first: tiny.build(os.path.join(".cache", "tiny"), seed=cfg["model"]["tiny_seed"])
         )
@@ -668,27 +607,29 @@ def load_data(cfg: dict, rank: int, world: int, train: bool = True) -> tuple:
     from transformers import AutoConfig, AutoTokenizer
 
     positions = getattr(AutoConfig.from_pretrained(model_path), "max_position_embeddings", None)
-    if positions and d["max_prompt_length"] + d["max_response_length"] > positions:
+    length = data_cfg["max_prompt_length"] + data_cfg["max_response_length"]
+    if positions and length > positions:
         raise ConfigError(
-            f"config: data.max_prompt_length + data.max_response_length = "
-            f"{d['max_prompt_length'] + d['max_response_length']} exceeds the model's "
+            f"config: data.max_prompt_length + data.max_response_length = {length} exceeds the model's "
             f"max_position_embeddings ({positions}) in {model_path}"
         )
     tokenizer = AutoTokenizer.from_pretrained(model_path)
-    train_rows, n_dropped = read_split(d["train"], "train", tiny_paths, tokenizer, d) if train else ([], 0)
-    val_rows, _ = read_split(d["val"], "test", tiny_paths, tokenizer, d)
-    if d["val_max_samples"] > 0:
-        val_rows = val_rows[: d["val_max_samples"]]
+    train_rows, n_dropped = [], 0
+    if train:
+        train_rows, n_dropped = read_split(data_cfg["train"], "train", tiny_paths, tokenizer, data_cfg)
+    val_rows, _ = read_split(data_cfg["val"], "test", tiny_paths, tokenizer, data_cfg)
+    if data_cfg["val_max_samples"] > 0:
+        val_rows = val_rows[: data_cfg["val_max_samples"]]
     data.check_scorer(train_rows + val_rows, cfg)
-    if train and len(train_rows) < (d["gen_batch_size"] or d["train_batch_size"]):
+    if train and len(train_rows) < (data_cfg["gen_batch_size"] or data_cfg["train_batch_size"]):
         raise ConfigError(
             f"data: {len(train_rows)} training prompts, fewer than one batch (data.train_batch_size, "
             "data.gen_batch_size)"
         )
-    total_steps = tr["total_steps"] or tr["total_epochs"] * (len(train_rows) // d["train_batch_size"])
+    total_steps = trainer["total_steps"] or trainer["total_epochs"] * (len(train_rows) // data_cfg["train_batch_size"])
     log0(
         rank,
-        f"data: {len(train_rows)} train prompts ({n_dropped} longer than {d['max_prompt_length']} tokens "
+        f"data: {len(train_rows)} train prompts ({n_dropped} longer than {data_cfg['max_prompt_length']} tokens "
         f"filtered out), {len(val_rows)} validation prompts; {total_steps} steps on {world} rank(s)",
     )
     return model_path, tokenizer, train_rows, val_rows, total_steps
@@ -709,66 +650,61 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 def load_models(cfg: dict, model_path: str, device) -> tuple:
     """(policy, reference or None): FSDP2-sharded; the reference only when the KL loss or the KL in the reward
-    (algorithm.use_kl_in_reward) is on. With LoRA the policy's base is frozen and the reference is the policy
-    itself (run with its adapters off, veRL's ref_in_actor): no second model."""
-    m, ac = cfg["model"], cfg["actor"]
-    common = dict(device=device, param_dtype=DTYPES[m["param_dtype"]], compute_dtype=DTYPES[m["compute_dtype"]])
+    (algorithm.use_kl_in_reward) is on. A model family's rule for its logits is handed over
+    (logit_rules.logits_head). With LoRA (lora.py) the policy's base is frozen and the reference is the policy
+    itself, run with its adapters off (veRL's ref_in_actor): no second model."""
+    model_cfg = cfg["model"]
+    common = dict(
+        device=device, param_dtype=DTYPES[model_cfg["param_dtype"]], compute_dtype=DTYPES[model_cfg["compute_dtype"]]
+    )
+    adapt = None
+    if model_cfg["lora_rank"] or model_cfg["lora_adapter_path"]:  # LoRA
+        adapt = lora.adapter(config.lora_settings(cfg, model_path))
     try:
         policy = fsdp_train.load_model(
             model_path,
-            activation_checkpointing=m["activation_checkpointing"],
-            lora=lora_spec(cfg, model_path),
+            activation_checkpointing=model_cfg["activation_checkpointing"],
+            adapt=adapt,
+            head=logit_rules.logits_head,
             **common,
         )
-    except fsdp_train.LoraError as e:
+    except lora.LoraError as e:
         raise ConfigError(f"config: {e}") from None
     except fsdp_train.UnsupportedModel as e:  # logits the log-prob path would not reproduce (check_logits_fn)
         raise ConfigError(f"model {model_path}: {e}") from None
-    use_ref = kl_loss_on(ac) or cfg["algorithm"]["use_kl_in_reward"]
-    if not use_ref:
+    if not (kl_loss_on(cfg["actor"]) or cfg["algorithm"]["use_kl_in_reward"]):
         return policy, None
-    if policy.lora_config:
+    if policy.adapter_settings:  # LoRA: the base is the policy with its adapters off
         return policy, policy
     # The reference is never trained: held in the compute dtype (bf16 on GPU, as veRL computes it), no fp32 copy.
     compute_dtype = common["compute_dtype"]
     ref = fsdp_train.load_model(
-        model_path, trainable=False, device=device, param_dtype=compute_dtype, compute_dtype=compute_dtype
+        model_path,
+        trainable=False,
+        device=device,
+        param_dtype=compute_dtype,
+        compute_dtype=compute_dtype,
+        head=logit_rules.logits_head,
     )
     return policy, ref
-
-
-def lora_spec(cfg: dict, model_path: str) -> dict | None:
-    """fsdp_train.load_model's `lora` from the model.lora_* keys (None: full fine-tuning); the adapters'
-    initialisation is seeded by trainer.seed. An adapter directory must belong to model.path's model."""
-    m = cfg["model"]
-    if not m["lora_rank"] and not m["lora_adapter_path"]:
-        return None
-    if m["lora_adapter_path"]:
-        config.check_adapter_base(m, model_path)
-    return {
-        "rank": m["lora_rank"],
-        "alpha": m["lora_alpha"],
-        "target_modules": m["target_modules"],
-        "exclude_modules": m["exclude_modules"],
-        "adapter_path": m["lora_adapter_path"],
-        "seed": cfg["trainer"]["seed"],
-    }
 
 
 def build_optimizer(cfg: dict, policy, total_steps: int) -> tuple:
     """AdamW and the LR schedule. Warmup as veRL 0.9.1 counts it (workers/engine/fsdp/transformer_impl.py):
     actor.lr_warmup_steps if > 0, else int(actor.lr_warmup_steps_ratio * total steps)."""
-    ac = cfg["actor"]
-    warmup = ac["lr_warmup_steps"] if ac["lr_warmup_steps"] > 0 else int(ac["lr_warmup_steps_ratio"] * total_steps)
+    actor = cfg["actor"]
+    warmup = actor["lr_warmup_steps"]
+    if warmup <= 0:
+        warmup = int(actor["lr_warmup_steps_ratio"] * total_steps)
     return fsdp_train.make_optimizer(
         policy,
-        lr=ac["lr"],
-        betas=tuple(ac["betas"]),
-        weight_decay=ac["weight_decay"],
+        lr=actor["lr"],
+        betas=tuple(actor["betas"]),
+        weight_decay=actor["weight_decay"],
         warmup_steps=warmup,
         total_steps=total_steps,
-        schedule=ac["lr_schedule"],
-        min_lr_ratio=ac["min_lr_ratio"],
+        schedule=actor["lr_schedule"],
+        min_lr_ratio=actor["min_lr_ratio"],
     )
 
 
@@ -776,19 +712,19 @@ def resume(cfg: dict, policy, optimizer, scheduler, rank: int, world: int) -> tu
     """Load the checkpoint trainer.resume names (auto: the newest complete one, chosen by rank 0 for all).
     Returns the first step to run and this rank's saved loop state: step, generation cursor, RNG states
     (dropped when the checkpoint was written at another world size)."""
-    tr = cfg["trainer"]
-    path = tr["resume"] if tr["resume"] not in ("off", "auto") else None
-    if tr["resume"] == "auto":
+    trainer = cfg["trainer"]
+    path = trainer["resume"] if trainer["resume"] not in ("off", "auto") else None
+    if trainer["resume"] == "auto":
         newest = None
         if rank == 0:
-            complete = fsdp_train.list_checkpoints(os.path.join(tr["output_dir"], "checkpoints"))
+            complete = fsdp_train.list_checkpoints(os.path.join(trainer["output_dir"], "checkpoints"))
             newest = complete[-1] if complete else None
         path = cluster.broadcast(newest)  # rank 0's choice, for all: ranks must not resume different steps
     if not path:
         return 1, {}
     try:
         extra = fsdp_train.load_checkpoint(path, policy, optimizer, scheduler)
-    except fsdp_train.LoraError as e:  # written with other LoRA settings
+    except fsdp_train.CheckpointMismatch as e:  # written with other LoRA settings
         raise ConfigError(str(e)) from None
     log0(rank, f"resumed from {path} (step {extra['step']})")
     if extra["saved_world_size"] != world:
@@ -797,15 +733,15 @@ def resume(cfg: dict, policy, optimizer, scheduler, rank: int, world: int) -> tu
 
 
 def start_engine(cfg: dict, model_path: str, rank: int):
-    d, ro = cfg["data"], cfg["rollout"]
+    sampling = cfg["rollout"]
     return rollout.make_engine(
         model_path,
-        dtype=ro["dtype"],
-        max_model_len=d["max_prompt_length"] + d["max_response_length"],
-        gpu_memory_utilization=ro["gpu_memory_utilization"],
-        tensor_parallel_size=ro["tensor_parallel_size"],
+        dtype=sampling["dtype"],
+        max_model_len=cfg["data"]["max_prompt_length"] + cfg["data"]["max_response_length"],
+        gpu_memory_utilization=sampling["gpu_memory_utilization"],
+        tensor_parallel_size=sampling["tensor_parallel_size"],
         seed=cfg["trainer"]["seed"] + rank,
-        enable_prefix_caching=ro["enable_prefix_caching"],
+        enable_prefix_caching=sampling["enable_prefix_caching"],
         use_tqdm_on_load=cfg["trainer"]["verbose"],
     )
 
@@ -813,16 +749,16 @@ def start_engine(cfg: dict, model_path: str, rank: int):
 def save(run: Run, step: int) -> str:
     """save_checkpoint: model and optimizer shards, LR schedule, and the loop's state (step, generation
     cursor, RNG states), atomically (fsdp_train.save_checkpoint)."""
-    tr = run.cfg["trainer"]
+    trainer = run.cfg["trainer"]
     run.saved = step
     return fsdp_train.save_checkpoint(
-        os.path.join(tr["output_dir"], "checkpoints"),
+        os.path.join(trainer["output_dir"], "checkpoints"),
         step,
         run.policy,
         run.optimizer,
         run.scheduler,
         extra={"step": step, "rng": cluster.rng_state(), "gen_batches": run.gen_cursor},
-        keep=tr["keep_checkpoints"],
+        keep=trainer["keep_checkpoints"],
     )
 
 
@@ -845,9 +781,15 @@ def stop(run: Run, step: int, signum: int):
 
 
 def finish(run: Run):
-    """The HF export, the curves, then the engine and the process group closed."""
+    """The HF export (with LoRA: the merged model and the adapter, lora.export), the curves, then the engine
+    and the process group closed."""
     if run.cfg["trainer"]["export_hf"]:
-        fsdp_train.export_hf(run.policy, os.path.join(run.cfg["trainer"]["output_dir"], "hf"), run.tokenizer)
+        convert = None
+        if run.policy.adapter_settings:  # LoRA
+            settings, base = run.policy.adapter_settings, run.policy.config.name_or_path
+            convert = functools.partial(lora.export, settings=settings, base_model=base)
+        out_dir = os.path.join(run.cfg["trainer"]["output_dir"], "hf")
+        fsdp_train.export_hf(run.policy, out_dir, run.tokenizer, convert)
     run.logger.close()
     close(run)
 
@@ -869,22 +811,20 @@ def evaluate(cfg: dict):
     logs.route_library_logs(cfg["trainer"]["output_dir"], rank, cfg["trainer"]["verbose"])
     model_path, _, _, val_rows, _ = load_data(cfg, rank, world, train=False)
     run = Run(cfg=cfg, rank=rank, world=world, val_rows=val_rows, score=score, llm=start_engine(cfg, model_path, rank))
-    if cfg["model"]["lora_adapter_path"]:
-        push_adapter(run, model_path, device)
+    if cfg["model"]["lora_adapter_path"]:  # LoRA: the base with the adapter, pushed merged into the engine
+        try:
+            adapt = lora.adapter(config.lora_settings(cfg, model_path))
+            model = fsdp_train.load_model(
+                model_path, device=device, trainable=False, adapt=adapt, head=logit_rules.logits_head
+            )
+        except lora.LoraError as e:
+            raise ConfigError(f"config: {e}") from None
+        sync.push_weights(run.llm, sync.full_params(model, sync.engine_dtype(run.llm)))
     logger = logs.MetricsLogger(cfg, rank, resume_step=0, file="val_metrics.jsonl")
     logger.log(0, validate(run, 0))
     logger.close()
     close(run)
     return 0
-
-
-def push_adapter(run: Run, model_path: str, device) -> None:
-    """val_only with model.lora_adapter_path: the base with the adapter, pushed merged into the engine."""
-    try:
-        model = fsdp_train.load_model(model_path, device=device, trainable=False, lora=lora_spec(run.cfg, model_path))
-    except fsdp_train.LoraError as e:
-        raise ConfigError(f"config: {e}") from None
-    sync.push_weights(run.llm, sync.full_params(model, sync.engine_dtype(run.llm)))
 
 
 def sample_seed(seed: int, gen_batch: int, rank: int) -> int:

@@ -1,11 +1,10 @@
 """GSM8K prompt and answer scoring, identical to veRL's. Standard library only.
 
-Copy this file anywhere; it imports nothing but `re` and `struct`.
+Copy this file anywhere; it imports nothing but `re`.
 
-veRL sources reproduced here (quirks included, see verl-grpo-spec.md sections 1-2):
+veRL sources reproduced here, quirks included:
   examples/data_preprocess/gsm8k.py   -> make_prompt, extract_ground_truth
   verl/utils/reward_score/gsm8k.py    -> extract_solution, compute_score
-  experimental/reward_loop/reward_manager/dapo.py -> overlong_penalty (DAPO overlong reward shaping)
 
 Worked example:
     >>> make_prompt("What is 2+3?")[0]["content"]
@@ -17,7 +16,6 @@ Worked example:
 """
 
 import re
-import struct
 
 INSTRUCTION = 'Let\'s think step by step and output the final answer after "####".'
 CLIP_CHARS = 300  # veRL's _SOLUTION_CLIP_CHARS: only the tail of a response is scored
@@ -96,35 +94,3 @@ def compute_score(
     if answer is None:
         return 0.0
     return float(score) if answer == ground_truth else float(format_score)
-
-
-def _f32(x: float) -> float:
-    """x rounded to float32 (round to nearest even) and back: struct's 'f' packs a C float."""
-    return struct.unpack("f", struct.pack("f", x))[0]
-
-
-def overlong_penalty(
-    response_length: int, max_response_length: int, buffer_length: int, penalty_factor: float
-) -> float:
-    """DAPO's soft overlong punishment, bit-equal to veRL (experimental/reward_loop/reward_manager/dapo.py,
-    run_single: reward += min(-exceed_len / overlong_buffer_len * penalty_factor, 0)).
-
-    exceed = L - (Lmax - Lb);  penalty = min(-exceed / Lb * f, 0)  (L: response tokens, EOS included).
-    veRL's L is a 0-d int64 tensor (an attention-mask sum), so torch evaluates in float32: a TRUE float32
-    division f32(-exceed) / f32(Lb), rounded, then a float32 multiply by f32(f), rounded (measured: this matched
-    torch on 131954 of 131954 random (L, Lmax, Lb, f); a float64 evaluation or a multiply by a float32
-    reciprocal did not). Each rounding is done here with struct.pack('f', ...). Python's min(x, 0) returns the
-    int 0 when x > 0 (no penalty; returned here as 0.0), else x: a float32 tensor in veRL, so score + x is
-    float32 there too.
-
-    Lmax = 20, Lb = 10, f = 1.0:  L = 10 -> 0.0;  L = 15 -> -0.5;  L = 20 -> -1.0.
-    Lmax = 20, Lb = 10, f = 0.1:  L = 13 -> -0.030000001192092896 (float32), not -0.03.
-    """
-    if not buffer_length > 0 or max_response_length < buffer_length:
-        raise ValueError(
-            f"overlong_penalty: buffer_length={buffer_length!r} must be > 0 and max_response_length="
-            f"{max_response_length!r} must be >= buffer_length (veRL's overlong_buffer checks)"
-        )
-    exceed = response_length - (max_response_length - buffer_length)
-    penalty = _f32(_f32(_f32(-exceed) / _f32(buffer_length)) * _f32(penalty_factor))
-    return 0.0 if penalty > 0 else penalty

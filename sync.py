@@ -42,22 +42,21 @@ def full_params(model: torch.nn.Module, dtype: torch.dtype | None = None) -> Ite
     receives half the bytes of fp32 master weights (vLLM would round them to bf16 anyway; exact in fp32).
     A tied lm_head is not listed (named_parameters() deduplicates it).
 
-    A LoRA layer (a module with PEFT's base_layer / lora_A / lora_B and a merged_weight method: fsdp_train.LoraLinear)
-    is yielded MERGED under the base model's own names: `<module>.weight` = merged_weight(dtype), W + (B @ A) * scaling
-    computed in fp32 from the full tensors, then cast (bf16 engine: an update below half a bf16 step of W is lost,
-    see README "LoRA"); `<module>.bias` as it is; the adapters themselves are not sent. Out of place: the trainer's
-    weights are never modified by a push.
+    A layer that computes with one merged weight (a module with a merged_weight method over its base_layer, as
+    lora.LoraLinear: W + (B @ A) * scaling in fp32 from the full tensors, then cast) is yielded MERGED under the
+    base model's own names: `<module>.weight` = merged_weight(dtype), `<module>.bias` as it is, its other
+    parameters (the adapters) not sent. Out of place: the trainer's weights are never modified by a push.
     """
     if hasattr(model, "reshard"):
         model.reshard()  # FSDP2: a no_grad forward can leave the root unsharded
-    lora_layers = {name: m for name, m in model.named_modules() if hasattr(m, "merged_weight")}
+    merged_layers = {name: m for name, m in model.named_modules() if hasattr(m, "merged_weight")}
     for name, param in model.named_parameters():
-        layer = lora_layers.get(name.rsplit(".", 2)[0])  # "<module>.base_layer.weight" -> "<module>"
+        layer = merged_layers.get(name.rsplit(".", 2)[0])  # "<module>.base_layer.weight" -> "<module>"
         if layer is not None and name.endswith(".base_layer.weight"):
             yield _hf_name(name.replace(".base_layer.", ".")), layer.merged_weight(dtype)
             continue
         if layer is not None and not name.endswith(".base_layer.bias"):
-            continue  # lora_A, lora_B: inside the merged weight
+            continue  # the adapters: inside the merged weight
         param = param.detach() if dtype is None else param.detach().to(dtype)  # a DTensor casts its local shard
         yield (
             _hf_name(name.replace(".base_layer.", ".")),

@@ -40,6 +40,7 @@ import torch  # noqa: E402
 import config  # noqa: E402
 import fsdp_train as ft  # noqa: E402
 import grpo  # noqa: E402
+import lora  # noqa: E402
 import losses  # noqa: E402
 import tiny  # noqa: E402
 
@@ -105,13 +106,13 @@ def point(args) -> dict:
     _, _, device = ft.init_distributed()
     if args.point == "layer":
         return layer_point(args.model, int(args.rows), device)
-    lora = {"rank": args.lora, "alpha": args.lora, "target_modules": "all-linear", "seed": 0} if args.lora else None
+    settings = {"rank": args.lora, "alpha": args.lora, "target_modules": "all-linear", "seed": 0}
     model = ft.load_model(
         args.model,
         device=device,
         activation_checkpointing=args.point == "train",
         trainable=args.point == "train",
-        lora=lora,
+        adapt=lora.adapter(settings) if args.lora else None,
     )
     batch = micro_batch(int(args.rows), model.config.vocab_size)
     tokens, kw = int(batch["attention_mask"].sum()), dict(temperature=1.0, max_tokens=10**9, chunk_size=args.chunk)
@@ -153,11 +154,11 @@ def lora_table(model: str, chunk: int, rank: int) -> dict:
     env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536"}
     results = {}
     print(f"{'step':<24} {'tokens':>7} {'resident MB':>12} {'peak MB':>9} {'s':>7} {'marginal MB/token':>18}")
-    for name, lora, rows in (("train/full (resident)", 0, [4]), ("train/lora", rank, [4, 6])):
+    for name, lora_rank, rows in (("train/full (resident)", 0, [4]), ("train/lora", rank, [4, 6])):
         points = results.setdefault(name, [])
         for r in rows:
             cmd = [sys.executable, __file__, "--point", "train", "--chunk", str(chunk), "--rows", str(r)]
-            cmd += ["--model", model, "--lora", str(lora)]
+            cmd += ["--model", model, "--lora", str(lora_rank)]
             run = subprocess.run(cmd, env=env, capture_output=True, text=True, check=True)
             out = json.loads(run.stdout.splitlines()[-1])
             marginal = None

@@ -49,9 +49,8 @@ def make_grpo_batch(lengths, vocab: int, seed: int = 0) -> dict:
 
 
 def grpo_loss(logp, entropy, mb, counts):
-    pg, _ = losses.policy_loss(
-        logp, mb["old_logprobs"], mb["advantages"], mb["response_mask"], clip_high=0.28, num_tokens=counts["num_tokens"]
-    )
+    per_token, _ = losses.policy_loss(logp, mb["old_logprobs"], mb["advantages"], clip_high=0.28)
+    pg = losses.agg_loss(per_token, mb["response_mask"], num_tokens=counts["num_tokens"])
     return pg, {"actor/pg_loss": pg.item()}
 
 

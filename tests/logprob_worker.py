@@ -17,6 +17,7 @@ from test_logprobs import ENTROPY_COEF, TEMPERATURE, batch, weighted_loss
 from torch.distributed.tensor import DTensor
 
 import fsdp_train as ft
+import logit_rules
 import losses
 from reporting import report, shut_down
 
@@ -65,7 +66,7 @@ def main():
     ap.add_argument("--chunk-sizes", default="0,16,40")
     args = ap.parse_args()
     rank, world, device = ft.init_distributed()
-    model = ft.load_model(args.model, device=device)
+    model = ft.load_model(args.model, device=device, head=logit_rules.logits_head)
     full = batch(model.config.vocab_size)
     rows = ROWS[world][rank]
     mine = ft.select(full, rows)

@@ -33,6 +33,7 @@ import config
 import data
 import fsdp_train as ft
 import grpo
+import grpo_family
 import losses
 import metrics
 from reporting import report, shut_down
@@ -94,7 +95,7 @@ HOLES = [(1, 3), (9, 0), (14, 5)]  # (row, token): rejected by "rollout correcti
 # Every loss mode x every aggregation (seq-mean-token-sum-norm with its default divisor), one off-policy update
 # under each token budget: about two rows per micro-batch (widths and row counts differ between micro-batches),
 # and the whole rank's rows in one.
-GRID = [(mode, agg) for mode in losses.LOSS_MODES for agg in losses.AGG_MODES]
+GRID = [(mode, agg) for mode in ("vanilla", *grpo_family.LOSS_MODES) for agg in losses.AGG_MODES]
 GRID_BUDGETS = (24, 4096)
 ADAPTIVE = [  # veRL's AdaptiveKLController over two steps; its KL is large against target_kl: the clip binds
     "algorithm.use_kl_in_reward=true",

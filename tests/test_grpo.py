@@ -18,6 +18,7 @@ import pytest
 import yaml
 
 import config
+import dapo
 import data
 import fsdp_train
 import metrics
@@ -164,7 +165,7 @@ def test_an_overlong_buffer_as_long_as_the_responses_is_accepted():
     assert config.load_config(None, [*on, "reward.overlong_buffer.len=48"])["reward"]["overlong_buffer"]["len"] == 48
     with pytest.raises(config.ConfigError, match=r"len = 49; accepted: 0 < value <= data.max_response_length \(48\)"):
         config.load_config(None, [*on, "reward.overlong_buffer.len=49"])
-    assert [reward.overlong_penalty(length, 48, 48, 1.0) for length in (0, 12, 48)] == [0.0, -0.25, -1.0]
+    assert [dapo.overlong_penalty(length, 48, 48, 1.0) for length in (0, 12, 48)] == [0.0, -0.25, -1.0]
 
 
 def test_config_file_errors(tmp_path):
@@ -1230,7 +1231,7 @@ def test_a_reward_file_must_return_a_finite_number(tmp_path, returned):
     score = data.make_scorer(config.load_config(None, [f"custom_reward_function.path={path}"]))
     row = {"data_source": "my/task", "ground_truth": "1", "extra_info": {}, "where": "val.jsonl row 5"}
     with pytest.raises(
-        config.ConfigError,
+        config.ONE_LINE_ERRORS,
         match=rf"^custom_reward_function: {path}:compute_score returned .+ for val.jsonl row 5; accepted",
     ):
         score(row, "text")

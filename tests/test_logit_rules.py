@@ -1,4 +1,4 @@
-"""fsdp_train.logits_fn: the trainer's chunked log-probs are the model's own, for every family whose forward
+"""logit_rules.logits_head: the trainer's chunked log-probs are the model's own, for every family whose forward
 post-processes its logits (soft-capping, scaling, a scaled head input); fsdp_train.check_logits_fn stops a
 family whose rule it does not know at start-up, in one line.
 
@@ -9,7 +9,7 @@ train_step run it: one piece, and chunks of 16 with recompute) must give the log
 every gradient of the plain path: log_softmax(model(...).logits / T) from HF's full forward, in float64, and
 compute_logprobs' no-grad pass its log-probs and entropy,
 within fp32_noise.FACTOR x the fp32 noise measured at test time (tests/fp32_noise.py). Each test also
-shows that the bare output embedding (the path before logits_fn) misses the reference by far more than
+shows that the bare output embedding (fsdp_train's default head) misses the reference by far more than
 that bound, so the test fails when its rule breaks. World size 2 (FSDP2: the rule runs inside the root's
 registered forward): the large-logit Gemma 2 through tests/logprob_worker.py.
 Measured (2 x86 cores): code error / noise 0.2-1.1 for every rule and scale; the bare head misses by
@@ -24,6 +24,7 @@ from transformers import AutoModelForCausalLM
 
 import fp32_noise
 import fsdp_train as ft
+import logit_rules
 import losses
 import tiny
 from conftest import run_torchrun
@@ -34,7 +35,7 @@ MINICPM3_MLA = dict(
 FALCON_H1_SMALL = dict(  # one layer, small Mamba-2 dims: its PyTorch Mamba scan is slow on CPU
     num_hidden_layers=1, mamba_d_ssm=64, mamba_n_heads=4, mamba_d_head=16, mamba_d_state=16, mamba_chunk_size=16
 )
-# rule -> (config class, the family's keys, how logits_fn names the rule)
+# rule -> (config class, the family's keys, how logit_rules.logits_head names the rule)
 RULES = {
     "softcap": (transformers.Gemma2Config, dict(final_logit_softcapping=30.0), "final_logit_softcapping: 30.0 * "),
     "logit_scale": (transformers.CohereConfig, dict(logit_scale=0.0625), "logit_scale: logits * 0.0625"),
@@ -72,9 +73,10 @@ def family_models(tiny_tokenizer, tmp_path_factory):
 
 
 def load(path: str, scale: str, largest: float = LARGE):
-    """The model in fp32; at scale "large" its output embedding multiplied until its largest logit on the
-    test batch is `largest`."""
+    """The model in fp32 with its family's head, as fsdp_train.load_model attaches it (logit_rules.logits_head);
+    at scale "large" its output embedding multiplied until its largest logit on the test batch is `largest`."""
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    model.logits_rule, model.logits_head = logit_rules.logits_head(model)
     if scale == "large":
         b = batch(model.config.vocab_size)
         with torch.no_grad():
@@ -117,7 +119,7 @@ def no_grad_pass(model, b: dict, reference: tuple[dict, dict], what: str) -> Non
 @pytest.mark.parametrize("rule", list(RULES))
 def test_chunked_logprobs_and_gradients_are_the_models_own(family_models, monkeypatch, rule, scale):
     model = load(family_models(rule), scale)
-    assert ft.logits_fn(model)[0].startswith(RULES[rule][2])
+    assert model.logits_rule.startswith(RULES[rule][2])
     b = batch(model.config.vocab_size)
     ref, noise = fp32_noise.measure(
         lambda dtype: plain_path(fp32_noise.float64_copy(model) if dtype == torch.float64 else model, b)
@@ -126,7 +128,7 @@ def test_chunked_logprobs_and_gradients_are_the_models_own(family_models, monkey
         check_all(chunked(model, b, chunk), (ref, noise), f"{rule} {scale} chunk {chunk}")
     no_grad_pass(model, b, (ref, noise), f"{rule} {scale}")
     # The rule matters here: the bare output embedding misses the reference by more than the bound.
-    monkeypatch.setattr(ft, "logits_fn", lambda m: ("none", m.get_output_embeddings()))
+    monkeypatch.setattr(model, "logits_head", None)  # fsdp_train's default: the bare output embedding
     bare = chunked(model, b, CHUNKS[-1])["logp"]
     missed = fp32_noise.error(bare, ref["logp"]) / (fp32_noise.FACTOR * noise["logp"])
     print(f"{rule} {scale}: without the rule, log-probs off by {missed:.3g} x the bound")
@@ -162,12 +164,12 @@ def test_large_softcapped_logits_at_world_size_2(family_models, tmp_path):
 
 @pytest.mark.parametrize("rule", list(RULES))
 def test_the_start_up_check_sees_a_missing_rule_even_at_the_tiny_shape(family_models, monkeypatch, rule):
-    """With logits_fn's rule taken away, load_model stops with one line naming the rule's config key, on the
-    random tiny model whose own logits are ~0.1 (the check scales the head's logits to PROBE_LOGIT)."""
+    """Without the family's head (load_model's `head` not handed over), load_model stops with one line naming the
+    rule's config key, on the random tiny model whose own logits are ~0.1 (the check scales the head's logits to
+    PROBE_LOGIT)."""
     path = family_models(rule)
     ft.init_distributed()
-    ft.load_model(path, device=torch.device("cpu"))  # the rule known: no error
-    monkeypatch.setattr(ft, "logits_fn", lambda m: ("none", m.get_output_embeddings()))
+    ft.load_model(path, device=torch.device("cpu"), head=logit_rules.logits_head)  # the rule known: no error
     with pytest.raises(ft.UnsupportedModel) as e:
         ft.load_model(path, device=torch.device("cpu"))
     key = RULES[rule][2].split(":")[0]
@@ -186,12 +188,12 @@ def test_the_start_up_check_sees_a_missing_rule_even_at_the_tiny_shape(family_mo
     ],
 )
 def test_a_family_with_an_unknown_rule_stops_at_start_up(tiny_tokenizer, tmp_path, config_class, keys, named):
-    """xLSTM and RecurrentGemma soft-cap their logits under keys logits_fn does not know (vLLM serves neither):
+    """xLSTM and RecurrentGemma soft-cap their logits under keys logit_rules does not know (vLLM serves neither):
     load_model stops with one line that names the class and the key."""
     path = tiny.save_random_family_model(str(tmp_path / "m"), tiny_tokenizer, config_class, **keys)
     ft.init_distributed()
     with pytest.raises(ft.UnsupportedModel) as e:
-        ft.load_model(path, device=torch.device("cpu"))
+        ft.load_model(path, device=torch.device("cpu"), head=logit_rules.logits_head)
     message = str(e.value)
     assert "\n" not in message and named in message and message.startswith(config_class.__name__[:-6]), message
 

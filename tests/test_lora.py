@@ -23,6 +23,7 @@ from transformers import AutoModelForCausalLM
 
 import fp32_noise
 import fsdp_train as ft
+import lora
 import rollout
 import sync
 from conftest import ROOT, run_torchrun
@@ -46,7 +47,7 @@ def layer_pair(base_dtype=torch.float32, seed=0):
     with torch.no_grad():
         base.weight.copy_(torch.randn(12, 16, generator=g))
         base.bias.copy_(torch.randn(12, generator=g))
-    ours = ft.LoraLinear(copy.deepcopy(base), RANK, ALPHA)
+    ours = lora.LoraLinear(copy.deepcopy(base), RANK, ALPHA)
     peft = get_peft_model(Wrapper(copy.deepcopy(base)), LoraConfig(r=RANK, lora_alpha=ALPHA, target_modules=["proj"]))
     peft = peft.base_model.model.proj  # PEFT's lora.Linear
     assert isinstance(peft, PeftLinear) and peft.lora_A.default.weight.dtype == torch.float32
@@ -93,7 +94,7 @@ def test_layer_output_and_gradients_equal_pefts(base_dtype):
 def test_disabled_layer_is_the_base_and_the_merge_is_pefts():
     ours, peft = layer_pair()
     x = torch.randn(4, 16, generator=torch.Generator().manual_seed(2))
-    with torch.no_grad(), ft.adapters_off(ours):
+    with torch.no_grad(), lora.adapters_off(ours):
         assert torch.equal(ours(x), ours.base_layer(x))
     assert ours.enabled  # switched back on
     before = ours.base_layer.weight.clone()
@@ -128,7 +129,7 @@ def test_untrained_adapters_leave_the_layer_the_base_bit_for_bit():
 @pytest.mark.parametrize("kind", ["tied", "untied"])
 def test_targets_are_the_modules_peft_adapts(random_models, targets, exclude, kind):
     model = AutoModelForCausalLM.from_pretrained(random_models[kind])
-    ours = ft.lora_targets(model, targets, exclude)
+    ours = lora.lora_targets(model, targets, exclude)
     peft = get_peft_model(
         copy.deepcopy(model), LoraConfig(r=RANK, lora_alpha=ALPHA, target_modules=targets, exclude_modules=exclude)
     )
@@ -149,24 +150,23 @@ def test_targets_are_the_modules_peft_adapts(random_models, targets, exclude, ki
 )
 def test_targets_that_match_nothing_name_the_layers_there_are(random_models, targets, exclude, message):
     model = AutoModelForCausalLM.from_pretrained(random_models["tied"])
-    with pytest.raises(ft.LoraError, match=message.replace("(", r"\(").replace(")", r"\)")):
-        ft.lora_targets(model, targets, exclude)
+    with pytest.raises(lora.LoraError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        lora.lora_targets(model, targets, exclude)
 
 
 # ------------------------------------------------------------------ LoRA as the trainer builds it
 def trainer_lora_model(path: str, *overrides: str) -> torch.nn.Module:
-    """The policy as grpo.py loads it (grpo.lora_spec from the config's model.* and trainer.seed, then
-    fsdp_train.load_model), in this process (world size 1)."""
+    """The policy as grpo.py loads it (config.lora_settings from the config's model.* and trainer.seed,
+    lora.adapter, then fsdp_train.load_model), in this process (world size 1)."""
     import config
-    import grpo
 
     ft.init_distributed()
     cfg = config.load_config(None, ["model.lora_rank=4", "model.lora_alpha=8", *overrides])
-    return ft.load_model(path, device=torch.device("cpu"), lora=grpo.lora_spec(cfg, path))
+    return ft.load_model(path, device=torch.device("cpu"), adapt=lora.adapter(config.lora_settings(cfg, path)))
 
 
 def adapted(model) -> list[str]:
-    return [name for name, m in model.named_modules() if isinstance(m, ft.LoraLinear)]
+    return [name for name, m in model.named_modules() if isinstance(m, lora.LoraLinear)]
 
 
 @pytest.mark.parametrize(
@@ -270,13 +270,13 @@ def test_resume_refuses_another_alpha_or_other_targets(random_models, tmp_path, 
     )
 
 
-def plain_lora_model(path: str, lora: dict) -> torch.nn.Module:
+def plain_lora_model(path: str, settings: dict) -> torch.nn.Module:
     """The HF model (fp32, one process, no FSDP) with LoRA added and initialised exactly as load_model does
     (fsdp_train._with_adapters from the same seed), the base frozen: the plain computation for the references."""
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     state = model.state_dict()
-    model.lora_config = ft.add_lora(model, lora)
-    model.load_state_dict(ft._with_adapters(state, model.lora_config, lora))
+    model.adapter_settings = lora.add_lora(model, settings)
+    model.load_state_dict(lora._with_adapters(state, model.adapter_settings, settings))
     for name, p in model.named_parameters():
         p.requires_grad_(".lora_" in name)
     return model
@@ -286,14 +286,14 @@ def test_adapter_files_are_pefts_and_peft_adapters_load(random_models, tmp_path)
     """write_adapter's directory loads in PeftModel.from_pretrained with the same logits; a PEFT-written adapter
     (get_peft_model + save_pretrained) is read back by add_lora / _with_adapters into the same tensors."""
     path = random_models["untied"]
-    lora = {"rank": RANK, "alpha": ALPHA, "target_modules": ["q_proj", "down_proj"], "seed": 3}
-    ours = plain_lora_model(path, lora)
+    settings = {"rank": RANK, "alpha": ALPHA, "target_modules": ["q_proj", "down_proj"], "seed": 3}
+    ours = plain_lora_model(path, settings)
     with torch.no_grad():
         for name, p in ours.named_parameters():
             if ".lora_B." in name:
                 p.copy_(torch.randn(p.shape, generator=torch.Generator().manual_seed(len(name))) * 0.1)
-    merged, adapter = ft.split_merged(ours.state_dict(), ours.lora_config)
-    ft.write_adapter(str(tmp_path / "ours"), adapter, ours.lora_config, path)
+    merged, adapter = lora.split_merged(ours.state_dict(), ours.adapter_settings)
+    lora.write_adapter(str(tmp_path / "ours"), adapter, ours.adapter_settings, path)
     config = json.loads((tmp_path / "ours" / "adapter_config.json").read_text())
     assert config["r"] == RANK and config["lora_alpha"] == ALPHA and config["peft_type"] == "LORA"
     reloaded = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(path), str(tmp_path / "ours")).eval()
@@ -310,10 +310,10 @@ def test_adapter_files_are_pefts_and_peft_adapters_load(random_models, tmp_path)
     theirs.save_pretrained(str(tmp_path / "peft"))
     model = AutoModelForCausalLM.from_pretrained(path)
     state = model.state_dict()
-    config = ft.add_lora(model, {"adapter_path": str(tmp_path / "peft")})
+    config = lora.add_lora(model, {"adapter_path": str(tmp_path / "peft")})
     assert config["r"] == 2 and config["lora_alpha"] == 5
     assert len(config["target_modules"]) == 7 * model.config.num_hidden_layers
-    full = ft._with_adapters(state, config, {"adapter_path": str(tmp_path / "peft")})
+    full = lora._with_adapters(state, config, {"adapter_path": str(tmp_path / "peft")})
     for name, p in theirs.named_parameters():
         if ".lora_" in name:
             key = name.removeprefix("base_model.model.").replace(".default", "")
@@ -326,18 +326,18 @@ def write_peft_adapter(path: str, out: str, **kw) -> str:
 
 
 def test_bad_adapter_directories_raise_one_line(random_models, tmp_path):
-    with pytest.raises(ft.LoraError, match="no adapter_config.json and adapter_model.safetensors there; accepted"):
-        ft.read_adapter_config(str(tmp_path / "missing"))
+    with pytest.raises(lora.LoraError, match="no adapter_config.json and adapter_model.safetensors there; accepted"):
+        lora.read_adapter_config(str(tmp_path / "missing"))
     dropout = write_peft_adapter(
         random_models["tied"], str(tmp_path / "d"), r=2, target_modules="all-linear", lora_dropout=0.1
     )
-    with pytest.raises(ft.LoraError, match="has lora_dropout = 0.1; accepted: 0.0"):
-        ft.read_adapter_config(dropout)
+    with pytest.raises(lora.LoraError, match="has lora_dropout = 0.1; accepted: 0.0"):
+        lora.read_adapter_config(dropout)
     rs = write_peft_adapter(
         random_models["tied"], str(tmp_path / "rs"), r=2, target_modules="all-linear", use_rslora=True
     )
-    with pytest.raises(ft.LoraError, match="has use_rslora = True; accepted: False"):
-        ft.read_adapter_config(rs)
+    with pytest.raises(lora.LoraError, match="has use_rslora = True; accepted: False"):
+        lora.read_adapter_config(rs)
     # an adapter of a wider model: the shapes say so
     wide = AutoModelForCausalLM.from_config(
         AutoModelForCausalLM.from_pretrained(random_models["tied"]).config.__class__(
@@ -347,11 +347,11 @@ def test_bad_adapter_directories_raise_one_line(random_models, tmp_path):
     get_peft_model(wide, LoraConfig(r=2, target_modules="all-linear")).save_pretrained(str(tmp_path / "wide"))
     model = AutoModelForCausalLM.from_pretrained(random_models["tied"])
     with pytest.raises(
-        ft.LoraError, match=r"has shape \[2, 640\], the model needs \[2, 512\] \(rank 2\): an adapter of"
+        lora.LoraError, match=r"has shape \[2, 640\], the model needs \[2, 512\] \(rank 2\): an adapter of"
     ):
-        ft.add_lora(model, {"adapter_path": str(tmp_path / "wide")})
-    with pytest.raises(ft.LoraError, match="model.lora_rank = 8, but the adapter in model.lora_adapter_path"):
-        ft.add_lora(model, {"adapter_path": str(tmp_path / "wide"), "rank": 8})
+        lora.add_lora(model, {"adapter_path": str(tmp_path / "wide")})
+    with pytest.raises(lora.LoraError, match="model.lora_rank = 8, but the adapter in model.lora_adapter_path"):
+        lora.add_lora(model, {"adapter_path": str(tmp_path / "wide"), "rank": 8})
 
 
 # ------------------------------------------------------------------ training under torchrun
@@ -468,11 +468,11 @@ def test_vllm_serves_the_merged_policy_after_a_push(trained, random_models, monk
     carry the merged model's log-probs within FACTOR x the fp32 noise, check_sync agrees, the trainer's weights are
     untouched by the push. Pushing the UNMERGED base instead is what check_sync catches."""
     path = random_models["tied"]
-    lora = {"adapter_path": str(trained[2][1] / "hf" / "lora_adapter")}
+    settings = {"adapter_path": str(trained[2][1] / "hf" / "lora_adapter")}
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     state = model.state_dict()
-    model.lora_config = ft.add_lora(model, lora)
-    model.load_state_dict(ft._with_adapters(state, model.lora_config, lora))
+    model.adapter_settings = lora.add_lora(model, settings)
+    model.load_state_dict(lora._with_adapters(state, model.adapter_settings, settings))
     before = {k: v.clone() for k, v in model.state_dict().items()}
     llm = rollout.make_engine(path, dtype="float32", max_model_len=256, gpu_memory_utilization=0.2, seed=0)
     trainer_logprobs = functools.partial(ft.sequence_logprobs, model)  # the trainer's own log-prob path
@@ -489,7 +489,7 @@ def test_vllm_serves_the_merged_policy_after_a_push(trained, random_models, monk
         fp32_noise.check(torch.tensor(s.logprobs), ref[f"sample{i}"], noise[f"sample{i}"], f"pushed sample {i}")
     # the classic bug: the adapters left out of the push (the base weights sent as they are)
     monkeypatch.setattr(
-        ft.LoraLinear, "merged_weight", lambda self, dtype=None: self.base_layer.weight.detach().clone()
+        lora.LoraLinear, "merged_weight", lambda self, dtype=None: self.base_layer.weight.detach().clone()
     )
     sync.push_weights(llm, sync.full_params(model))
     monkeypatch.undo()
@@ -548,8 +548,8 @@ def lora_run(tiny_build, tmp_path_factory):
     """(out dir, metrics) of a 3-step LoRA run at 2 ranks, one mini-batch per step (the step-1 KL is exactly 0),
     validating and saving at steps 2 and 3, exporting hf/ and hf/lora_adapter."""
     out = tmp_path_factory.mktemp("lora_e2e") / "run"
-    lora = ["model.lora_rank=4", "model.lora_alpha=8", "actor.lr=2e-3", "actor.ppo_mini_batch_size=8"]
-    run_grpo(out, 2, *lora, "trainer.save_every=2")
+    keys = ["model.lora_rank=4", "model.lora_alpha=8", "actor.lr=2e-3", "actor.ppo_mini_batch_size=8"]
+    run_grpo(out, 2, *keys, "trainer.save_every=2")
     return out, read_metrics(out)
 
 

@@ -16,13 +16,15 @@ import torch
 import config
 import fp32_noise
 import grpo
+import grpo_family
 import losses
 
 MAX_RESPONSE = 16  # the generation budget; the micro-batch below is 6 wide
 NUM_TOKENS, NUM_SEQS = 57.0, 10.0  # the mini-batch's global counts (this micro-batch holds 4 of its 10 rows)
 CLIP_LOW, CLIP_HIGH, CLIP_C, TAU_POS, TAU_NEG = 0.2, 0.28, 3.0, 1.5, 1.05
 ENTROPY_COEFF, KL_COEF = 0.01, 0.05
-FACTORS = {"budget": None, "factor": 5.0}  # actor.loss_scale_factor: unset (the budget), or set
+FACTORS = {"budget": None, "factor": 5.0}
+LOSS_MODES = ("vanilla", *grpo_family.LOSS_MODES)  # actor.loss_scale_factor: unset (the budget), or set
 
 
 def micro_batch(dtype) -> dict:
@@ -132,7 +134,7 @@ def the_loss_fn(loss_mode: str, agg: str, factor, weighted: bool) -> dict:
 # loss_scale_factor is read by seq-mean-token-sum-norm only
 CASES = [
     (mode, agg, factor)
-    for mode in losses.LOSS_MODES
+    for mode in LOSS_MODES
     for agg in losses.AGG_MODES
     for factor in FACTORS
     if factor == "budget" or agg == "seq-mean-token-sum-norm"
@@ -156,7 +158,7 @@ def test_the_configurations_above_tell_the_paths_apart():
     budget = total_loss("vanilla", "seq-mean-token-sum-norm", None, False, torch.float64)["loss"]
     width = total_loss("vanilla", "seq-mean-token-sum-norm", 6.0, False, torch.float64)["loss"]  # the micro-batch's
     assert abs(budget - width) > 1e-3 * abs(budget)
-    for mode in losses.LOSS_MODES:
+    for mode in LOSS_MODES:
         plain = total_loss(mode, "token-mean", None, False, torch.float64)["grad"]
         weighted = total_loss(mode, "token-mean", None, True, torch.float64)["grad"]
         assert (plain - weighted).abs().max() > 1e-3, mode

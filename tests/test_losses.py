@@ -9,13 +9,13 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from dapo import nonzero_std_groups
 from losses import (
     agg_loss,
     entropy_from_logits,
     grpo_advantages,
     kl_penalty,
     masked_mean,
-    nonzero_std_groups,
     policy_loss,
 )
 
@@ -155,12 +155,22 @@ def test_grpo_bad_input():
 
 
 # ---------------------------------------------------------------- policy loss
+def policy_term(logp, old, adv, mask, is_weights=None, agg_mode="token-mean", num_tokens=None, **clips):
+    """The caller's side, as grpo.policy_term: losses.policy_loss per token, times the IS weights, aggregated once
+    (agg_loss); the metrics the masked means of its parts."""
+    per_token, parts = policy_loss(logp, old, adv, **clips)
+    if is_weights is not None:
+        per_token = per_token * is_weights
+    metrics = {key: masked_mean(part, mask).item() for key, part in parts.items()}
+    return agg_loss(per_token, mask, agg_mode, num_tokens=num_tokens), metrics
+
+
 def _pl(d, adv, **kw):
     """policy_loss for one token per row: logp - old_logp = d, advantage adv; returns loss, metrics, grad."""
     logp = T(d, dtype=torch.float64).reshape(-1, 1).requires_grad_()
     old = torch.zeros_like(logp)
     a = T(adv, dtype=torch.float64).reshape(-1, 1)
-    loss, metrics = policy_loss(logp, old, a, torch.ones_like(a), **kw)
+    loss, metrics = policy_term(logp, old, a, torch.ones_like(a), **kw)
     loss.backward()
     return loss.item(), metrics, logp.grad.flatten().tolist()
 
@@ -208,29 +218,24 @@ def test_masked_rows_do_not_contribute():
     old = torch.zeros(2, 2)
     adv = T([[1.0, 1.0], [-3.0, -3.0]])
     mask = T([[1.0, 1.0], [0.0, 0.0]])
-    loss, m = policy_loss(logp, old, adv, mask)
-    loss_first, m_first = policy_loss(logp[:1], old[:1], adv[:1], mask[:1])
+    loss, m = policy_term(logp, old, adv, mask)
+    loss_first, m_first = policy_term(logp[:1], old[:1], adv[:1], mask[:1])
     assert loss.item() == pytest.approx(loss_first.item()) and m == pytest.approx(m_first)
-    loss_global, _ = policy_loss(logp, old, adv, mask, num_tokens=4)
+    loss_global, _ = policy_term(logp, old, adv, mask, num_tokens=4)
     assert loss_global.item() == pytest.approx(loss.item() / 2)
 
 
-@pytest.mark.parametrize(
-    "kwargs, match",
-    [
-        (dict(clip_c=1.0), "clip_c must be > 1.0"),
-        (dict(agg_mode="sum"), "accepted: token-mean"),
-    ],
-)
-def test_policy_loss_bad_args(kwargs, match):
+def test_policy_loss_and_agg_loss_bad_args():
     x = torch.zeros(2, 3)
-    with pytest.raises(ValueError, match=match):
-        policy_loss(x, x, x, torch.ones(2, 3), **kwargs)
+    with pytest.raises(ValueError, match="clip_c must be > 1.0"):
+        policy_loss(x, x, x, clip_c=1.0)
+    with pytest.raises(ValueError, match="accepted: token-mean"):
+        agg_loss(x, torch.ones(2, 3), "sum")
 
 
 def test_policy_loss_shape_mismatch():
     with pytest.raises(ValueError, match="shapes must match"):
-        policy_loss(torch.zeros(2, 3), torch.zeros(2, 3), torch.zeros(2), torch.ones(2, 3))
+        policy_loss(torch.zeros(2, 3), torch.zeros(2, 3), torch.zeros(2))
 
 
 def _ref_weighted_pg(logp, old, adv, mask, w, mode, clip_low=0.2, clip_high=0.28, clip_c=3.0):
@@ -260,11 +265,11 @@ def test_policy_loss_is_weights_multiply_the_clipped_per_token_loss(mode):
     mask = (torch.arange(6)[None] < torch.tensor([6, 3, 0, 2])[:, None]).double()  # an empty row
     w = torch.rand(4, 6, generator=g, dtype=torch.float64) * 2 * mask
     kw = dict(clip_low=0.2, clip_high=0.28, agg_mode=mode)
-    loss, metrics = policy_loss(logp, old, adv, mask, is_weights=w, **kw)
+    loss, metrics = policy_term(logp, old, adv, mask, is_weights=w, **kw)
     assert loss.item() == pytest.approx(_ref_weighted_pg(logp, old, adv, mask, w, mode), rel=1e-12)
-    plain, plain_metrics = policy_loss(logp, old, adv, mask, **kw)
+    plain, plain_metrics = policy_term(logp, old, adv, mask, **kw)
     assert metrics == plain_metrics  # the weights touch the loss only
-    ones, _ = policy_loss(logp, old, adv, mask, is_weights=torch.ones_like(w), **kw)
+    ones, _ = policy_term(logp, old, adv, mask, is_weights=torch.ones_like(w), **kw)
     assert torch.equal(ones, plain)  # and is_weights=None is the unweighted loss, bit for bit
     assert plain.item() == pytest.approx(_ref_weighted_pg(logp, old, adv, mask, torch.ones_like(w), mode), rel=1e-12)
 

@@ -1,24 +1,24 @@
-"""The GRPO family in losses.py (GSPO, CISPO, SAPO, GMPO; RLOO, REINFORCE++ and its baseline variant; KL in the
-reward) against INDEPENDENT implementations of veRL 0.9.1's formulas: plain Python floats (float64), a loop
-per row and token, gradients derived by hand (no autograd), on a batch with padded rows, a fully masked row,
-a one-token row, token-varying advantages and log-ratios past every clamp (veRL's 10 and 20)."""
+"""The GRPO family, grpo_family.py (GSPO, CISPO, SAPO, GMPO through policy_term, as the loss runs them; RLOO,
+REINFORCE++ and its baseline variant; KL in the reward) against INDEPENDENT implementations of veRL 0.9.1's
+formulas: plain Python floats (float64), a loop per row and token, gradients derived by hand (no autograd), on a
+batch with padded rows, a fully masked row, a one-token row, token-varying advantages and log-ratios past every
+clamp (veRL's 10 and 20)."""
 
+import functools
 import math
 
 import pytest
 import torch
 
-from losses import (
+import grpo_family
+import losses
+from grpo_family import (
     adaptive_kl_coef,
-    cispo_loss,
-    geo_mean_loss,
-    gspo_loss,
     kl_in_reward,
     masked_whiten,
     reinforce_pp_advantages,
     reinforce_pp_baseline_advantages,
     rloo_advantages,
-    sapo_loss,
     token_level_scores,
 )
 
@@ -95,6 +95,23 @@ def clip(x, lo, hi):
     return min(max(x, lo), hi)
 
 
+def term(mode, logp, old, adv, mask, is_weights=None, agg_mode="token-mean", num_tokens=None, num_seqs=None, **kw):
+    """grpo_family.policy_term of loss mode `mode`, aggregated by losses.agg_loss with these counts (as grpo's loss
+    hands it over); kw: clip_low, clip_high, tau_pos, tau_neg."""
+    actor = {
+        "policy_loss": {"loss_mode": mode},
+        "clip_ratio_low": kw.get("clip_low", 0.2),
+        "clip_ratio_high": kw.get("clip_high", 0.2),
+        "tau_pos": kw.get("tau_pos", 1.0),
+        "tau_neg": kw.get("tau_neg", 1.05),
+    }
+    mb = {"advantages": adv, "response_mask": mask}
+    if is_weights is not None:
+        mb["is_weights"] = is_weights
+    aggregate = functools.partial(losses.agg_loss, mode=agg_mode, num_tokens=num_tokens, num_seqs=num_seqs)
+    return grpo_family.policy_term(actor, logp, old, mb, aggregate)
+
+
 # ---------------------------------------------------------------- GSPO
 def ref_gspo(lo, hi, weighted):
     """Per token (value, d value / d logp): S_i = mean_t d_it; s_i = exp(min(S_i, 10)); max(-A s, -A clip(s));
@@ -121,8 +138,8 @@ def ref_gspo(lo, hi, weighted):
 @pytest.mark.parametrize("weighted", [False, True])
 def test_gspo_equals_the_formula(mode, weighted):
     logp, old, adv, mask, w = batch()
-    loss, metrics = gspo_loss(
-        logp, old, adv, mask, clip_low=0.2, clip_high=0.28, agg_mode=mode, is_weights=w if weighted else None
+    loss, metrics = term(
+        "gspo", logp, old, adv, mask, clip_low=0.2, clip_high=0.28, agg_mode=mode, is_weights=w if weighted else None
     )
     per_token, ref_metrics = ref_gspo(0.2, 0.28, weighted)
     check(loss, metrics, logp, *aggregate(per_token, mode), ref_metrics)
@@ -131,15 +148,15 @@ def test_gspo_equals_the_formula(mode, weighted):
 
 def test_gspo_has_no_dual_clip_and_uses_the_global_counts():
     x = torch.zeros(1, 2, dtype=torch.float64)
-    loss, _ = gspo_loss(x + 5.0, x, torch.full_like(x, -2.0), torch.ones_like(x))  # A < 0, ratio e^5
+    loss, _ = term("gspo", x + 5.0, x, torch.full_like(x, -2.0), torch.ones_like(x))  # A < 0, ratio e^5
     assert loss.item() == pytest.approx(2.0 * math.exp(5.0), rel=1e-12)  # vanilla stops at -A * clip_ratio_c = 6
     logp, old, adv, mask, _ = batch()
-    _, m = gspo_loss(logp, old, adv, mask, clip_low=3e-4, clip_high=4e-4)  # the paper's clips
+    _, m = term("gspo", logp, old, adv, mask, clip_low=3e-4, clip_high=4e-4)  # the paper's clips
     # whole sequences clip: row 0 (s = 1.05, A > 0) and row 4's A < 0 tokens (s = 0.002); not the A < 0 rows
     # with s > 1 (1, 3) nor row 4's A >= 0 tokens: 8 of 14 tokens
     assert m["pg_clipfrac"] == pytest.approx(8 / 14)
-    full, _ = gspo_loss(logp, old, adv, mask)
-    half, _ = gspo_loss(logp, old, adv, mask, num_tokens=2 * mask.sum())
+    full, _ = term("gspo", logp, old, adv, mask)
+    half, _ = term("gspo", logp, old, adv, mask, num_tokens=2 * mask.sum())
     assert half.item() == pytest.approx(full.item() / 2, rel=1e-12)
 
 
@@ -167,8 +184,9 @@ def ref_cispo(lo, hi, weighted):
 @pytest.mark.parametrize("weighted", [False, True])
 def test_cispo_equals_the_formula(mode, clips, weighted):
     logp, old, adv, mask, w = batch()
-    loss, metrics = cispo_loss(
-        logp, old, adv, mask, clip_low=clips[0], clip_high=clips[1], agg_mode=mode, is_weights=w if weighted else None
+    weights = w if weighted else None
+    loss, metrics = term(
+        "cispo", logp, old, adv, mask, clip_low=clips[0], clip_high=clips[1], agg_mode=mode, is_weights=weights
     )
     per_token, ref_metrics = ref_cispo(*clips, weighted)
     check(loss, metrics, logp, *aggregate(per_token, mode), ref_metrics)
@@ -198,8 +216,8 @@ def ref_sapo(tau_pos, tau_neg, weighted):
 @pytest.mark.parametrize("weighted", [False, True])
 def test_sapo_equals_the_formula_always_seq_mean_token_mean(taus, weighted):
     logp, old, adv, mask, w = batch()
-    loss, metrics = sapo_loss(
-        logp, old, adv, mask, tau_pos=taus[0], tau_neg=taus[1], num_seqs=5, is_weights=w if weighted else None
+    loss, metrics = term(
+        "sapo", logp, old, adv, mask, tau_pos=taus[0], tau_neg=taus[1], num_seqs=5, is_weights=w if weighted else None
     )
     per_token, ref_metrics = ref_sapo(*taus, weighted)
     check(loss, metrics, logp, *aggregate(per_token, "seq-mean-token-mean", num_seqs=5), ref_metrics)
@@ -208,7 +226,7 @@ def test_sapo_equals_the_formula_always_seq_mean_token_mean(taus, weighted):
 def test_sapo_on_policy_gradient_is_the_plain_policy_gradient():
     logp = torch.tensor([[-1.0, -2.0, -0.5]], dtype=torch.float64, requires_grad=True)
     adv = torch.tensor([[1.0, -0.5, 0.0]], dtype=torch.float64)
-    loss, _ = sapo_loss(logp, logp.detach(), adv, torch.ones_like(adv))
+    loss, _ = term("sapo", logp, logp.detach(), adv, torch.ones_like(adv), agg_mode="token-sum")  # sapo's own
     loss.backward()
     n = 3 + 1e-8  # seq-mean-token-mean's token count
     assert logp.grad[0].tolist() == pytest.approx([-1.0 / n, 0.5 / n, 0.0], rel=1e-12)  # -A / L: f'(1) = 1
@@ -253,7 +271,8 @@ def ref_geo_mean(lo, hi, weighted):
 @pytest.mark.parametrize("weighted", [False, True])
 def test_geo_mean_equals_the_formula(weighted):
     logp, old, adv, mask, w = batch()
-    loss, metrics = geo_mean_loss(logp, old, adv, mask, clip_low=0.4, clip_high=0.4, is_weights=w if weighted else None)
+    weights = w if weighted else None
+    loss, metrics = term("geo_mean", logp, old, adv, mask, clip_low=0.4, clip_high=0.4, is_weights=weights)
     check(loss, metrics, logp, *ref_geo_mean(0.4, 0.4, weighted))
     assert metrics["pg_clipfrac"] > 0 and metrics["pg_clipfrac_lower"] > 0
 
@@ -359,7 +378,7 @@ def test_kl_in_reward_equals_the_formula(kind):
     old = torch.randn(3, 4, generator=g, dtype=torch.float64) - 2
     ref = old + torch.randn(3, 4, generator=g, dtype=torch.float64) * 0.5
     scores = token_level_scores(torch.tensor([1.0, 0.0, 0.5], dtype=torch.float64), mask)
-    rewards, row_kl = kl_in_reward(scores, old, ref, mask, beta=0.1, kind=kind)
+    rewards, row_kl = kl_in_reward(scores, losses.kl_penalty(old, ref, kind) * mask, mask, beta=0.1)
     for i in range(3):
         kls = []
         for t in range(4):

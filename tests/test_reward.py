@@ -8,6 +8,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from dapo import overlong_penalty
 from reward import (
     CLIP_CHARS,
     INSTRUCTION,
@@ -15,7 +16,6 @@ from reward import (
     extract_ground_truth,
     extract_solution,
     make_prompt,
-    overlong_penalty,
 )
 
 

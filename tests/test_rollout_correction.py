@@ -1,12 +1,14 @@
-"""Rollout correction (losses.py) against independent float64 re-implementations of veRL 0.9.1's formulas
-(verl/trainer/ppo/rollout_corr_helper.py), written here with Python loops over lists, never calling losses.py."""
+"""Rollout correction (rollout_correction.py, and the diagnostics every run logs, metrics.offpolicy_metrics) against
+independent float64 re-implementations of veRL 0.9.1's formulas (verl/trainer/ppo/rollout_corr_helper.py),
+written here with Python loops over lists, never calling the code under test."""
 
 import math
 
 import pytest
 import torch
 
-from losses import offpolicy_metrics, rollout_correction_metrics, rollout_is_weights, rollout_rejection_mask
+from metrics import offpolicy_metrics
+from rollout_correction import rollout_correction_metrics, rollout_is_weights, rollout_rejection_mask
 
 F64 = torch.float64
 CLIP = 20.0

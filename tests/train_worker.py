@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 import fsdp_train as ft
+import lora
 import losses
 from reporting import report, shut_down
 
@@ -29,7 +30,7 @@ ENTROPY_COEF, KL_COEF = 0.003, 0.001
 
 
 def lora_settings(rank: int) -> dict:
-    """load_model's `lora` for --lora R: alpha 2R (scaling 2), every linear layer, adapters drawn from seed 0."""
+    """lora.adapter's settings for --lora R: alpha 2R (scaling 2), every linear layer, adapters drawn from seed 0."""
     return {"rank": rank, "alpha": 2 * rank, "target_modules": "all-linear", "seed": 0}
 
 
@@ -93,7 +94,7 @@ def lora_checks(path: str, model, rank: int, world: int, device) -> dict:
     without LoRA), does its reference (the same model, adapters off) give them, and the low_var_kl between the two."""
     probe = ft.select(global_batch(98, model.config.vocab_size), rows_of_rank(rank, world))
     policy, _ = ft.compute_logprobs(model, probe, temperature=1.0, max_tokens=64)
-    with ft.adapters_off(model):
+    with lora.adapters_off(model):
         ref, _ = ft.compute_logprobs(model, probe, temperature=1.0, max_tokens=64)
     base, _ = ft.compute_logprobs(ft.load_model(path, device=device), probe, temperature=1.0, max_tokens=64)
     kl = losses.kl_penalty(policy, ref, "low_var_kl") * probe["response_mask"]
@@ -131,7 +132,7 @@ def main():
         device=device,
         activation_checkpointing=args.activation_checkpointing,
         compute_dtype=torch.bfloat16 if args.bf16 else None,
-        lora=lora_settings(args.lora) if args.lora else None,
+        adapt=lora.adapter(lora_settings(args.lora)) if args.lora else None,
     )
     step0 = {"step0": lora_checks(args.model, model, rank, world, device)} if args.lora and not args.resume else {}
     optimizer, scheduler = ft.make_optimizer(model, lr=args.lr, warmup_steps=2, total_steps=6, schedule="cosine")
@@ -184,7 +185,10 @@ def main():
     if args.export:
         from transformers import AutoTokenizer
 
-        ft.export_hf(model, os.path.join(args.out, "hf"), AutoTokenizer.from_pretrained(args.model))
+        convert = None
+        if args.lora:  # the merged model and hf/lora_adapter, as grpo.finish exports
+            convert = functools.partial(lora.export, settings=model.adapter_settings, base_model=args.model)
+        ft.export_hf(model, os.path.join(args.out, "hf"), AutoTokenizer.from_pretrained(args.model), convert)
         probe = global_batch(99, model.config.vocab_size)
         logp, _ = ft.compute_logprobs(
             model, ft.select(probe, rows_of_rank(rank, world)), temperature=1.0, max_tokens=64
