@@ -19,7 +19,9 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+import fsdp_train
 from config import ConfigError
+from logs import log0
 
 
 def node_first(fetch):
@@ -118,6 +120,30 @@ def end_process(status: int):
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(status)
+
+
+def resume(cfg: dict, policy, optimizer, scheduler, rank: int, world: int) -> tuple[int, dict]:
+    """Load the checkpoint trainer.resume names (auto: the newest complete one, chosen by rank 0 for all).
+    Returns the first step to run and this rank's saved loop state: step, generation cursor, RNG states
+    (dropped when the checkpoint was written at another world size)."""
+    trainer = cfg["trainer"]
+    path = trainer["resume"] if trainer["resume"] not in ("off", "auto") else None
+    if trainer["resume"] == "auto":
+        newest = None
+        if rank == 0:
+            complete = fsdp_train.list_checkpoints(os.path.join(trainer["output_dir"], "checkpoints"))
+            newest = complete[-1] if complete else None
+        path = broadcast(newest)  # rank 0's choice, for all: ranks must not resume different steps
+    if not path:
+        return 1, {}
+    try:
+        extra = fsdp_train.load_checkpoint(path, policy, optimizer, scheduler)
+    except fsdp_train.CheckpointMismatch as e:  # written with other LoRA settings
+        raise ConfigError(str(e)) from None
+    log0(rank, f"resumed from {path} (step {extra['step']})")
+    if extra["saved_world_size"] != world:
+        extra.pop("rng", None)
+    return extra["step"] + 1, extra
 
 
 # ---------------------------------------------------------------------------------- RNG states

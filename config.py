@@ -17,6 +17,7 @@ import torch
 import yaml
 
 import dapo
+import fsdp_train
 import grpo_family
 import lora
 import losses
@@ -221,9 +222,16 @@ class ConfigError(ValueError):
     pass
 
 
-# What ends a run with one line `error: ...` and exit status 1 (grpo.main): a bad configuration, data or
-# reward file, DAPO's generation batches exhausted.
-ONE_LINE_ERRORS = (ConfigError, yaml.YAMLError, reward_files.RewardFileError, dapo.TooFewGroups)
+# What ends a run with one line `error: ...` and exit status 1 (grpo.main): a bad configuration, data, reward
+# file or LoRA adapter, DAPO's generation batches exhausted, a model whose logits the trainer cannot reproduce.
+ONE_LINE_ERRORS = (
+    ConfigError,
+    yaml.YAMLError,
+    reward_files.RewardFileError,
+    dapo.TooFewGroups,
+    lora.LoraError,
+    fsdp_train.UnsupportedModel,
+)
 
 
 class _Loader(yaml.SafeLoader):
@@ -276,6 +284,12 @@ def _check(key: str, value, entry):
     if rule and not _passes(rule, value):
         raise ConfigError(f"config: {key} = {value!r}; accepted: {rule}")
     return value
+
+
+def print_config(cfg: dict) -> int:
+    """`grpo.py --print-config`: the merged configuration as YAML on stdout; returns the exit status (0)."""
+    print(yaml.safe_dump(cfg, sort_keys=False), end="")
+    return 0
 
 
 def load_config(paths: str | list[str] | None, overrides: list[str]) -> dict:
@@ -402,12 +416,19 @@ def check_lora(m: dict) -> None:
     try:
         adapter = lora.read_adapter_config(m["lora_adapter_path"])
     except lora.LoraError as e:
-        raise ConfigError(f"config: {e}") from None
+        raise ConfigError(str(e)) from None
     if m["lora_rank"] and m["lora_rank"] != adapter["r"]:
         raise ConfigError(
             f"config: model.lora_rank = {m['lora_rank']}, but the adapter in model.lora_adapter_path = "
             f"{m['lora_adapter_path']!r} has rank {adapter['r']}; accepted: {adapter['r']}, or 0 (the adapter's)"
         )
+
+
+def lora_adapter(cfg: dict, model_path: str):
+    """fsdp_train.load_model's `adapt` for LoRA (lora.adapter of lora_settings) when model.lora_rank > 0 or
+    model.lora_adapter_path is set; None (full fine-tuning) otherwise."""
+    model = cfg["model"]
+    return lora.adapter(lora_settings(cfg, model_path)) if model["lora_rank"] or model["lora_adapter_path"] else None
 
 
 def lora_settings(cfg: dict, model_path: str) -> dict:

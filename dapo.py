@@ -95,6 +95,14 @@ def _f32(x: float) -> float:
     return struct.unpack("f", struct.pack("f", x))[0]
 
 
+def overlong_penalties(lengths: list[int], cfg: dict) -> torch.Tensor:
+    """overlong_penalty of each response length (EOS included) with the run's data.max_response_length and
+    reward.overlong_buffer (len, penalty_factor): a float32 tensor, added to the float32 rewards as veRL adds it."""
+    budget, buffer = cfg["data"]["max_response_length"], cfg["reward"]["overlong_buffer"]
+    penalties = [overlong_penalty(k, budget, buffer["len"], buffer["penalty_factor"]) for k in lengths]
+    return torch.tensor(penalties, dtype=torch.float32)
+
+
 def overlong_penalty(
     response_length: int, max_response_length: int, buffer_length: int, penalty_factor: float
 ) -> float:

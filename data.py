@@ -279,9 +279,10 @@ def _whole_batch(rows: list[dict]) -> dict:
 def load_replay(run, step: int) -> dict:
     """This rank's rows of a dumped step (the prompt positions it would have sampled): a complete batch
     with rewards, advantages, old and reference log-probs (and, when dumped, vLLM's log-probs, the IS
-    weights and the post-rejection response mask)."""
+    weights and the post-rejection response mask). The step counts as one generation batch (run.gen_cursor)."""
     path = os.path.join(run.cfg["trainer"]["replay_batches"], f"step_{step}.pt")
     if not os.path.exists(path):
         raise FileNotFoundError(f"trainer.replay_batches: {path} missing (the dump has fewer steps than this run)")
     n = run.cfg["rollout"]["n"]
+    run.gen_cursor = step
     return fsdp_train.select(torch.load(path), [p * n + j for p in run.positions for j in range(n)])

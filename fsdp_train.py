@@ -422,7 +422,7 @@ def check_logits_fn(model) -> None:
     Allowed: 8 roundings of PROBE_LOGIT in the logits' dtype (both passes run the same operations). Every
     rank gets the same verdict (all-reduced): collective under FSDP2."""
     config = model.config.get_text_config()
-    name = type(model).__name__.removeprefix("FSDP")
+    name = f"model {model.config.name_or_path}: {type(model).__name__.removeprefix('FSDP')}"
     if model.get_output_embeddings() is None:
         raise UnsupportedModel(f"{name}: no output embedding (get_output_embeddings() is None)")
     if not hasattr(model, "trainer_logits"):

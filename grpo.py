@@ -36,7 +36,6 @@ os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
-import yaml  # noqa: E402
 
 import cluster  # noqa: E402
 import config  # noqa: E402
@@ -73,8 +72,7 @@ def main(argv=None) -> int:
     try:  # bad config, data, reward file or world size: one line, no traceback
         cfg = config.load_config(args.config, args.overrides)
         if args.print_config:
-            print(yaml.safe_dump(cfg, sort_keys=False), end="")
-            return 0
+            return config.print_config(cfg)
         return evaluate(cfg) if cfg["trainer"]["val_only"] else train(cfg)
     except (*config.ONE_LINE_ERRORS, metrics.OutOfSync) as e:
         print(f"error: {e}", file=sys.stderr)
@@ -93,8 +91,7 @@ def train(cfg: dict):
         progress.update(step_metrics)
         metrics.judge_sync(run.cfg, run.rank, step, step_metrics, run.exact)  # fp32: a mismatch stops the run
         if signum := cluster.stop_requested():
-            progress.close()
-            return stop(run, step, signum)
+            return stop(run, step, signum, progress)
     progress.close()
     finish(run)
     return 0
@@ -104,20 +101,25 @@ def grpo_step(run: "Run", step: int) -> dict:
     """One global step, in veRL's order (its timing_s/* names): gen + reward -> old_log_prob + ref ->
     rollout correction -> adv -> update_actor -> update_weights -> testing / save_checkpoint. Each phase
     fills in what the batch lacks: a replayed batch (trainer.replay_batches) arrives with rewards, old and
-    reference log-probs, advantages (and IS weights), a sampled one with rewards and vLLM's log-probs."""
+    reference log-probs, advantages (and IS weights), a sampled one with rewards and vLLM's log-probs.
+    By default the old log-probs come from the update's own forward (run.capture: the on-policy shortcut)."""
     t = {}
     with timed(t, "step"):
-        if run.cfg["trainer"]["replay_batches"]:
+        if run.cfg["trainer"]["replay_batches"]:  # a dumped batch, replayed
             batch, m = data.load_replay(run, step), {}
-            run.gen_cursor = step
         else:
             batch, m = sample_batch(run, t)
         if torch.cuda.is_available():  # perf/max_memory_allocated_gb: the trainer's peak from here (vLLM sleeps)
             torch.cuda.reset_peak_memory_stats()
-        m.update(old_and_ref_logprobs(run, batch, t))
-        if "old_logprobs" in batch and not run.capture:
-            with timed(t, "rollout_corr"):
-                m.update(correct_rollout(run, batch, batch["old_logprobs"]))
+        if run.cfg["algorithm"]["rollout_correction"]["bypass_mode"]:  # the rollout correction's bypass
+            batch.setdefault("old_logprobs", batch["rollout_logprobs"])  # the old log-probs are vLLM's
+        if run.capture:
+            t["old_log_prob"] = 0.0  # the on-policy shortcut (or bypass_mode): no pass
+        else:
+            m.update(old_logprob_pass(run, batch, t))
+        if run.ref is not None and "ref_logprobs" not in batch:
+            with timed(t, "ref"), run.reference(run.ref):  # LoRA: the policy with its adapters off
+                batch["ref_logprobs"], _ = compute_logprobs(run, run.ref, batch)
         if "advantages" not in batch:
             with timed(t, "adv"):
                 m.update(compute_advantages(run, batch))
@@ -218,43 +220,38 @@ def score_samples(run: "Run", samples: list, prompts: list[dict]) -> tuple[torch
     n = len(samples) // max(1, len(prompts))
     scored = [run.score(prompts[k // n], s.text) for k, s in enumerate(samples)]
     rewards = torch.tensor([r for r, _ in scored], dtype=torch.float32)  # [N]
-    buffer = run.cfg["reward"]["overlong_buffer"]
-    if buffer["enable"]:  # DAPO's overlong shaping
-        lengths, budget = [len(s.response_ids) for s in samples], run.cfg["data"]["max_response_length"]
-        penalties = [dapo.overlong_penalty(k, budget, buffer["len"], buffer["penalty_factor"]) for k in lengths]
-        rewards += torch.tensor(penalties, dtype=torch.float32)
+    if run.cfg["reward"]["overlong_buffer"]["enable"]:  # DAPO's overlong shaping
+        rewards += dapo.overlong_penalties([len(s.response_ids) for s in samples], run.cfg)
     return rewards, [e for _, e in scored]
 
 
-def old_and_ref_logprobs(run: "Run", batch: dict, t: dict) -> dict:
-    """old_log_prob: the sampling policy's log-probs (the PPO ratio's denominator), with actor/entropy and the
-    sync proof; ref: the reference model's, for the KL loss. The on-policy shortcut (run.capture, see setup)
-    takes the old log-probs from the update's own forward instead (no pass here); bypass_mode takes vLLM's."""
-    actor, out = run.cfg["actor"], {}
-    logprobs = functools.partial(
-        fsdp_train.compute_logprobs,
-        batch=batch,
-        temperature=run.cfg["rollout"]["temperature"],
-        max_tokens=actor["ppo_max_token_len_per_gpu"],
-        chunk_size=actor["logprob_chunk_size"],
-    )
-    if run.capture:
-        t["old_log_prob"] = 0.0
-        if run.cfg["algorithm"]["rollout_correction"]["bypass_mode"]:
-            batch.setdefault("old_logprobs", batch["rollout_logprobs"])
-    else:
-        with timed(t, "old_log_prob"):
-            old, entropy = logprobs(run.policy, entropy_fn=losses.entropy_from_logits)
-        out = metrics.old_logprob_metrics(batch, old, entropy, run.cfg)
-        batch.setdefault("old_logprobs", old)  # a replayed batch keeps its dumped ones
-    if run.ref is not None and "ref_logprobs" not in batch:
-        with timed(t, "ref"), run.reference(run.ref):  # LoRA: the policy with its adapters off
-            batch["ref_logprobs"], _ = logprobs(run.ref)
+def old_logprob_pass(run: "Run", batch: dict, t: dict) -> dict:
+    """old_log_prob, when the update cannot give them (several mini-batches or epochs, a feature that needs them
+    before the update, a dump): the sampling policy's log-probs (the PPO ratio's denominator), with actor/entropy
+    and the sync proof; then rollout_corr (correct_rollout) against vLLM's."""
+    with timed(t, "old_log_prob"):
+        old, entropy = compute_logprobs(run, run.policy, batch, entropy_fn=losses.entropy_from_logits)
+    out = metrics.old_logprob_metrics(batch, old, entropy, run.cfg)
+    batch.setdefault("old_logprobs", old)  # a replayed batch keeps its dumped ones
+    with timed(t, "rollout_corr"):
+        out.update(correct_rollout(run, batch, batch["old_logprobs"]))
     return out
 
 
+def compute_logprobs(run: "Run", model, batch: dict, entropy_fn=None) -> tuple:
+    """fsdp_train.compute_logprobs of a model on the batch, with the run's temperature, token budget and chunk."""
+    return fsdp_train.compute_logprobs(
+        model,
+        batch,
+        temperature=run.cfg["rollout"]["temperature"],
+        max_tokens=run.cfg["actor"]["ppo_max_token_len_per_gpu"],
+        chunk_size=run.cfg["actor"]["logprob_chunk_size"],
+        entropy_fn=entropy_fn,
+    )
+
+
 def correct_rollout(run: "Run", batch: dict, old: torch.Tensor, apply: bool = True) -> dict:
-    """rollout_corr/*: how far the trainer's old log-probs are from vLLM's (metrics.offpolicy_metrics: veRL's
+    """rollout_corr/*: how far the trainer's old log-probs are from vLLM's (losses.offpolicy_metrics: veRL's
     training/rollout mismatch diagnostics, logged every step), over the WHOLE batch of all ranks, so that nothing
     depends on the world size. With algorithm.rollout_correction set, the rollout correction too
     (rollout_correction.correct): IS weights (batch["is_weights"], used by the policy loss) and a rejection mask
@@ -266,16 +263,11 @@ def correct_rollout(run: "Run", batch: dict, old: torch.Tensor, apply: bool = Tr
     sampled = batch["attention_mask"][:, -width:].float()  # [B, R]: every sampled token, before rejection
     local = [old, batch["rollout_logprobs"], sampled, batch["response_mask"]]
     (g_old, g_roll, g_sampled, g_mask), mine = cluster.global_rows(local, run.positions, run.cfg["rollout"]["n"])
-    out = metrics.offpolicy_metrics(g_old, g_roll, g_sampled)
+    out = losses.offpolicy_metrics(g_old, g_roll, g_sampled)
     settings = run.cfg["algorithm"]["rollout_correction"]
-    if rollout_correction.enabled(settings):  # the rollout correction
-        apply = apply and not run.cfg["trainer"]["replay_batches"]
-        weights, new_mask, corrected = rollout_correction.correct(g_old, g_roll, g_sampled, g_mask, settings, apply)
-        if weights is not None:
-            batch["is_weights"] = weights[mine, :width]  # [B, R]: this rank's rows
-        if new_mask is not None:
-            batch["response_mask"] = new_mask[mine, :width]
-        out.update(corrected)
+    apply = apply and not run.cfg["trainer"]["replay_batches"]  # a replay keeps its dumped weights and mask
+    if rollout_correction.enabled(settings):  # the rollout correction: batch["is_weights"], ["response_mask"]
+        out.update(rollout_correction.correct(batch, g_old, g_roll, g_sampled, g_mask, mine, settings, apply))
     return {f"rollout_corr/{k}": v for k, v in out.items()}
 
 
@@ -286,9 +278,7 @@ def compute_advantages(run: "Run", batch: dict) -> dict:
     (algorithm.adv_estimator, algorithm.use_kl_in_reward) work on the whole batch: grpo_family.py."""
     algorithm, n = run.cfg["algorithm"], run.cfg["rollout"]["n"]
     if algorithm["adv_estimator"] != "grpo" or algorithm["use_kl_in_reward"]:  # the GRPO family
-        gather = functools.partial(cluster.global_rows, positions=run.positions, n=n)
-        out, run.kl_coef = grpo_family.compute_advantages(batch, algorithm, n, run.kl_coef, gather, losses)
-        return out
+        return grpo_family.compute_advantages(run, batch, functools.partial(cluster.global_rows, n=n), losses)
     groups = [k // n for k in range(len(batch["rewards"]))]  # row k answers this rank's prompt k // n
     per_response = losses.grpo_advantages(batch["rewards"], groups, norm_by_std=algorithm["norm_adv_by_std_in_grpo"])
     batch["advantages"] = per_response[:, None] * batch["response_mask"]  # [B, R]
@@ -332,20 +322,23 @@ def update_actor(run: "Run", batch: dict, t: dict) -> dict:
     out = {k: sum(m[k] for m in results) / len(results) for k in results[0]}
     out["actor/lr"] = run.scheduler.get_last_lr()[0]  # as veRL 0.9.1: read AFTER the schedule step
     out["actor/skipped_steps"] = sum(m["actor/skipped_steps"] for m in results)
-    if torch.cuda.is_available():  # the trainer's peak; apart: vLLM's sleep-mode pool, the device's use
-        free, total = torch.cuda.mem_get_info()
-        out.update(
-            {
-                "perf/max_memory_allocated_gb": max(m["perf/max_memory_allocated_gb"] for m in results),
-                "perf/vllm_pool_gb": rollout.pool_bytes() / 2**30,
-                "perf/device_used_gb": (total - free) / 2**30,
-            }
-        )
+    if torch.cuda.is_available():
+        out.update(gpu_memory_metrics(results))
     out["actor/kl_coef"] = actor["kl_loss_coef"] if kl_loss_on(actor) else 0.0
     if run.capture:
         batch["update_logprobs"] = update_logprobs  # [B, R]
         out.update(metrics.old_logprob_metrics(batch, update_logprobs, update_entropy, run.cfg))
     return out
+
+
+def gpu_memory_metrics(results: list[dict]) -> dict:
+    """The trainer's peak over the mini-batches; apart: vLLM's sleep-mode pool, the device's use."""
+    free, total = torch.cuda.mem_get_info()
+    return {
+        "perf/max_memory_allocated_gb": max(m["perf/max_memory_allocated_gb"] for m in results),
+        "perf/vllm_pool_gb": rollout.pool_bytes() / 2**30,
+        "perf/device_used_gb": (total - free) / 2**30,
+    }
 
 
 def update_weights(run: "Run", step: int, t: dict) -> dict:
@@ -477,10 +470,8 @@ def validate(run: "Run", step: int) -> dict:
     parts = [None] * run.world
     dist.all_gather_object(parts, (scores, generations))
     scores = [s for part_scores, _ in parts for s in part_scores]
-    if run.rank == 0 and run.cfg["trainer"]["validation_data_dir"]:
-        generations = [g for _, part_generations in parts for g in part_generations]
-        records = [g | s for g, s in zip(generations, scores, strict=True)]
-        logs.write_generations(run.cfg["trainer"]["validation_data_dir"], step, records)
+    if run.rank == 0 and run.cfg["trainer"]["validation_data_dir"]:  # veRL's dump of every sample
+        logs.write_generations(run.cfg["trainer"]["validation_data_dir"], step, parts)
     return metrics.validation_metrics(scores)
 
 
@@ -521,7 +512,7 @@ def setup(cfg: dict) -> Run:
     model_path, tokenizer, train_rows, val_rows, total_steps = load_data(cfg, rank, world)
     policy, ref = load_models(cfg, model_path, device)
     optimizer, scheduler = build_optimizer(cfg, policy, total_steps)
-    start, extra = resume(cfg, policy, optimizer, scheduler, rank, world)
+    start, extra = cluster.resume(cfg, policy, optimizer, scheduler, rank, world)
     run = Run(
         cfg=cfg,
         rank=rank,
@@ -567,12 +558,10 @@ def exact_run(cfg: dict, llm) -> bool:
     a replay has no engine): then vLLM's sampling log-probs must be the trainer's to fp32 noise, and a
     difference beyond it stops the run (metrics.judge_sync). With top_p / top_k vLLM's log-probs are those
     of the renormalised, truncated distribution it samples from, not the trainer's."""
-    if cfg["model"]["compute_dtype"] != "float32":
-        return False
-    if llm is None:
-        return True
     sampling = cfg["rollout"]
-    return sync.engine_dtype(llm) == torch.float32 and sampling["top_p"] == 1.0 and sampling["top_k"] in (-1, 0)
+    whole_softmax = sampling["top_p"] == 1.0 and sampling["top_k"] in (-1, 0)
+    engine_exact = llm is None or (sync.engine_dtype(llm) == torch.float32 and whole_softmax)
+    return cfg["model"]["compute_dtype"] == "float32" and engine_exact
 
 
 def on_policy_shortcut(cfg: dict) -> bool:
@@ -654,30 +643,21 @@ def load_models(cfg: dict, model_path: str, device) -> tuple:
     (logit_rules.logits_head). With LoRA (lora.py) the policy's base is frozen and the reference is the policy
     itself, run with its adapters off (veRL's ref_in_actor): no second model."""
     model_cfg = cfg["model"]
-    common = dict(
-        device=device, param_dtype=DTYPES[model_cfg["param_dtype"]], compute_dtype=DTYPES[model_cfg["compute_dtype"]]
+    compute_dtype = DTYPES[model_cfg["compute_dtype"]]
+    policy = fsdp_train.load_model(
+        model_path,
+        device=device,
+        param_dtype=DTYPES[model_cfg["param_dtype"]],
+        compute_dtype=compute_dtype,
+        activation_checkpointing=model_cfg["activation_checkpointing"],
+        adapt=config.lora_adapter(cfg, model_path),  # LoRA's layers (lora.py), or None
+        head=logit_rules.logits_head,  # a model family's rule for its logits, or the plain head
     )
-    adapt = None
-    if model_cfg["lora_rank"] or model_cfg["lora_adapter_path"]:  # LoRA
-        adapt = lora.adapter(config.lora_settings(cfg, model_path))
-    try:
-        policy = fsdp_train.load_model(
-            model_path,
-            activation_checkpointing=model_cfg["activation_checkpointing"],
-            adapt=adapt,
-            head=logit_rules.logits_head,
-            **common,
-        )
-    except lora.LoraError as e:
-        raise ConfigError(f"config: {e}") from None
-    except fsdp_train.UnsupportedModel as e:  # logits the log-prob path would not reproduce (check_logits_fn)
-        raise ConfigError(f"model {model_path}: {e}") from None
     if not (kl_loss_on(cfg["actor"]) or cfg["algorithm"]["use_kl_in_reward"]):
         return policy, None
     if policy.adapter_settings:  # LoRA: the base is the policy with its adapters off
         return policy, policy
     # The reference is never trained: held in the compute dtype (bf16 on GPU, as veRL computes it), no fp32 copy.
-    compute_dtype = common["compute_dtype"]
     ref = fsdp_train.load_model(
         model_path,
         trainable=False,
@@ -706,30 +686,6 @@ def build_optimizer(cfg: dict, policy, total_steps: int) -> tuple:
         schedule=actor["lr_schedule"],
         min_lr_ratio=actor["min_lr_ratio"],
     )
-
-
-def resume(cfg: dict, policy, optimizer, scheduler, rank: int, world: int) -> tuple[int, dict]:
-    """Load the checkpoint trainer.resume names (auto: the newest complete one, chosen by rank 0 for all).
-    Returns the first step to run and this rank's saved loop state: step, generation cursor, RNG states
-    (dropped when the checkpoint was written at another world size)."""
-    trainer = cfg["trainer"]
-    path = trainer["resume"] if trainer["resume"] not in ("off", "auto") else None
-    if trainer["resume"] == "auto":
-        newest = None
-        if rank == 0:
-            complete = fsdp_train.list_checkpoints(os.path.join(trainer["output_dir"], "checkpoints"))
-            newest = complete[-1] if complete else None
-        path = cluster.broadcast(newest)  # rank 0's choice, for all: ranks must not resume different steps
-    if not path:
-        return 1, {}
-    try:
-        extra = fsdp_train.load_checkpoint(path, policy, optimizer, scheduler)
-    except fsdp_train.CheckpointMismatch as e:  # written with other LoRA settings
-        raise ConfigError(str(e)) from None
-    log0(rank, f"resumed from {path} (step {extra['step']})")
-    if extra["saved_world_size"] != world:
-        extra.pop("rng", None)
-    return extra["step"] + 1, extra
 
 
 def start_engine(cfg: dict, model_path: str, rank: int):
@@ -762,10 +718,11 @@ def save(run: Run, step: int) -> str:
     )
 
 
-def stop(run: Run, step: int, signum: int):
+def stop(run: Run, step: int, signum: int, progress) -> int:
     """A stop signal arrived during `step`: checkpoint that step (unless just done); returns the exit status
     128 + signal, a signalled process's; trainer.resume=auto continues at step + 1. No validation, export
     or curves."""
+    progress.close()
     path = os.path.join(run.cfg["trainer"]["output_dir"], "checkpoints", f"step_{step}")
     if run.saved != step:
         path = save(run, step)
@@ -785,9 +742,8 @@ def finish(run: Run):
     and the process group closed."""
     if run.cfg["trainer"]["export_hf"]:
         convert = None
-        if run.policy.adapter_settings:  # LoRA
-            settings, base = run.policy.adapter_settings, run.policy.config.name_or_path
-            convert = functools.partial(lora.export, settings=settings, base_model=base)
+        if run.policy.adapter_settings:  # LoRA: the merged model, and the adapter in PEFT's format
+            convert = lora.exporter(run.policy.adapter_settings, run.policy.config.name_or_path)
         out_dir = os.path.join(run.cfg["trainer"]["output_dir"], "hf")
         fsdp_train.export_hf(run.policy, out_dir, run.tokenizer, convert)
     run.logger.close()
@@ -812,13 +768,8 @@ def evaluate(cfg: dict):
     model_path, _, _, val_rows, _ = load_data(cfg, rank, world, train=False)
     run = Run(cfg=cfg, rank=rank, world=world, val_rows=val_rows, score=score, llm=start_engine(cfg, model_path, rank))
     if cfg["model"]["lora_adapter_path"]:  # LoRA: the base with the adapter, pushed merged into the engine
-        try:
-            adapt = lora.adapter(config.lora_settings(cfg, model_path))
-            model = fsdp_train.load_model(
-                model_path, device=device, trainable=False, adapt=adapt, head=logit_rules.logits_head
-            )
-        except lora.LoraError as e:
-            raise ConfigError(f"config: {e}") from None
+        adapt, head = config.lora_adapter(cfg, model_path), logit_rules.logits_head
+        model = fsdp_train.load_model(model_path, device=device, trainable=False, adapt=adapt, head=head)
         sync.push_weights(run.llm, sync.full_params(model, sync.engine_dtype(run.llm)))
     logger = logs.MetricsLogger(cfg, rank, resume_step=0, file="val_metrics.jsonl")
     logger.log(0, validate(run, 0))

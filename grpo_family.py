@@ -212,20 +212,22 @@ def geo_mean_loss(
 
 
 # ------------------------------------------------------------------------ advantages and the KL in the reward
-def compute_advantages(batch: dict, algorithm: dict, n: int, kl_coef: float, gather, losses) -> tuple[dict, float]:
+def compute_advantages(run, batch: dict, gather, losses) -> dict:
     """veRL's apply_kl_penalty and compute_advantage on the WHOLE batch of all ranks (so nothing depends on the
     world size): the per-token rewards (each score at its response's last token; with algorithm.use_kl_in_reward,
-    minus kl_coef times the old policy's KL to the reference on every sampled token, before rejection), then
-    algorithm.adv_estimator's advantages and returns over the response mask (after rejection).
-    gather(tensors) -> (the whole batch's tensors, this rank's rows in them) (cluster.global_rows); losses: the
-    losses module (grpo_advantages, kl_penalty). Fills batch["token_level_rewards"], ["advantages"], ["returns"]
-    [B, R]; returns (the KL metrics, the next kl_coef: algorithm.kl_ctrl's adaptive update, else kl_coef)."""
+    minus run.kl_coef times the old policy's KL to the reference on every sampled token, before rejection), then
+    algorithm.adv_estimator's advantages and returns over the response mask (after rejection). run: cfg,
+    positions (this rank's prompts), kl_coef (moved by algorithm.kl_ctrl's adaptive controller, after the
+    penalty). gather(tensors, positions) -> (the whole batch's tensors, this rank's rows in them)
+    (cluster.global_rows); losses: the losses module (grpo_advantages, kl_penalty). Fills
+    batch["token_level_rewards"], ["advantages"], ["returns"] [B, R]; returns the KL metrics."""
+    algorithm, n, kl_coef = run.cfg["algorithm"], run.cfg["rollout"]["n"], run.kl_coef
     width = batch["response_mask"].shape[1]
     sampled = batch["attention_mask"][:, -width:].float()  # [B, R]: every sampled token, before rejection
     local = [token_level_scores(batch["rewards"], sampled), sampled, batch["response_mask"]]
     if algorithm["use_kl_in_reward"]:
         local += [batch["old_logprobs"], batch["ref_logprobs"]]
-    everything, mine = gather(local)
+    everything, mine = gather(local, run.positions)
     rewards, out = everything[0], {}  # [B_all, R]
     if algorithm["use_kl_in_reward"]:
         scores, g_sampled, _, old, ref = everything
@@ -235,11 +237,13 @@ def compute_advantages(batch: dict, algorithm: dict, n: int, kl_coef: float, gat
         controller = algorithm["kl_ctrl"]
         if controller["type"] == "adaptive":  # veRL's AdaptiveKLController.update, n_steps = the batch's rows
             current = out["actor/reward_kl_penalty"]
-            kl_coef = adaptive_kl_coef(kl_coef, current, controller["target_kl"], controller["horizon"], len(row_kl))
+            run.kl_coef = adaptive_kl_coef(
+                kl_coef, current, controller["target_kl"], controller["horizon"], len(row_kl)
+            )
     advantages, returns = estimate_advantages(algorithm, rewards, everything[2], n, losses)
     for key, value in (("token_level_rewards", rewards), ("advantages", advantages), ("returns", returns)):
         batch[key] = value[mine, :width]  # [B, R]: this rank's rows
-    return out, kl_coef
+    return out
 
 
 def estimate_advantages(algorithm: dict, token_rewards, mask, n: int, losses) -> tuple:

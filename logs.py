@@ -119,9 +119,11 @@ def plot_curves(rows: list[dict], val_key: str | None, png_path: str) -> str:
     return png_path
 
 
-def write_generations(folder: str, step: int, samples: list[dict]) -> str:
+def write_generations(folder: str, step: int, parts: list[tuple[list[dict], list[dict]]]) -> str:
     """veRL's trainer.validation_data_dir dump: <folder>/<step>.jsonl, one validation sample per line (input,
-    output, gts, the reward and the scorer's extras, data_source, uid = the prompt's index)."""
+    output, gts, the reward and the scorer's extras, data_source, uid = the prompt's index). parts: each rank's
+    (scores, generations), in rank order."""
+    samples = [g | s for scores, generations in parts for g, s in zip(generations, scores, strict=True)]
     os.makedirs(folder, exist_ok=True)
     path = os.path.join(folder, f"{step}.jsonl")
     with open(path, "w") as f:

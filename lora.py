@@ -43,7 +43,8 @@ PLAIN_LORA = {
 
 
 class LoraError(ValueError):
-    """A LoRA setting or adapter file this code cannot use: the message names the key or file and what is accepted."""
+    """A LoRA setting or adapter file this code cannot use: one line, "config: " and the key or file and what is
+    accepted."""
 
 
 class LoraLinear(torch.nn.Module):
@@ -128,20 +129,20 @@ def lora_targets(model: torch.nn.Module, target_modules: str | list[str], exclud
         for entry in target_modules:
             if head_name and _listed(head_name, [entry]):
                 raise LoraError(
-                    f"model.target_modules: {entry!r} is the output head ({head_name}); flatgrpo adapts the "
+                    f"config: model.target_modules: {entry!r} is the output head ({head_name}); flatgrpo adapts the "
                     f"decoder's linear layers only: {', '.join(leaves)}"
                 )
             if not any(_listed(n, [entry]) for n in linear):
                 raise LoraError(
-                    f"model.target_modules: {entry!r} matches no linear layer of the model; its linear layers: "
+                    f"config: model.target_modules: {entry!r} matches no linear layer of the model; its linear layers: "
                     f"{', '.join(leaves)} (or all-linear)"
                 )
     if exclude_modules:
         chosen = [n for n in chosen if not _excluded(n, exclude_modules)]
     if not chosen:
         raise LoraError(
-            f"model.target_modules = {target_modules!r} with model.exclude_modules = {exclude_modules!r} leaves no "
-            f"linear layer to adapt; the model's linear layers: {', '.join(leaves)} (or all-linear)"
+            f"config: model.target_modules = {target_modules!r} with model.exclude_modules = {exclude_modules!r} "
+            f"leaves no linear layer to adapt; the model's linear layers: {', '.join(leaves)} (or all-linear)"
         )
     return chosen
 
@@ -169,7 +170,7 @@ def add_lora(model: torch.nn.Module, lora: dict) -> dict:
         r, alpha = config["r"], config["lora_alpha"]
         if lora.get("rank") and lora["rank"] != r:
             raise LoraError(
-                f"model.lora_rank = {lora['rank']}, but the adapter in model.lora_adapter_path = "
+                f"config: model.lora_rank = {lora['rank']}, but the adapter in model.lora_adapter_path = "
                 f"{lora['adapter_path']!r} has rank {r}; accepted: {r}, or 0 (the adapter's rank)"
             )
         names = lora_targets(model, config["target_modules"], config.get("exclude_modules"))
@@ -190,19 +191,21 @@ def read_adapter_config(path: str) -> dict:
     file = os.path.join(path, ADAPTER_CONFIG)
     if not os.path.isfile(file) or not os.path.isfile(os.path.join(path, ADAPTER_WEIGHTS)):
         raise LoraError(
-            f"model.lora_adapter_path = {path!r}: no {ADAPTER_CONFIG} and {ADAPTER_WEIGHTS} there; accepted: a PEFT "
-            "LoRA adapter directory (PeftModel.save_pretrained, or a run's hf/lora_adapter)"
+            f"config: model.lora_adapter_path = {path!r}: no {ADAPTER_CONFIG} and {ADAPTER_WEIGHTS} there; "
+            "accepted: a PEFT LoRA adapter directory (PeftModel.save_pretrained, or a run's hf/lora_adapter)"
         )
     with open(file) as f:
         config = json.load(f)
     if config.get("peft_type") != "LORA":
-        raise LoraError(f"model.lora_adapter_path: {file} has peft_type {config.get('peft_type')!r}; accepted: LORA")
+        raise LoraError(
+            f"config: model.lora_adapter_path: {file} has peft_type {config.get('peft_type')!r}; accepted: LORA"
+        )
     for key, plain in PLAIN_LORA.items():
         value = config.get(key, plain)
         if value != plain and (value or plain):  # None, [] and {} all mean "none"
             raise LoraError(
-                f"model.lora_adapter_path: {file} has {key} = {value!r}; accepted: {plain!r} (flatgrpo trains plain "
-                "LoRA, as veRL's lora_rank path builds it)"
+                f"config: model.lora_adapter_path: {file} has {key} = {value!r}; accepted: {plain!r} (flatgrpo "
+                "trains plain LoRA, as veRL's lora_rank path builds it)"
             )
     return config
 
@@ -225,8 +228,9 @@ def _check_adapter_shapes(model: torch.nn.Module, path: str, names: list[str], r
     for key in sorted(expected.keys() | shapes.keys()):
         if shapes.get(key) != expected.get(key):
             raise LoraError(
-                f"model.lora_adapter_path: {os.path.join(path, ADAPTER_WEIGHTS)}: {key} has shape {shapes.get(key)}, "
-                f"the model needs {expected.get(key)} (rank {r}): an adapter of another base model or rank"
+                f"config: model.lora_adapter_path: {os.path.join(path, ADAPTER_WEIGHTS)}: {key} has shape "
+                f"{shapes.get(key)}, the model needs {expected.get(key)} (rank {r}): an adapter of another base "
+                "model or rank"
             )
 
 
@@ -310,6 +314,11 @@ def adapter(lora: dict):
 def is_adapter(name: str) -> bool:
     """Does this parameter train in a LoRA model (lora_A / lora_B: the adapters), rather than the frozen base?"""
     return ".lora_" in name
+
+
+def exporter(settings: dict, base_model: str):
+    """fsdp_train.export_hf's `convert` for a LoRA model of these settings on base_model (export)."""
+    return functools.partial(export, settings=settings, base_model=base_model)
 
 
 def export(full: dict[str, torch.Tensor], out_dir: str, settings: dict, base_model: str) -> dict[str, torch.Tensor]:

@@ -6,6 +6,7 @@
   entropy_from_logits the entropy of the sampling distribution per token (verl.utils.torch_functional)
   agg_loss            a per-token loss [B, T] to one number, token-mean & co. with GLOBAL counts (agg_loss)
   masked_mean         the mean over the response tokens (verl.utils.torch_functional.masked_mean)
+  offpolicy_metrics   how far the trainer's log-probs are from vLLM's (rollout_corr_helper.compute_offpolicy_metrics)
 
 (veRL names in parentheses: verl/trainer/ppo/core_algos.py unless said.) Shapes: B responses, T response tokens
 (right-padded), V vocabulary. `mask` is the response mask [B, T] (1 = a real response token). Every loss here is
@@ -27,6 +28,7 @@ import torch
 
 AGG_MODES = ("token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 KL_KINDS = ("kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3")  # each also with a "+" suffix
+KL_ACCEPTED = ", ".join(KL_KINDS + tuple(k + "+" for k in KL_KINDS))
 SAFETY_BOUND = 20.0  # veRL clamps log-ratios to [-20, 20] before exp
 
 
@@ -90,10 +92,15 @@ def agg_loss(
     if mode == "token-mean":
         count = mask.sum() if num_tokens is None else num_tokens
         return masked.sum() / _nonzero(count)
+    return _sum_or_seq_mean(masked, mask, mode, num_seqs, scale_factor)
+
+
+def _sum_or_seq_mean(masked, mask, mode: str, num_seqs, scale_factor) -> torch.Tensor:
+    """agg_loss of the modes beside token-mean, masked = the values with padding zeroed [B, T]."""
     if mode == "token-sum":
         return masked.sum()
     seq_tokens = mask.sum(-1)  # [B]
-    seq_has_tokens = (seq_tokens > 0).to(values.dtype)  # [B]
+    seq_has_tokens = (seq_tokens > 0).to(masked.dtype)  # [B]
     if mode == "seq-mean-token-mean":
         seq_losses = masked.sum(-1) / (seq_tokens + 1e-8)  # [B]
     else:
@@ -208,12 +215,16 @@ def kl_penalty(logp: torch.Tensor, ref_logp: torch.Tensor, kind: str = "low_var_
     """
     base = kind[:-1] if kind.endswith("+") else kind
     if base not in KL_KINDS:
-        accepted = ", ".join(KL_KINDS + tuple(k + "+" for k in KL_KINDS))
-        raise ValueError(f"kl_penalty: kind={kind!r}; accepted: {accepted}")
+        raise ValueError(f"kl_penalty: kind={kind!r}; accepted: {KL_ACCEPTED}")
     _check_same_shape("kl_penalty", logp=logp, ref_logp=ref_logp)
     forward = _kl_forward(logp, ref_logp, base)  # [B, T]
     if not kind.endswith("+") or base in ("mse", "k2"):
         return forward
+    return _straight_through(logp, ref_logp, forward)
+
+
+def _straight_through(logp: torch.Tensor, ref_logp: torch.Tensor, forward: torch.Tensor) -> torch.Tensor:
+    """The value of `forward`, the gradient of k2 = 0.5 (logp - ref)^2: kl_penalty's "<kind>+"."""
     k2 = 0.5 * (logp - ref_logp).square()  # [B, T]
     return k2 - k2.detach() + forward.detach()
 
@@ -226,3 +237,42 @@ def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
     """
     probs = torch.softmax(logits, dim=-1)  # [..., V]
     return torch.logsumexp(logits, dim=-1) - torch.sum(probs * logits, dim=-1)  # [...]
+
+
+def offpolicy_metrics(old_logp, rollout_logp, mask) -> dict[str, float]:
+    """veRL's training/rollout mismatch diagnostics, unprefixed (veRL trainer/ppo/rollout_corr_helper.py:
+    compute_offpolicy_metrics; logged as rollout_corr/<key> every step, with the rollout correction on or off).
+
+    Per row: o_i = masked_mean_t(old_i), r_i = masked_mean_t(rollout_i) (0 for an empty row), diff_i = r_i - o_i;
+    mean_i runs over ALL rows, empty ones included (veRL's .mean()); d = old - rollout.
+    training_ppl = mean_i exp(-o_i), training_log_ppl = mean_i(-o_i), rollout_ppl / rollout_log_ppl likewise;
+    kl = masked_mean(-d); k3_kl = masked_mean(exp(d) - d - 1) (d unclamped); log_ppl_diff / _abs_diff / _max /
+    _min = mean / mean |.| / max / min of diff_i; ppl_ratio = mean_i exp(diff_i);
+    chi2_token = masked_mean(exp(clamp(d, +-20))^2) - 1;  chi2_seq = mean_i exp(2 clamp(sum_t d_it m_it, +-20)) - 1.
+    All tensors [B, R]; mask: every sampled token.
+
+    Example: old = rollout everywhere -> kl = k3_kl = chi2_token = chi2_seq = 0, ppl_ratio = 1.
+    """
+    bound = SAFETY_BOUND
+    with torch.no_grad():
+        old_mean = masked_mean(old_logp, mask, -1)  # [B]
+        roll_mean = masked_mean(rollout_logp, mask, -1)  # [B]
+        delta = old_logp - rollout_logp  # [B, R]
+        diff = roll_mean - old_mean  # [B]
+        seq = (torch.where(mask.bool(), delta, 0.0) * mask).sum(-1).clamp(-bound, bound)  # [B]
+        m = {
+            "training_ppl": torch.exp(-old_mean).mean(),
+            "training_log_ppl": (-old_mean).mean(),
+            "kl": masked_mean(rollout_logp - old_logp, mask),
+            "k3_kl": masked_mean(torch.exp(delta) - delta - 1, mask),
+            "rollout_ppl": torch.exp(-roll_mean).mean(),
+            "rollout_log_ppl": (-roll_mean).mean(),
+            "log_ppl_diff": diff.mean(),
+            "log_ppl_abs_diff": diff.abs().mean(),
+            "log_ppl_diff_max": diff.max(),
+            "log_ppl_diff_min": diff.min(),
+            "ppl_ratio": torch.exp(diff).mean(),
+            "chi2_token": masked_mean(torch.exp(delta.clamp(-bound, bound)).square(), mask) - 1.0,
+            "chi2_seq": torch.exp(2.0 * seq).mean() - 1.0,
+        }
+    return {key: value.item() for key, value in m.items()}

@@ -8,7 +8,6 @@ import functools
 from collections import defaultdict
 
 import numpy as np
-import torch
 import torch.distributed as dist
 
 import config
@@ -199,45 +198,6 @@ def old_logprob_metrics(batch: dict, old_logp, entropy, cfg: dict) -> dict:
         "rollout/logprob_diff_max": fsdp_train.all_reduce(diff.max(), op=dist.ReduceOp.MAX),
         "rollout/logprob_diff_mean": fsdp_train.all_reduce(diff.sum()) / tokens,
     }
-
-
-def offpolicy_metrics(old_logp, rollout_logp, mask) -> dict[str, float]:
-    """veRL's training/rollout mismatch diagnostics, unprefixed (veRL trainer/ppo/rollout_corr_helper.py:
-    compute_offpolicy_metrics; logged as rollout_corr/<key> every step, with the rollout correction on or off).
-
-    Per row: o_i = masked_mean_t(old_i), r_i = masked_mean_t(rollout_i) (0 for an empty row), diff_i = r_i - o_i;
-    mean_i runs over ALL rows, empty ones included (veRL's .mean()); d = old - rollout.
-    training_ppl = mean_i exp(-o_i), training_log_ppl = mean_i(-o_i), rollout_ppl / rollout_log_ppl likewise;
-    kl = masked_mean(-d); k3_kl = masked_mean(exp(d) - d - 1) (d unclamped); log_ppl_diff / _abs_diff / _max /
-    _min = mean / mean |.| / max / min of diff_i; ppl_ratio = mean_i exp(diff_i);
-    chi2_token = masked_mean(exp(clamp(d, +-20))^2) - 1;  chi2_seq = mean_i exp(2 clamp(sum_t d_it m_it, +-20)) - 1.
-    All tensors [B, R]; mask: every sampled token.
-
-    Example: old = rollout everywhere -> kl = k3_kl = chi2_token = chi2_seq = 0, ppl_ratio = 1.
-    """
-    bound = losses.SAFETY_BOUND
-    with torch.no_grad():
-        old_mean = losses.masked_mean(old_logp, mask, -1)  # [B]
-        roll_mean = losses.masked_mean(rollout_logp, mask, -1)  # [B]
-        delta = old_logp - rollout_logp  # [B, R]
-        diff = roll_mean - old_mean  # [B]
-        seq = (torch.where(mask.bool(), delta, 0.0) * mask).sum(-1).clamp(-bound, bound)  # [B]
-        m = {
-            "training_ppl": torch.exp(-old_mean).mean(),
-            "training_log_ppl": (-old_mean).mean(),
-            "kl": losses.masked_mean(rollout_logp - old_logp, mask),
-            "k3_kl": losses.masked_mean(torch.exp(delta) - delta - 1, mask),
-            "rollout_ppl": torch.exp(-roll_mean).mean(),
-            "rollout_log_ppl": (-roll_mean).mean(),
-            "log_ppl_diff": diff.mean(),
-            "log_ppl_abs_diff": diff.abs().mean(),
-            "log_ppl_diff_max": diff.max(),
-            "log_ppl_diff_min": diff.min(),
-            "ppl_ratio": torch.exp(diff).mean(),
-            "chi2_token": losses.masked_mean(torch.exp(delta.clamp(-bound, bound)).square(), mask) - 1.0,
-            "chi2_seq": torch.exp(2.0 * seq).mean() - 1.0,
-        }
-    return {key: value.item() for key, value in m.items()}
 
 
 class OutOfSync(RuntimeError):

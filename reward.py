@@ -69,6 +69,11 @@ def extract_solution(solution_str: str, method: str = "strict", clip_chars: int 
         if not solutions:
             return None
         return solutions[-1].replace(",", "").replace("$", "")
+    return _flexible_answer(solution_str)
+
+
+def _flexible_answer(solution_str: str) -> str | None:
+    """extract_solution's flexible method: the LAST number-like run that is not "" or "." (veRL's loop)."""
     answers = _FLEXIBLE.findall(solution_str)
     final_answer = None
     for final_answer in reversed(answers):  # veRL's loop: falls through to answers[0]

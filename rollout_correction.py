@@ -10,7 +10,7 @@ Entry points, each grpo.py's one call for its part:
   rollout_is_weights          compute_rollout_correction_weights (token/sequence, TIS/IcePop)
   rollout_rejection_mask      compute_rollout_rejection_mask (the 11 rollout_rs options)
   rollout_correction_metrics  compute_is_metrics + the rejection fractions (a subset)
-The off-policy diagnostics every run logs (rollout_corr/kl, _ppl, chi2, ...) are metrics.offpolicy_metrics.
+The off-policy diagnostics every run logs (rollout_corr/kl, _ppl, chi2, ...) are losses.offpolicy_metrics.
 Shapes: B responses, R response tokens; `mask` every sampled token [B, R].
 """
 
@@ -64,14 +64,16 @@ def enabled(settings: dict) -> bool:
     return bool(settings["rollout_is"] or settings["rollout_rs"])
 
 
-def correct(old_logp, rollout_logp, sampled, response_mask, settings: dict, apply: bool = True) -> tuple:
-    """veRL's compute_rollout_correction_and_add_to_batch on the WHOLE batch of all ranks (every tensor [B, R]):
-    returns (IS weights or None, the new response mask or None, metrics). settings: algorithm.rollout_correction.
-    With rollout_is, the truncated IS weights (rollout_is_weights, batch-normalised over the whole batch if asked),
-    which multiply the per-token policy loss; with rollout_rs, the response mask with the rejected tokens and rows
-    removed (it REPLACES the batch's: rejected tokens leave every loss term and its token counts). Statistics are
+def correct(batch: dict, old_logp, rollout_logp, sampled, response_mask, mine, settings: dict, apply=True) -> dict:
+    """veRL's compute_rollout_correction_and_add_to_batch, computed on the WHOLE batch of all ranks (old_logp,
+    rollout_logp, sampled, response_mask [B_all, R]) and handed back to this rank's batch (its rows `mine`):
+    with rollout_is, batch["is_weights"], the truncated IS weights (rollout_is_weights, batch-normalised over the
+    whole batch if asked), which multiply the per-token policy loss; with rollout_rs, batch["response_mask"]
+    with the rejected tokens and rows removed (it REPLACES the batch's: rejected tokens leave every loss term and
+    its token counts). Returns the metrics (unprefixed). settings: algorithm.rollout_correction. Statistics are
     over every sampled token (`sampled`, before rejection), as veRL's. apply=False (bypass mode, a replay): no new
     weights or mask, the metrics of the weights and of response_mask as it is."""
+    width = batch["response_mask"].shape[1]
     weights = new_mask = None
     if apply and settings["rollout_is"]:
         weights = rollout_is_weights(
@@ -81,12 +83,14 @@ def correct(old_logp, rollout_logp, sampled, response_mask, settings: dict, appl
             level=settings["rollout_is"],
             threshold=settings["rollout_is_threshold"],
             batch_normalize=settings["rollout_is_batch_normalize"],
-        )  # [B, R]
+        )  # [B_all, R]
+        batch["is_weights"] = weights[mine, :width]  # [B, R]: this rank's rows
     if apply and settings["rollout_rs"]:
         new_mask = rollout_rejection_mask(
             old_logp, rollout_logp, sampled, modes=settings["rollout_rs"], thresholds=settings["rollout_rs_threshold"]
-        )  # [B, R]
-    out = rollout_correction_metrics(
+        )  # [B_all, R]
+        batch["response_mask"] = new_mask[mine, :width]
+    return rollout_correction_metrics(
         old_logp,
         rollout_logp,
         sampled,
@@ -94,7 +98,6 @@ def correct(old_logp, rollout_logp, sampled, response_mask, settings: dict, appl
         threshold=settings["rollout_is_threshold"],
         new_mask=(response_mask if new_mask is None else new_mask) if settings["rollout_rs"] else None,
     )
-    return weights, new_mask, out
 
 
 def bypass_rejection(policy_term, settings: dict):

@@ -84,6 +84,8 @@ def report(data_file: str, show: bool) -> None:
         file_skipped, file_entered, listing = 0, 0, []
         for function, lines in own_statements(path, statements).items():
             ran = [line for line in lines if line not in missing]
+            if function != "<module>" and not ran:
+                listing.append(f"    {function}: not entered ({len(lines)} statements)")
             if function == "<module>" or not ran:
                 continue
             skipped = [line for line in lines if line in missing]

@@ -251,7 +251,7 @@ def bypass_update(path: str, full: dict, device) -> tuple[dict, dict]:
     cfg = config.load_config(None, CONFIG + BYPASS)
     positions, _, batch = rank_rows(cfg, full)
     batch = {k: v for k, v in batch.items() if k != "old_logprobs"}  # as sampled: vLLM's and the reference's
-    grpo.old_and_ref_logprobs(types.SimpleNamespace(cfg=cfg, capture=True, ref=None), batch, {})  # old := vLLM's
+    batch["old_logprobs"] = batch["rollout_logprobs"]  # bypass_mode: the old log-probs are vLLM's, as grpo_step
     advantages(cfg, batch, positions)
     before, after, result = one_update(path, cfg, batch, True, device)
     return result, {"before": before, "after": after}

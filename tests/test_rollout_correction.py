@@ -1,4 +1,4 @@
-"""Rollout correction (rollout_correction.py, and the diagnostics every run logs, metrics.offpolicy_metrics) against
+"""Rollout correction (rollout_correction.py, and the diagnostics every run logs, losses.offpolicy_metrics) against
 independent float64 re-implementations of veRL 0.9.1's formulas (verl/trainer/ppo/rollout_corr_helper.py),
 written here with Python loops over lists, never calling the code under test."""
 
@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from metrics import offpolicy_metrics
+from losses import offpolicy_metrics
 from rollout_correction import rollout_correction_metrics, rollout_is_weights, rollout_rejection_mask
 
 F64 = torch.float64
