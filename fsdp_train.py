@@ -204,8 +204,11 @@ def lr_factor(step: int, warmup_steps: int, total_steps: int, schedule: str, min
     """
     if step < warmup_steps:
         return step / max(1, warmup_steps)
-    if schedule == "constant":
-        return 1.0
+    return 1.0 if schedule == "constant" else _cosine(step, warmup_steps, total_steps, min_lr_ratio)
+
+
+def _cosine(step: int, warmup_steps: int, total_steps: int, min_lr_ratio: float) -> float:
+    """lr_factor's cosine decay after the warmup."""
     progress = (step - warmup_steps) / max(1, total_steps - warmup_steps)
     return max(min_lr_ratio, min_lr_ratio + (1 - min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress)))
 

@@ -192,15 +192,19 @@ def policy_loss(
 
 
 def _kl_forward(logp: torch.Tensor, ref_logp: torch.Tensor, kind: str) -> torch.Tensor:
+    if kind in ("low_var_kl", "k3"):  # Schulman's k3: exp(ref - logp) - (ref - logp) - 1, clamped for stability
+        log_ratio = torch.clamp(ref_logp - logp, min=-20, max=20)
+        return torch.clamp(torch.exp(log_ratio) - log_ratio - 1, min=-10, max=10)
+    return _k1_abs_k2(logp, ref_logp, kind)
+
+
+def _k1_abs_k2(logp: torch.Tensor, ref_logp: torch.Tensor, kind: str) -> torch.Tensor:
+    """kl_penalty's kinds beside k3: k1 (logp - ref), abs, k2 (0.5 (logp - ref)^2)."""
     if kind in ("kl", "k1"):
         return logp - ref_logp
     if kind == "abs":
         return (logp - ref_logp).abs()
-    if kind in ("mse", "k2"):
-        return 0.5 * (logp - ref_logp).square()
-    # low_var_kl / k3 (Schulman): exp(ref - logp) - (ref - logp) - 1, clamped for stability
-    log_ratio = torch.clamp(ref_logp - logp, min=-20, max=20)
-    return torch.clamp(torch.exp(log_ratio) - log_ratio - 1, min=-10, max=10)
+    return 0.5 * (logp - ref_logp).square()
 
 
 def kl_penalty(logp: torch.Tensor, ref_logp: torch.Tensor, kind: str = "low_var_kl") -> torch.Tensor:

@@ -153,7 +153,9 @@ def reference_run(model, steps: int, lr: float = 1e-3) -> dict:
         logits = logits[:, -r - 1 : -1].to(dtype)
         logp = torch.log_softmax(logits, -1).gather(-1, b["input_ids"][:, -r:, None])[..., 0]
         mask = b["response_mask"]
-        pg, m = losses.policy_loss(logp, b["old_logprobs"], b["advantages"], mask, **CLIP)
+        per_token, parts = losses.policy_loss(logp, b["old_logprobs"], b["advantages"], **CLIP)
+        pg = losses.agg_loss(per_token, mask)
+        m = {key: losses.masked_mean(part, mask).item() for key, part in parts.items()}
         ent = losses.agg_loss(losses.entropy_from_logits(logits), mask)
         kl = losses.agg_loss(losses.kl_penalty(logp, b["ref_logprobs"], "low_var_kl"), mask)
         optimizer.zero_grad()

@@ -356,9 +356,10 @@ def stated_values(text: str) -> list[tuple[str, object]]:
 
 
 def recipe_values(readme: str) -> list[tuple[str, object]]:
-    """(flatgrpo key, value) of the README's veRL key mapping rows "`verl.key=value` | `flatgrpo.key` | note" (one
-    key each side), except where the note says gsm8k.yaml differs: the seed recipe's values, as gsm8k.yaml's."""
-    section = readme.split("\n## veRL key mapping")[1].split("\n## ")[0]
+    """(flatgrpo key, value) of the veRL key mapping rows "`verl.key=value` | `flatgrpo.key` | note" (one key each
+    side) in docs/verl-mapping.md's section "veRL key mapping (the seed recipe)", except where the note says
+    gsm8k.yaml differs: the seed recipe's values, as gsm8k.yaml's."""
+    section = readme.split("veRL key mapping (the seed recipe)\n")[1].split("\n## ")[0]
     out = []
     for line in section.splitlines():
         cells = [cell.strip() for cell in line.strip("|").split("|")]
@@ -372,17 +373,17 @@ def recipe_values(readme: str) -> list[tuple[str, object]]:
 
 
 def test_the_readme_states_the_defaults_and_the_recipe_values(cli):
-    """Where README.md or docs/verl-mapping.md say "`key` (value)", value is the key's default; the README's veRL
-    key mapping gives the seed recipe's values, which gsm8k.yaml must hold."""
+    """Where README.md or a page of docs/ says "`key` (value)", value is the key's default; docs/verl-mapping.md's
+    veRL key mapping gives the seed recipe's values, which gsm8k.yaml must hold."""
     results, _ = cli
     defaults, gsm8k = (config._flat(yaml.safe_load(results[name]["stdout"])) for name in ("defaults", "gsm8k.yaml"))
-    with open(os.path.join(ROOT, "README.md")) as f:
-        readme = f.read()
-    with open(os.path.join(ROOT, "docs", "verl-mapping.md")) as f:
-        stated = stated_values(readme + f.read())
+    pages = [os.path.join(ROOT, "README.md"), *sorted(glob.glob(os.path.join(ROOT, "docs", "*.md")))]
+    text = "".join(open(page).read() for page in pages)
+    stated = stated_values(text)
     assert len(stated) >= 5
     assert [(k, defaults[k]) for k, _ in stated] == stated
-    recipe = recipe_values(readme)
+    with open(os.path.join(ROOT, "docs", "verl-mapping.md")) as f:
+        recipe = recipe_values(f.read())
     assert len(recipe) >= 15
     assert [(k, gsm8k[k]) for k, _ in recipe] == recipe
 

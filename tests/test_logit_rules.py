@@ -195,7 +195,8 @@ def test_a_family_with_an_unknown_rule_stops_at_start_up(tiny_tokenizer, tmp_pat
     with pytest.raises(ft.UnsupportedModel) as e:
         ft.load_model(path, device=torch.device("cpu"), head=logit_rules.logits_head)
     message = str(e.value)
-    assert "\n" not in message and named in message and message.startswith(config_class.__name__[:-6]), message
+    assert "\n" not in message and named in message, message
+    assert message.startswith(f"model {path}: {config_class.__name__[:-6]}"), message
 
 
 def test_grpo_stops_an_unknown_rule_at_start_up_in_one_line(tiny_tokenizer, tiny_build, tmp_path):

@@ -250,10 +250,10 @@ def test_a_bf16_engine_receives_the_merged_weights(random_models):
     ],
 )
 def test_resume_refuses_another_alpha_or_other_targets(random_models, tmp_path, change, message):
-    """A checkpoint of rank 4, alpha 8 on every linear layer, resumed (grpo.resume) with one LoRA key changed:
-    one line naming both settings, before anything loads."""
+    """A checkpoint of rank 4, alpha 8 on every linear layer, resumed (cluster.resume, as grpo.setup resumes) with
+    one LoRA key changed: one line naming both settings, before anything loads."""
+    import cluster
     import config
-    import grpo
 
     model = trainer_lora_model(random_models["tied"])
     optimizer = torch.optim.AdamW(ft.trainable_params(model))
@@ -264,7 +264,7 @@ def test_resume_refuses_another_alpha_or_other_targets(random_models, tmp_path, 
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
     cfg = config.load_config(None, [f"trainer.resume={path}"])
     with pytest.raises(config.ConfigError) as error:
-        grpo.resume(cfg, other, optimizer, scheduler, 0, 1)
+        cluster.resume(cfg, other, optimizer, scheduler, 0, 1)
     assert str(error.value).startswith(
         f"trainer.resume: {path} was written by LoRA rank 4, alpha 8 on 28 modules, {message}"
     )

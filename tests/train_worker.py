@@ -65,7 +65,9 @@ def rows_of_rank(rank: int, world: int) -> list[int]:
 def grpo_loss(logp, entropy, mb, counts, nan_hook=False):
     mask = mb["response_mask"]
     n = counts["num_tokens"]
-    pg, m = losses.policy_loss(logp, mb["old_logprobs"], mb["advantages"], mask, **CLIP, num_tokens=n)
+    per_token, parts = losses.policy_loss(logp, mb["old_logprobs"], mb["advantages"], **CLIP)
+    pg = losses.agg_loss(per_token, mask, num_tokens=n)
+    m = {key: losses.masked_mean(part, mask).item() for key, part in parts.items()}
     ent = losses.agg_loss(entropy, mask, num_tokens=n)
     kl = losses.agg_loss(losses.kl_penalty(logp, mb["ref_logprobs"], "low_var_kl"), mask, num_tokens=n)
     if nan_hook and mask.sum() > 0:
