@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 import fsdp_train
+import lora
 from config import ConfigError
 from logs import log0
 
@@ -104,6 +105,32 @@ def stop_requested() -> int:
     return int(flag.item())
 
 
+def stop(run, step: int, signum: int, progress, save) -> int:
+    """A stop signal arrived during `step` of grpo.train's run: the progress bar closed, a checkpoint of that step
+    (save(step), unless just done), one line, the run closed; returns the exit status 128 + signal, a signalled
+    process's; trainer.resume=auto continues at step + 1. No validation, export or curves."""
+    progress.close()
+    path = os.path.join(run.cfg["trainer"]["output_dir"], "checkpoints", f"step_{step}")
+    if run.saved != step:
+        path = save(step)
+    log0(
+        run.rank,
+        f"stopped by {signal.Signals(signum).name} after step {step}: checkpoint {path}; run again with "
+        "trainer.resume=auto to continue",
+    )
+    if run.logger.wandb is not None:  # its atexit hook does not run (cluster.end_process)
+        run.logger.wandb.finish(exit_code=128 + signum)
+    close(run)
+    return 128 + signum
+
+
+def close(run) -> None:
+    """The end of a run: its engine, then the process group (vLLM's shutdown may already have destroyed it)."""
+    run.llm = None
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
 def end_process(status: int):
     """Flush the console and end the process with `status` now, WITHOUT the interpreter's finalization (os._exit).
 
@@ -136,10 +163,7 @@ def resume(cfg: dict, policy, optimizer, scheduler, rank: int, world: int) -> tu
         path = broadcast(newest)  # rank 0's choice, for all: ranks must not resume different steps
     if not path:
         return 1, {}
-    try:
-        extra = fsdp_train.load_checkpoint(path, policy, optimizer, scheduler)
-    except fsdp_train.CheckpointMismatch as e:  # written with other LoRA settings
-        raise ConfigError(str(e)) from None
+    extra = fsdp_train.load_checkpoint(path, policy, optimizer, scheduler, check=lora.check_resume)
     log0(rank, f"resumed from {path} (step {extra['step']})")
     if extra["saved_world_size"] != world:
         extra.pop("rng", None)

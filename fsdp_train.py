@@ -475,11 +475,8 @@ def _logit_keys(config) -> str:
     """The config's numbers (keys, and properties such as MiniCPM3's logits_scaling) whose names suggest a
     logit rule: soft-caps, scalings, multipliers."""
     properties = [k for k in dir(type(config)) if isinstance(getattr(type(config), k), property)]
-    found = []
-    for key in sorted(k for k in {*config.to_dict(), *properties} if re.search(r"logit|soft_?cap|scal|multiplier", k)):
-        value = getattr(config, key, None)
-        if type(value) in (int, float):
-            found.append(f"{key}={value}")
+    names = sorted(k for k in {*config.to_dict(), *properties} if re.search(r"logit|soft_?cap|scal|multiplier", k))
+    found = [f"{key}={getattr(config, key)}" for key in names if type(getattr(config, key, None)) in (int, float)]
     return ", ".join(found) or "none"
 
 
@@ -710,16 +707,17 @@ def list_checkpoints(root: str) -> list[str]:
     return sorted(found, key=lambda p: int(os.path.basename(p).split("_")[1]))
 
 
-def load_checkpoint(path: str, model, optimizer, scheduler) -> dict:
+def load_checkpoint(path: str, model, optimizer, scheduler, check=None) -> dict:
     """Load a checkpoint written at ANY world size (DCP reshards). Returns this rank's `extra`
-    (rank 0's when this rank did not exist in the saving run). A checkpoint whose adapter settings (LoRA's rank,
-    alpha, adapted modules; None: full fine-tuning) differ from the model's raises CheckpointMismatch before
-    anything loads."""
+    (rank 0's when this rank did not exist in the saving run). check(path, saved, current): called with the
+    checkpoint's adapter settings and the model's (load_model's `adapt`; None: full fine-tuning) before anything
+    loads, to refuse a mismatch (lora.check_resume)."""
     if not os.path.exists(os.path.join(path, "COMPLETE")):
         raise FileNotFoundError(f"load_checkpoint: {path} is not a complete checkpoint (no COMPLETE marker)")
     own = os.path.join(path, f"state_rank{dist.get_rank()}.pt")
     saved = torch.load(own if os.path.exists(own) else os.path.join(path, "state_rank0.pt"), weights_only=False)
-    _check_same_adapter(path, saved.get("lora"), getattr(model, "adapter_settings", None))
+    if check is not None:
+        check(path, saved.get("lora"), getattr(model, "adapter_settings", None))
     model_sd, optim_sd = _checkpoint_state(model, optimizer)
     state = {"model": model_sd, "optim": optim_sd}
     dcp.load(state, checkpoint_id=path)
@@ -733,31 +731,16 @@ def _checkpoint_state(model, optimizer) -> tuple[dict, dict]:
     """What a checkpoint holds: the model's and the optimizer's state dicts; with frozen parameters (LoRA's base,
     a tied lm_head included, which come from the model's path), of the trainable ones only."""
     model_sd, optim_sd = get_state_dict(model, optimizer)
-    if _frozen(model):
-        trainable = {name for name, p in model.named_parameters() if p.requires_grad}
-        model_sd = {k: v for k, v in model_sd.items() if k in trainable}
-    return model_sd, optim_sd
+    return (_trainable_only(model, model_sd) if _frozen(model) else model_sd), optim_sd
+
+
+def _trainable_only(model, model_sd: dict) -> dict:
+    trainable = {name for name, p in model.named_parameters() if p.requires_grad}
+    return {k: v for k, v in model_sd.items() if k in trainable}
 
 
 def _frozen(model) -> bool:
     return any(not p.requires_grad for p in model.parameters())
-
-
-class CheckpointMismatch(ValueError):
-    """trainer.resume names a checkpoint of other adapter settings than this run's: one line."""
-
-
-def _check_same_adapter(path: str, saved: dict | None, current: dict | None) -> None:
-    def describe(c):
-        if not c:
-            return "full fine-tuning (model.lora_rank 0)"
-        return f"LoRA rank {c['r']}, alpha {c['lora_alpha']:g} on {len(c['target_modules'])} modules"
-
-    if saved != current:
-        raise CheckpointMismatch(
-            f"trainer.resume: {path} was written by {describe(saved)}, this run has {describe(current)}; resume "
-            "with the checkpoint's model.lora_rank / lora_alpha / target_modules / exclude_modules, or start afresh"
-        )
 
 
 def export_hf(model, out_dir: str, tokenizer=None, convert=None) -> str:

@@ -26,7 +26,6 @@ import contextlib
 import functools
 import os
 import random
-import signal
 import sys
 import types
 
@@ -91,7 +90,7 @@ def train(cfg: dict):
         progress.update(step_metrics)
         metrics.judge_sync(run.cfg, run.rank, step, step_metrics, run.exact)  # fp32: a mismatch stops the run
         if signum := cluster.stop_requested():
-            return stop(run, step, signum, progress)
+            return cluster.stop(run, step, signum, progress, functools.partial(save, run))
     progress.close()
     finish(run)
     return 0
@@ -128,7 +127,8 @@ def grpo_step(run: "Run", step: int) -> dict:
         m.update(update_actor(run, batch, t))
         if run.capture:  # the update's own forward stood in for the old pass: the diagnostics come from it
             m.update(correct_rollout(run, batch, batch["update_logprobs"], apply=False))
-        m.update(update_weights(run, step, t))
+        if run.llm is not None:  # a replay has no engine
+            m.update(update_weights(run, step, t))
         m.update(validate_and_save(run, step, t))
         with timed(t, "logging"):  # the metrics' all-gathers; the file write after is ~0.1 ms
             m.update(metrics.batch_metrics(batch, run.cfg["data"], t, run.world))
@@ -233,8 +233,9 @@ def old_logprob_pass(run: "Run", batch: dict, t: dict) -> dict:
         old, entropy = compute_logprobs(run, run.policy, batch, entropy_fn=losses.entropy_from_logits)
     out = metrics.old_logprob_metrics(batch, old, entropy, run.cfg)
     batch.setdefault("old_logprobs", old)  # a replayed batch keeps its dumped ones
-    with timed(t, "rollout_corr"):
-        out.update(correct_rollout(run, batch, batch["old_logprobs"]))
+    if "rollout_logprobs" in batch:  # all but a replay of a dump without vLLM's log-probs
+        with timed(t, "rollout_corr"):
+            out.update(correct_rollout(run, batch, batch["old_logprobs"]))
     return out
 
 
@@ -257,8 +258,6 @@ def correct_rollout(run: "Run", batch: dict, old: torch.Tensor, apply: bool = Tr
     (rollout_correction.correct): IS weights (batch["is_weights"], used by the policy loss) and a rejection mask
     that REPLACES batch["response_mask"]; a replayed batch keeps its dumped ones. Statistics are over every
     sampled token (the attention mask), as veRL's."""
-    if "rollout_logprobs" not in batch:
-        return {}
     width = batch["response_mask"].shape[1]
     sampled = batch["attention_mask"][:, -width:].float()  # [B, R]: every sampled token, before rejection
     local = [old, batch["rollout_logprobs"], sampled, batch["response_mask"]]
@@ -323,7 +322,7 @@ def update_actor(run: "Run", batch: dict, t: dict) -> dict:
     out["actor/lr"] = run.scheduler.get_last_lr()[0]  # as veRL 0.9.1: read AFTER the schedule step
     out["actor/skipped_steps"] = sum(m["actor/skipped_steps"] for m in results)
     if torch.cuda.is_available():
-        out.update(gpu_memory_metrics(results))
+        out.update(metrics.gpu_memory_metrics(results))
     out["actor/kl_coef"] = actor["kl_loss_coef"] if kl_loss_on(actor) else 0.0
     if run.capture:
         batch["update_logprobs"] = update_logprobs  # [B, R]
@@ -331,21 +330,9 @@ def update_actor(run: "Run", batch: dict, t: dict) -> dict:
     return out
 
 
-def gpu_memory_metrics(results: list[dict]) -> dict:
-    """The trainer's peak over the mini-batches; apart: vLLM's sleep-mode pool, the device's use."""
-    free, total = torch.cuda.mem_get_info()
-    return {
-        "perf/max_memory_allocated_gb": max(m["perf/max_memory_allocated_gb"] for m in results),
-        "perf/vllm_pool_gb": rollout.pool_bytes() / 2**30,
-        "perf/device_used_gb": (total - free) / 2**30,
-    }
-
-
 def update_weights(run: "Run", step: int, t: dict) -> dict:
     """update_weights: push the new weights into the running engine; every trainer.sync_check_every
     steps, prove it (rollout/sync_check: vLLM vs trainer log-probs on a probe)."""
-    if run.llm is None:  # replay: no engine
-        return {}
     with timed(t, "update_weights"):
         rollout.wake(run.llm, ["weights"])
         sync.push_weights(run.llm, sync.full_params(run.policy, sync.engine_dtype(run.llm)))
@@ -653,19 +640,12 @@ def load_models(cfg: dict, model_path: str, device) -> tuple:
         adapt=config.lora_adapter(cfg, model_path),  # LoRA's layers (lora.py), or None
         head=logit_rules.logits_head,  # a model family's rule for its logits, or the plain head
     )
-    if not (kl_loss_on(cfg["actor"]) or cfg["algorithm"]["use_kl_in_reward"]):
-        return policy, None
-    if policy.adapter_settings:  # LoRA: the base is the policy with its adapters off
-        return policy, policy
-    # The reference is never trained: held in the compute dtype (bf16 on GPU, as veRL computes it), no fp32 copy.
-    ref = fsdp_train.load_model(
-        model_path,
-        trainable=False,
-        device=device,
-        param_dtype=compute_dtype,
-        compute_dtype=compute_dtype,
-        head=logit_rules.logits_head,
-    )
+    use_ref = kl_loss_on(cfg["actor"]) or cfg["algorithm"]["use_kl_in_reward"]
+    ref = policy if use_ref and policy.adapter_settings else None  # LoRA: the policy with its adapters off
+    if use_ref and ref is None:  # never trained: held in the compute dtype (bf16 on GPU, as veRL), no fp32 copy
+        ref = fsdp_train.load_model(
+            model_path, trainable=False, device=device, param_dtype=compute_dtype, head=logit_rules.logits_head
+        )
     return policy, ref
 
 
@@ -718,25 +698,6 @@ def save(run: Run, step: int) -> str:
     )
 
 
-def stop(run: Run, step: int, signum: int, progress) -> int:
-    """A stop signal arrived during `step`: checkpoint that step (unless just done); returns the exit status
-    128 + signal, a signalled process's; trainer.resume=auto continues at step + 1. No validation, export
-    or curves."""
-    progress.close()
-    path = os.path.join(run.cfg["trainer"]["output_dir"], "checkpoints", f"step_{step}")
-    if run.saved != step:
-        path = save(run, step)
-    log0(
-        run.rank,
-        f"stopped by {signal.Signals(signum).name} after step {step}: checkpoint {path}; run again with "
-        "trainer.resume=auto to continue",
-    )
-    if run.logger.wandb is not None:  # its atexit hook does not run (cluster.end_process)
-        run.logger.wandb.finish(exit_code=128 + signum)
-    close(run)
-    return 128 + signum
-
-
 def finish(run: Run):
     """The HF export (with LoRA: the merged model and the adapter, lora.export), the curves, then the engine
     and the process group closed."""
@@ -747,14 +708,7 @@ def finish(run: Run):
         out_dir = os.path.join(run.cfg["trainer"]["output_dir"], "hf")
         fsdp_train.export_hf(run.policy, out_dir, run.tokenizer, convert)
     run.logger.close()
-    close(run)
-
-
-def close(run: Run):
-    """The engine, then the process group (vLLM's shutdown may already have destroyed it)."""
-    run.llm = None
-    if dist.is_initialized():
-        dist.destroy_process_group()
+    cluster.close(run)
 
 
 def evaluate(cfg: dict):
@@ -774,7 +728,7 @@ def evaluate(cfg: dict):
     logger = logs.MetricsLogger(cfg, rank, resume_step=0, file="val_metrics.jsonl")
     logger.log(0, validate(run, 0))
     logger.close()
-    close(run)
+    cluster.close(run)
     return 0
 
 

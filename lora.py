@@ -311,6 +311,22 @@ def adapter(lora: dict):
     return adapt
 
 
+def check_resume(path: str, saved: dict | None, current: dict | None) -> None:
+    """fsdp_train.load_checkpoint's `check`: the checkpoint at `path` was written with these LoRA settings (saved;
+    None: full fine-tuning), the same as the model's (current), else one line naming both (LoraError)."""
+
+    def describe(c):
+        if not c:
+            return "full fine-tuning (model.lora_rank 0)"
+        return f"LoRA rank {c['r']}, alpha {c['lora_alpha']:g} on {len(c['target_modules'])} modules"
+
+    if saved != current:
+        raise LoraError(
+            f"trainer.resume: {path} was written by {describe(saved)}, this run has {describe(current)}; resume "
+            "with the checkpoint's model.lora_rank / lora_alpha / target_modules / exclude_modules, or start afresh"
+        )
+
+
 def is_adapter(name: str) -> bool:
     """Does this parameter train in a LoRA model (lora_A / lora_B: the adapters), rather than the frozen base?"""
     return ".lora_" in name

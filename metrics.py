@@ -8,6 +8,7 @@ import functools
 from collections import defaultdict
 
 import numpy as np
+import torch
 import torch.distributed as dist
 
 import config
@@ -198,6 +199,26 @@ def old_logprob_metrics(batch: dict, old_logp, entropy, cfg: dict) -> dict:
         "rollout/logprob_diff_max": fsdp_train.all_reduce(diff.max(), op=dist.ReduceOp.MAX),
         "rollout/logprob_diff_mean": fsdp_train.all_reduce(diff.sum()) / tokens,
     }
+
+
+def gpu_memory_metrics(results: list[dict]) -> dict:
+    """The trainer's peak over the mini-batches; apart: vLLM's sleep-mode pool, the device's use."""
+    free, total = torch.cuda.mem_get_info()
+    return {
+        "perf/max_memory_allocated_gb": max(m["perf/max_memory_allocated_gb"] for m in results),
+        "perf/vllm_pool_gb": vllm_pool_bytes() / 2**30,
+        "perf/device_used_gb": (total - free) / 2**30,
+    }
+
+
+def vllm_pool_bytes() -> int:
+    """Bytes held by vLLM's sleep-mode memory pool (its weights, KV cache and workspace), 0 without one (CPU,
+    or sleep mode off). torch's allocator counts these allocations as its own, even while the engine sleeps
+    (vllm/device_allocator/cumem.py: the pool is a torch MemPool; get_current_usage sums its allocations,
+    slept ones included), so a trainer reports its own peak without them and this number apart."""
+    from vllm.device_allocator.cumem import CuMemAllocator
+
+    return CuMemAllocator.instance.get_current_usage() if getattr(CuMemAllocator, "instance", None) else 0
 
 
 class OutOfSync(RuntimeError):

@@ -60,8 +60,6 @@ def extract_solution(solution_str: str, method: str = "strict", clip_chars: int 
     """
     if method not in METHODS:
         raise ValueError(f"extract_solution: method={method!r}; accepted: {', '.join(METHODS)}")
-    if not isinstance(solution_str, str):
-        return None
     if clip_chars is not None and len(solution_str) > clip_chars:
         solution_str = solution_str[-clip_chars:]
     if method == "strict":

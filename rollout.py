@@ -175,13 +175,3 @@ def wake(llm: LLM, tags: list[str] | None = None) -> None:
     generating (veRL's order, so weights and KV cache never coexist with the trainer's peak). No-op on CPU."""
     if not is_cpu():
         llm.wake_up(tags=tags)
-
-
-def pool_bytes() -> int:
-    """Bytes held by vLLM's sleep-mode memory pool (its weights, KV cache and workspace), 0 without one (CPU,
-    or sleep mode off). torch's allocator counts these allocations as its own, even while the engine sleeps
-    (vllm/device_allocator/cumem.py: the pool is a torch MemPool; get_current_usage sums its allocations,
-    slept ones included), so a trainer reports its own peak without them and this number apart."""
-    from vllm.device_allocator.cumem import CuMemAllocator
-
-    return CuMemAllocator.instance.get_current_usage() if getattr(CuMemAllocator, "instance", None) else 0

@@ -121,7 +121,7 @@ def report(data_file: str, show: bool) -> None:
     print(f"{'file':14s} {'stmts':>6s} {'executed':>9s} {'in entered':>9s} {'skipped':>9s} {'not errors':>11s}")
     print("\n".join(rows))
     print(
-        f"{'all':14s} {total:6d} {100 * executed / total:8.1f}% {entered_total:9d} "
+        f"{'all':14s} {total:6d} {100 * executed / total:8.2f}% {entered_total:9d} "
         f"{100 * entered_skipped / max(1, entered_total):8.1f}% "
         f"{100 * (entered_skipped - error_skipped) / max(1, entered_total):10.1f}%"
     )

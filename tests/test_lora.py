@@ -263,7 +263,7 @@ def test_resume_refuses_another_alpha_or_other_targets(random_models, tmp_path, 
     optimizer = torch.optim.AdamW(ft.trainable_params(other))
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
     cfg = config.load_config(None, [f"trainer.resume={path}"])
-    with pytest.raises(config.ConfigError) as error:
+    with pytest.raises(config.ONE_LINE_ERRORS) as error:
         cluster.resume(cfg, other, optimizer, scheduler, 0, 1)
     assert str(error.value).startswith(
         f"trainer.resume: {path} was written by LoRA rank 4, alpha 8 on 28 modules, {message}"
