@@ -5,7 +5,7 @@ plus `section.key=value` overrides into plain nested dicts. Plumbing for grpo.py
     cfg["actor"]["lr"], cfg["algorithm"]["rollout_correction"]["rollout_is"]
 
 Any unknown key, wrong type or value outside its range stops here with one ConfigError line that names the
-key and what it accepts, before anything heavy loads. veRL's name of each key: README, "veRL key mapping".
+key and what it accepts, before anything heavy loads. veRL's name of each key: docs/verl-mapping.md.
 """
 
 import copy
@@ -28,7 +28,7 @@ import rollout_correction
 # (algorithm.rollout_correction.rollout_is). accepted: a tuple of choices, a type where the default's is not
 # the type (a None default; several types), or a rule on `value` as Python: a leading operator means "value <op>"
 # and a bare number "value ==" (">= 1", "0 < value <= 1", "-1 (off) or >= 1"); "(...)" explains, and the rule is
-# shown as written when a value breaks it. --print-config prints the defaults; README: veRL's name of each key.
+# shown as written when a value breaks it. --print-config prints the defaults; docs/verl-mapping.md: veRL's names.
 GE0, GE1, POS, UNIT, OFF = ">= 0", ">= 1", "> 0", "0 < value <= 1", "-1 (off) or >= 1"
 SCHEMA = {
     "model": {
@@ -37,7 +37,7 @@ SCHEMA = {
         "activation_checkpointing": False,
         "compute_dtype": ("float32", ("float32", "bfloat16", "float16")),
         "tiny_seed": (0, GE0),
-        # LoRA, veRL's keys (actor_rollout_ref.model.*): README "LoRA"
+        # LoRA, veRL's keys (actor_rollout_ref.model.*): docs/features.md "LoRA"
         "lora_rank": (0, ">= 0 (0: full fine-tuning)"),
         "lora_alpha": (16, "> 0"),
         "target_modules": ("all-linear", (str, list)),

@@ -187,7 +187,7 @@ def groups_to_batch(groups: list[dict], pad_id: int) -> dict:
 
 def sample_groups(run: "Run", prompts: list[dict], t: dict) -> list[dict]:
     """n samples of each prompt from vLLM, scored: one group {"samples", "rewards" [n], "extras"} per prompt.
-    Seeded per (generation batch, rank): a resumed run resamples the same (on CPU; see README)."""
+    Seeded per (generation batch, rank): a resumed run resamples the same (on CPU; docs/running.md)."""
     sampling, n = run.cfg["rollout"], run.cfg["rollout"]["n"]
     with timed(t, "gen"):
         seed = sample_seed(run.cfg["trainer"]["seed"], run.gen_cursor, run.rank) if sampling["seed_samples"] else None
@@ -376,7 +376,7 @@ def grpo_loss_fn(cfg: dict):
     with the rollout correction's bypass_mode and rejection, that term rejects tokens against the current policy
     (rollout_correction.py)."""
     actor, correction = cfg["actor"], cfg["algorithm"]["rollout_correction"]
-    scale_factor = config.loss_scale_factor(cfg)  # seq-mean-token-sum-norm's: the generation budget by default
+    scale_factor = cfg["actor"]["loss_scale_factor"]  # seq-mean-token-sum-norm's: the generation budget by default
     term = functools.partial(policy_term, actor)
     if actor["policy_loss"]["loss_mode"] != "vanilla":  # the GRPO family's loss modes
         term = functools.partial(grpo_family.policy_term, actor)

@@ -1,7 +1,7 @@
 """Metric computations with veRL's names, over the GLOBAL batch (every rank's rows): the step's data
 metrics (critic/*, response_length/*, ...), the old-log-prob pass's (actor/entropy, rollout/logprob_diff_*)
 with the run-time sync rule, and validation's (val-core/<data_source>/reward/mean@N, best@k, maj@k, ...).
-Plumbing for grpo.py: the formulas are veRL's, the names too (README, "Metrics").
+Plumbing for grpo.py: the formulas are veRL's, the names too (docs/verl-mapping.md, "Metrics, as logged").
 """
 
 import functools

@@ -15,7 +15,7 @@ Everything is built here, deterministically from a seed, with no hub access, and
               Like Qwen2.5-Instruct on GSM8K, it solves many problems but often ends with
               "The answer is N." instead of the requested "#### N" (which scores 0): the warm-start
               targets use "####" in only FORMAT_SHARE of the examples. GRPO's reward teaches the
-              format and sharpens the arithmetic; see README "Why the tiny run learns".
+              format and sharpens the arithmetic; see docs/demo.md, "why the tiny run learns".
 
 Also: `save_random_model(path, ...)` writes any Qwen2 shape (tied or untied) with this tokenizer,
 e.g. the Qwen2.5-0.5B shape used by the benchmarks (`QWEN25_05B`); `save_random_family_model(path, tokenizer,

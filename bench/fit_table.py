@@ -1,7 +1,7 @@
 """Does the seed recipe (gsm8k.yaml) fit on 80 GB GPUs? Per-GPU memory of Qwen2.5-0.5B, 1.5B and 7B on 1, 6
 and 8 GPUs, computed from the model shapes and the figures bench/memory.py measured (bench/results/memory.json).
 
-    .venv/bin/python bench/fit_table.py                    # the markdown table in the README
+    .venv/bin/python bench/fit_table.py                    # the markdown table in docs/memory.md
     .venv/bin/python bench/fit_table.py --tokens 8192 --gpu-memory-utilization 0.3
     .venv/bin/python bench/fit_table.py --lora             # gsm8k_lora.yaml on ONE 24, 48 or 80 GB GPU
 
