@@ -376,7 +376,7 @@ def grpo_loss_fn(cfg: dict):
     with the rollout correction's bypass_mode and rejection, that term rejects tokens against the current policy
     (rollout_correction.py)."""
     actor, correction = cfg["actor"], cfg["algorithm"]["rollout_correction"]
-    scale_factor = cfg["actor"]["loss_scale_factor"]  # seq-mean-token-sum-norm's: the generation budget by default
+    scale_factor = config.loss_scale_factor(cfg)  # seq-mean-token-sum-norm's: the generation budget by default
     term = functools.partial(policy_term, actor)
     if actor["policy_loss"]["loss_mode"] != "vanilla":  # the GRPO family's loss modes
         term = functools.partial(grpo_family.policy_term, actor)

@@ -244,8 +244,9 @@ def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
 
 
 def offpolicy_metrics(old_logp, rollout_logp, mask) -> dict[str, float]:
-    """veRL's training/rollout mismatch diagnostics, unprefixed (veRL trainer/ppo/rollout_corr_helper.py:
-    compute_offpolicy_metrics; logged as rollout_corr/<key> every step, with the rollout correction on or off).
+    """How far the trainer's log-probs (old) are from vLLM's (rollout) on the same tokens: perplexities, KL
+    estimates and chi2, over the batch; logged as rollout_corr/<key> every step, with the rollout correction on or
+    off (veRL trainer/ppo/rollout_corr_helper.py: compute_offpolicy_metrics, its keys unprefixed).
 
     Per row: o_i = masked_mean_t(old_i), r_i = masked_mean_t(rollout_i) (0 for an empty row), diff_i = r_i - o_i;
     mean_i runs over ALL rows, empty ones included (veRL's .mean()); d = old - rollout.
