@@ -604,6 +604,13 @@ def train_step(
     if not skipped:
         optimizer.step()
     optimizer.zero_grad(set_to_none=True)  # free the gradients now, not after the next generation
+    return {**_step_metrics(model, batch, sums, grad_norm, skipped, start), **kept}
+
+
+def _step_metrics(model, batch: dict, sums: dict, grad_norm: float, skipped: bool, start: float) -> dict:
+    """train_step's metrics, the same on every rank: the micro-batches' shares all-reduced (summed; keys ending in
+    "_max": the maximum), the pre-clip gradient norm, whether the step was skipped, MFU since `start`, and on GPU
+    the trainer's own peak memory."""
     reduced = {}
     for k, v in sorted(sums.items()):  # the same keys, in the same order, on every rank
         reduced[k] = all_reduce(v, op=dist.ReduceOp.MAX if k.endswith("_max") else dist.ReduceOp.SUM)
@@ -614,11 +621,11 @@ def train_step(
         **reduced,
         "actor/grad_norm": grad_norm,
         "actor/skipped_steps": float(skipped),
-        "perf/mfu/actor": mfu(flops, time.perf_counter() - start, world, peak_flops()),
+        "perf/mfu/actor": mfu(flops, time.perf_counter() - start, dist.get_world_size(), peak_flops()),
     }
     if torch.cuda.is_available():  # the trainer's own peak: without other memory pools (a sleeping vLLM's)
         out["perf/max_memory_allocated_gb"] = (torch.cuda.max_memory_allocated() - other_pools_bytes()) / 1024**3
-    return {**out, **kept}
+    return out
 
 
 def _accumulate(sums: dict[str, float], metrics: dict) -> None:
