@@ -112,13 +112,11 @@ def grpo_step(run: "Run", step: int) -> dict:
             torch.cuda.reset_peak_memory_stats()
         if run.cfg["algorithm"]["rollout_correction"]["bypass_mode"]:  # the rollout correction's bypass
             batch.setdefault("old_logprobs", batch["rollout_logprobs"])  # the old log-probs are vLLM's
-        if run.capture:
-            t["old_log_prob"] = 0.0  # the on-policy shortcut (or bypass_mode): no pass
-        else:
+        if run.capture:  # the on-policy shortcut (or bypass_mode): no old-log-prob pass
+            t["old_log_prob"] = 0.0
+            reference_logprobs(run, batch, t)
+        else:  # the old-log-prob pass, the reference's, then the rollout correction: veRL's order
             m.update(old_logprob_pass(run, batch, t))
-        if run.ref is not None and "ref_logprobs" not in batch:
-            with timed(t, "ref"), run.reference(run.ref):  # LoRA: the policy with its adapters off
-                batch["ref_logprobs"], _ = compute_logprobs(run, run.ref, batch)
         if "advantages" not in batch:
             with timed(t, "adv"):
                 m.update(compute_advantages(run, batch))
@@ -228,15 +226,25 @@ def score_samples(run: "Run", samples: list, prompts: list[dict]) -> tuple[torch
 def old_logprob_pass(run: "Run", batch: dict, t: dict) -> dict:
     """old_log_prob, when the update cannot give them (several mini-batches or epochs, a feature that needs them
     before the update, a dump): the sampling policy's log-probs (the PPO ratio's denominator), with actor/entropy
-    and the sync proof; then rollout_corr (correct_rollout) against vLLM's."""
+    and the sync proof; then the reference's (ref), and rollout_corr (correct_rollout) against vLLM's, whose
+    rejection must not reach the reference's log-probs (the KL in the reward reads every sampled token)."""
     with timed(t, "old_log_prob"):
         old, entropy = compute_logprobs(run, run.policy, batch, entropy_fn=losses.entropy_from_logits)
     out = metrics.old_logprob_metrics(batch, old, entropy, run.cfg)
     batch.setdefault("old_logprobs", old)  # a replayed batch keeps its dumped ones
+    reference_logprobs(run, batch, t)
     if "rollout_logprobs" in batch:  # all but a replay of a dump without vLLM's log-probs
         with timed(t, "rollout_corr"):
             out.update(correct_rollout(run, batch, batch["old_logprobs"]))
     return out
+
+
+def reference_logprobs(run: "Run", batch: dict, t: dict) -> None:
+    """ref: the reference model's log-probs, batch["ref_logprobs"] [B, R], for the KL loss or the KL in the reward
+    (none without a reference; a replayed batch keeps its dumped ones)."""
+    if run.ref is not None and "ref_logprobs" not in batch:
+        with timed(t, "ref"), run.reference(run.ref):  # LoRA: the policy with its adapters off
+            batch["ref_logprobs"], _ = compute_logprobs(run, run.ref, batch)
 
 
 def compute_logprobs(run: "Run", model, batch: dict, entropy_fn=None) -> tuple:

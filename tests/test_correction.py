@@ -56,7 +56,9 @@ def test_the_dump_holds_the_corrected_batch_computed_over_both_ranks(corrected, 
     """From the dumped global batch, written out here from veRL's formulas: the sequence IS weights (product of
     the token ratios over every sampled token, capped at 2), the token_k3 rejection mask (holes included), the
     logged rejected fraction (over both ranks' tokens), the advantages over the surviving tokens only, and each
-    reward = veRL's GSM8K score + DAPO's overlong penalty of its length."""
+    reward = veRL's GSM8K score + DAPO's overlong penalty of its length. The reference's log-probs are taken
+    before the rejection, as veRL's: at step 1 the reference IS the policy, so they are the old ones on every
+    sampled token, the rejected ones included (the KL in the reward reads them there)."""
     import json
 
     from transformers import AutoTokenizer
@@ -81,6 +83,9 @@ def test_the_dump_holds_the_corrected_batch_computed_over_both_ranks(corrected, 
         last = (d["response_mask"] * torch.arange(width)).amax(-1)
         holes += int(((d["response_mask"].sum(-1) < last + 1) & (d["response_mask"].sum(-1) > 0)).sum())
         assert torch.equal(d["advantages"] != 0, (d["advantages"] != 0) & d["response_mask"].bool())
+        if step == 1:
+            assert torch.allclose(d["ref_logprobs"], d["old_logprobs"], rtol=0, atol=1e-5)
+            assert (d["ref_logprobs"] * sampled.float()).ne(0).sum() == sampled.sum()  # no token left at 0
         for k in range(BATCH * N):
             text = tokenizer.decode(d["input_ids"][k, -width:][sampled[k].bool()], skip_special_tokens=True)
             truth = reward.extract_ground_truth(train[(step - 1) * BATCH + k // N]["answer"])
