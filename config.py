@@ -54,6 +54,7 @@ SCHEMA = {
         "shuffle": False,
         "filter_overlong_prompts": True,
         "val_max_samples": (-1, "-1 (all) or >= 1"),
+        "apply_chat_template_kwargs": (None, dict),  # e.g. {enable_thinking: false} (Qwen3), training and validation
     },
     "rollout": {
         "n": (8, GE1),
@@ -372,6 +373,12 @@ def check_config(cfg: dict) -> dict:
     if ro["val_n"] > 1 and ro["val_temperature"] == 0:
         raise ConfigError(
             f"config: rollout.val_n = {ro['val_n']} needs rollout.val_temperature > 0 (greedy samples are all the same)"
+        )
+    if not tr["val_only"] and (ro["top_p"] < 1 or ro["top_k"] != -1):
+        raise ConfigError(
+            f"config: rollout.top_p = {ro['top_p']}, rollout.top_k = {ro['top_k']}; accepted for training: top_p 1 "
+            "and top_k -1 (vLLM returns the log-probs of the truncated, renormalised distribution it samples from, "
+            "which the trainer's whole softmax does not reproduce; rollout.val_top_p / val_top_k may truncate)"
         )
     if ob["enable"] and not 0 < ob["len"] <= d["max_response_length"]:
         raise ConfigError(

@@ -125,7 +125,10 @@ def _gsm8k_row(r: dict, index: int, where: str) -> dict:
 def filter_overlong(rows: list[dict], tokenizer, d: dict) -> tuple[list[dict], int]:
     """Drop prompts longer than data.max_prompt_length tokens (never truncate; a prompt of exactly that many
     tokens is kept); returns (kept, dropped)."""
-    kept = [r for r in rows if len(rollout.render_prompt(tokenizer, r["prompt"])) <= d["max_prompt_length"]]
+    template_kwargs = d["apply_chat_template_kwargs"]
+    kept = [
+        r for r in rows if len(rollout.render_prompt(tokenizer, r["prompt"], template_kwargs)) <= d["max_prompt_length"]
+    ]
     if not d["filter_overlong_prompts"] and len(kept) < len(rows):
         raise ValueError(
             f"data: {len(rows) - len(kept)} prompts exceed data.max_prompt_length="

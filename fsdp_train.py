@@ -25,11 +25,14 @@ that of one process on the full batch, however unevenly tokens fall on micro-bat
 (tests/test_fsdp_train.py checks it against a plain PyTorch reference).
 """
 
+import copy
 import glob
+import importlib.util
 import math
 import os
 import re
 import shutil
+import sys
 import time
 import types
 from collections.abc import Callable
@@ -37,6 +40,7 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+import transformers
 from accelerate import init_empty_weights
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
@@ -48,7 +52,8 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
 from torch.utils.checkpoint import checkpoint
 from transformers import AutoConfig, AutoModelForCausalLM
-from transformers.modeling_utils import load_state_dict  # safetensors' reader and writer
+from transformers.conversion_mapping import get_model_conversion_mapping
+from transformers.core_model_loading import WeightConverter, revert_weight_conversion
 
 SEQ_KEYS = ("input_ids", "attention_mask")  # [B, P + R]; every other 2-D tensor is [B, R]
 
@@ -120,10 +125,13 @@ def load_model(
     does more than the output embedding (logit_rules.logits_head), kept as model.logits_head.
     """
     config = AutoConfig.from_pretrained(path)
+    model_class = trainer_model_class(path, config)  # before anything loads: an unsupported model stops here
     compute_dtype = compute_dtype or param_dtype
     with init_empty_weights(include_buffers=False):  # parameters on meta; small buffers (RoPE) real
-        model = AutoModelForCausalLM.from_config(config, dtype=param_dtype)
+        model = model_class._from_config(without_dropout(config), dtype=param_dtype)
+    model.config = config  # the checkpoint's keys (export_hf writes them); the modules were built without dropout
     model.tie_weights()  # init_empty_weights re-registers parameters, which unties lm_head from embed_tokens
+    model.checkpoint_names = checkpoint_names(model)  # what the push calls each parameter
     settings, convert, trains = adapt(model) if adapt else (None, None, None)  # e.g. LoRA's layers
     model.adapter_settings = settings
     buffers = {name: b.clone() for name, b in model.named_buffers()}
@@ -133,7 +141,7 @@ def load_model(
     # every parameter in and every gradient out on each forward/backward for nothing: ~10% here).
     if dist.get_world_size() > 1 or any(p.dtype != compute_dtype for p in model.parameters()):
         mp = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
-        for layer in model.get_decoder().layers:
+        for layer in decoder_layers(model):
             fully_shard(layer, mp_policy=mp)
         fully_shard(model, mp_policy=mp)
     model.to_empty(device=device)
@@ -141,7 +149,7 @@ def load_model(
     with torch.no_grad():
         for name, b in model.named_buffers():
             b.copy_(buffers[name])
-    full = _read_hf_weights(path, param_dtype, config) if dist.get_rank() == 0 else {}
+    full = _read_hf_weights(model_class, path, param_dtype) if dist.get_rank() == 0 else {}
     if convert is not None and dist.get_rank() == 0:
         full = convert(full)
     set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
@@ -153,15 +161,93 @@ def load_model(
     return model
 
 
-def _read_hf_weights(path: str, dtype: torch.dtype, config) -> dict[str, torch.Tensor]:
-    weights = {}
-    for file in sorted(glob.glob(os.path.join(path, "*.safetensors"))):
-        weights.update({k: v.to(dtype) for k, v in load_state_dict(file).items()})
-    if not weights:
-        raise FileNotFoundError(f"load_model: no *.safetensors weights in {path}")
-    if getattr(config, "tie_word_embeddings", False):
-        weights.setdefault("lm_head.weight", weights["model.embed_tokens.weight"])
-    return weights
+def trainer_model_class(path: str, config) -> type:
+    """The family's causal-LM class (transformers' AutoModelForCausalLM choice for config), taken from the
+    trainer's OWN copy of its modeling module: the same source file, executed once more under another module
+    name (`<module>_trainer`), so every class in it (model, decoder, layers, attention) is one that no other
+    library in the process ever sees.
+
+    Why: the rollout engine lives in this process, and vLLM serves some families through its Transformers
+    backend (vLLM 0.32: OLMo 1-3, GPT-NeoX, SmolLM3, StarCoder2, Phi-1/2, GLM, ...), which decorates
+    transformers' decoder class for the whole process (support_torch_compile: an extra base class, a new
+    __init__ and __call__). A trainer module of the shared class then fails (`'Olmo2Model' object has no
+    attribute 'do_not_compile'`) or would be compiled by vLLM. docs/running.md, "Bring your model".
+    Raises UnsupportedModel (one line) for a model type with no causal-LM class in transformers."""
+    auto_classes = AutoModelForCausalLM._model_mapping
+    if type(config) not in auto_classes:
+        raise UnsupportedModel(
+            f"model {path}: model_type {config.model_type!r} has no causal-LM class in transformers "
+            f"{transformers.__version__} (AutoModelForCausalLM); supported: decoder-only language models, e.g. "
+            "qwen2, qwen3, llama, mistral, gemma2, gemma3_text, phi3, olmo2, gpt_neox"
+        )
+    shared = auto_classes[type(config)]
+    name = shared.__module__ + "_trainer"
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, sys.modules[shared.__module__].__file__)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module  # before it runs: its dataclasses look themselves up there
+        spec.loader.exec_module(module)
+    return getattr(sys.modules[name], shared.__name__)
+
+
+def checkpoint_names(model) -> dict[str, str]:
+    """Parameter name -> its name in the checkpoint format (what save_pretrained writes and every vLLM loader
+    reads), where the two differ: transformers' own key conversion for the family, reversed
+    (revert_weight_conversion; GPT-NeoX: lm_head.weight -> embed_out.weight). Raises UnsupportedModel (one line)
+    for a family whose conversion merges checkpoint tensors into one parameter (the experts of Mixture-of-Experts
+    models): one pushed tensor would be several checkpoint tensors."""
+    params = {name: torch.empty(0, device="meta") for name, _ in model.named_parameters()}
+    merges = [c for c in get_model_conversion_mapping(model, add_legacy=False) if isinstance(c, WeightConverter)]
+    if merges:
+        patterns = [p for c in merges for p in c.source_patterns]
+        raise UnsupportedModel(
+            f"model {model.config.name_or_path}: {type(model).__name__}: transformers merges checkpoint tensors "
+            f"into one parameter ({', '.join(patterns[:3])}): Mixture-of-Experts models are not supported yet; "
+            "supported: dense decoder-only models"
+        )
+    by_tensor = {id(t): name for name, t in revert_weight_conversion(model, dict(params)).items()}
+    return {name: by_tensor[id(t)] for name, t in params.items() if by_tensor[id(t)] != name}
+
+
+DROPOUT_KEY = re.compile(r"dropout|pdrop")  # attention_dropout, hidden_dropout, resid_pdrop, embd_pdrop, ...
+
+
+def without_dropout(config):
+    """A copy of config with every dropout probability 0 (float keys matching DROPOUT_KEY, in the text config
+    too). vLLM applies no dropout: a training pass with it would differentiate another policy than the one
+    that sampled, and the old log-probs would not match vLLM's (TRL's disable_dropout, on by default)."""
+    config = copy.deepcopy(config)
+    for part in {id(c): c for c in (config, config.get_text_config())}.values():
+        for key, value in part.to_dict().items():
+            if DROPOUT_KEY.search(key) and type(value) is float and value > 0:
+                setattr(part, key, 0.0)
+    return config
+
+
+def decoder_layers(model) -> list[torch.nn.Module]:
+    """The blocks FSDP2 shards one by one: the modules of the classes transformers names in the model's
+    _no_split_modules (its decoder layers: Qwen2DecoderLayer, GPTNeoXLayer, ...), as accelerate's device maps."""
+    blocks = set(getattr(model, "_no_split_modules", None) or [])
+    layers = [m for m in model.modules() if type(m).__name__ in blocks]
+    if not layers:
+        raise UnsupportedModel(
+            f"model {model.config.name_or_path}: {type(model).__name__} names no decoder layer "
+            f"in _no_split_modules ({sorted(blocks)}): nothing for FSDP2 to shard per block"
+        )
+    return layers
+
+
+def _read_hf_weights(model_class, path: str, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """The checkpoint as transformers itself loads it (from_pretrained: its key conversion for the family, its
+    tied weights), named as the model's own parameters, in dtype, on CPU (rank 0 only). A weight the checkpoint
+    lacks is an error, not a random initialisation."""
+    model, info = model_class.from_pretrained(path, dtype=dtype, output_loading_info=True)
+    if info["missing_keys"] or info["mismatched_keys"]:
+        raise UnsupportedModel(
+            f"model {path}: the checkpoint lacks or mis-shapes weights the model needs "
+            f"(missing {sorted(info['missing_keys'])[:4]}, mismatched {sorted(info['mismatched_keys'])[:4]})"
+        )
+    return model.state_dict()
 
 
 def make_optimizer(
@@ -762,7 +848,7 @@ def export_hf(model, out_dir: str, tokenizer=None, convert=None) -> str:
         if convert is not None:
             full = convert(full, tmp)
         with torch.device("meta"):  # a plain (un-FSDP'd) model, so config.architectures stays the HF class
-            plain = AutoModelForCausalLM.from_config(model.config)
+            plain = trainer_model_class(out_dir, model.config)._from_config(model.config)
         plain.generation_config = model.generation_config
         plain.save_pretrained(tmp, state_dict=full, safe_serialization=True)
         if tokenizer is not None:

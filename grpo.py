@@ -73,7 +73,7 @@ def main(argv=None) -> int:
         if args.print_config:
             return config.print_config(cfg)
         return evaluate(cfg) if cfg["trainer"]["val_only"] else train(cfg)
-    except (*config.ONE_LINE_ERRORS, metrics.OutOfSync) as e:
+    except (*config.ONE_LINE_ERRORS, rollout.UnservableModel, metrics.OutOfSync) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
 
@@ -198,6 +198,7 @@ def sample_groups(run: "Run", prompts: list[dict], t: dict) -> list[dict]:
             top_k=sampling["top_k"],
             max_tokens=run.cfg["data"]["max_response_length"],
             seed=seed,
+            template_kwargs=run.cfg["data"]["apply_chat_template_kwargs"],
         )
     with timed(t, "reward"):
         rewards, extras = score_samples(run, samples, prompts)
@@ -343,13 +344,18 @@ def update_weights(run: "Run", step: int, t: dict) -> dict:
     steps, prove it (rollout/sync_check: vLLM vs trainer log-probs on a probe)."""
     with timed(t, "update_weights"):
         rollout.wake(run.llm, ["weights"])
-        sync.push_weights(run.llm, sync.full_params(run.policy, sync.engine_dtype(run.llm)))
+        push(run.llm, run.policy)
         rollout.wake(run.llm, ["kv_cache"])
     every = run.cfg["trainer"]["sync_check_every"]
     if not every or step % every:
         return {}
     with timed(t, "sync_check"):
         return {"rollout/sync_check": sync_gap(run)}
+
+
+def push(llm, model) -> None:
+    """The model's full weights into the engine: cast to the engine's dtype, under the checkpoint's names."""
+    sync.push_weights(llm, sync.full_params(model, sync.engine_dtype(llm), model.checkpoint_names))
 
 
 def sync_gap(run: "Run") -> float:
@@ -455,13 +461,15 @@ def validate(run: "Run", step: int) -> dict:
             top_k=sampling["val_top_k"],
             max_tokens=run.cfg["data"]["max_response_length"],
             seed=run.cfg["trainer"]["seed"] + lo * n if sampling["val_temperature"] > 0 else None,
+            template_kwargs=run.cfg["data"]["apply_chat_template_kwargs"],
         )
     rewards, extras = score_samples(run, samples, mine)
     scores, generations = [], []  # one per sample: what the metrics read; what validation_data_dir writes
     for k, sample in enumerate(samples):
         row = mine[k // n]
         scores.append({"data_source": row["data_source"], "uid": lo + k // n, "reward": rewards[k].item(), **extras[k]})
-        generations.append({"input": row["prompt"][-1]["content"], "output": sample.text, "gts": row["ground_truth"]})
+        prompt = run.tokenizer.decode(sample.prompt_ids, skip_special_tokens=True)  # veRL's: the rendered prompt
+        generations.append({"input": prompt, "output": sample.text, "gts": row["ground_truth"]})
     parts = [None] * run.world
     dist.all_gather_object(parts, (scores, generations))
     scores = [s for part_scores, _ in parts for s in part_scores]
@@ -505,6 +513,8 @@ def setup(cfg: dict) -> Run:
         )
     cluster.seed_everything(trainer["seed"] + rank)
     model_path, tokenizer, train_rows, val_rows, total_steps = load_data(cfg, rank, world)
+    if not trainer["replay_batches"]:  # a model vLLM cannot serve stops here, before the trainer loads it
+        rollout.check_servable(model_path)
     policy, ref = load_models(cfg, model_path, device)
     optimizer, scheduler = build_optimizer(cfg, policy, total_steps)
     start, extra = cluster.resume(cfg, policy, optimizer, scheduler, rank, world)
@@ -536,7 +546,7 @@ def setup(cfg: dict) -> Run:
     if not trainer["replay_batches"]:  # the engine, one per rank, AFTER torch.distributed (replay needs none)
         run.llm = start_engine(cfg, model_path, rank)
         if start > 1 or cfg["model"]["lora_adapter_path"]:  # the engine loaded model.path: push what trains
-            sync.push_weights(run.llm, sync.full_params(policy, sync.engine_dtype(run.llm)))
+            push(run.llm, policy)
     run.exact = exact_run(cfg, run.llm)
     if run.exact and run.llm is not None:  # before step 1 too: the engine and the trainer agree on the weights
         metrics.judge_sync(cfg, rank, start - 1, {"rollout/sync_check": sync_gap(run)}, exact=True)
@@ -727,12 +737,14 @@ def evaluate(cfg: dict):
     rank, world, device = fsdp_train.init_distributed()
     score = data.make_scorer(cfg)
     logs.route_library_logs(cfg["trainer"]["output_dir"], rank, cfg["trainer"]["verbose"])
-    model_path, _, _, val_rows, _ = load_data(cfg, rank, world, train=False)
-    run = Run(cfg=cfg, rank=rank, world=world, val_rows=val_rows, score=score, llm=start_engine(cfg, model_path, rank))
+    model_path, tokenizer, _, val_rows, _ = load_data(cfg, rank, world, train=False)
+    rollout.check_servable(model_path)
+    llm = start_engine(cfg, model_path, rank)
+    run = Run(cfg=cfg, rank=rank, world=world, val_rows=val_rows, score=score, llm=llm, tokenizer=tokenizer)
     if cfg["model"]["lora_adapter_path"]:  # LoRA: the base with the adapter, pushed merged into the engine
         adapt, head = config.lora_adapter(cfg, model_path), logit_rules.logits_head
         model = fsdp_train.load_model(model_path, device=device, trainable=False, adapt=adapt, head=head)
-        sync.push_weights(run.llm, sync.full_params(model, sync.engine_dtype(run.llm)))
+        push(run.llm, model)
     logger = logs.MetricsLogger(cfg, rank, resume_step=0, file="val_metrics.jsonl")
     logger.log(0, validate(run, 0))
     logger.close()

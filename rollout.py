@@ -16,7 +16,10 @@ On GPU the engine can sleep while the trainer updates (sleep/wake below); on CPU
 import os
 from dataclasses import dataclass
 
-from vllm import LLM, SamplingParams
+import transformers
+import vllm
+from transformers import AutoConfig
+from vllm import LLM, ModelRegistry, SamplingParams
 from vllm.inputs import TokensPrompt
 from vllm.platforms import current_platform
 
@@ -85,10 +88,42 @@ def make_engine(
     )
 
 
-def render_prompt(tokenizer, messages: list[dict]) -> list[int]:
-    """Chat messages -> prompt token ids, as veRL: the chat template with add_generation_prompt=True,
-    then tokenised without adding special tokens."""
-    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+class UnservableModel(ValueError):
+    """A model vLLM cannot serve; the message is one line."""
+
+
+def check_servable(model_path: str) -> None:
+    """Stop, in one line, before anything loads, when vLLM cannot serve the model: its architecture is neither
+    one of vLLM's own (ModelRegistry.get_supported_archs(), the families its Transformers backend serves
+    included) nor a transformers class that backend can run (attention through transformers' attention
+    interface: is_backend_compatible() or _can_set_attn_implementation(), vLLM 0.32's test in
+    vllm/model_executor/models/registry.py, _try_resolve_transformers). vLLM itself would say so at engine start,
+    after the trainer loaded, in a message listing its ~400 architectures."""
+    architectures = AutoConfig.from_pretrained(model_path).architectures or []
+    if not any(_servable(a) for a in architectures):
+        raise UnservableModel(
+            f"model {model_path}: vLLM {vllm.__version__} cannot serve {architectures}: not one of its architectures, "
+            "and not a transformers model its Transformers backend can run (attention through transformers' attention "
+            "interface); supported: vllm.ModelRegistry.get_supported_archs() and such transformers models"
+        )
+
+
+def _servable(architecture: str) -> bool:
+    """One of vLLM's architectures, or a transformers class its Transformers backend can run."""
+    model_class = getattr(transformers, architecture, None)
+    backend_runs = model_class is not None and (
+        model_class.is_backend_compatible() or model_class._can_set_attn_implementation()
+    )
+    return architecture in ModelRegistry.get_supported_archs() or backend_runs
+
+
+def render_prompt(tokenizer, messages: list[dict], template_kwargs: dict | None = None) -> list[int]:
+    """Chat messages -> prompt token ids, as veRL: the chat template with add_generation_prompt=True (and
+    template_kwargs, veRL's data.apply_chat_template_kwargs: {"enable_thinking": False} for Qwen3), then tokenised
+    WITHOUT adding special tokens: a template that writes the BOS (Llama 3, Gemma) gets one, never two."""
+    text = tokenizer.apply_chat_template(
+        messages, add_generation_prompt=True, tokenize=False, **(template_kwargs or {})
+    )
     return tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
@@ -103,17 +138,19 @@ def generate(
     max_tokens: int,
     seed: int | None = None,
     prompt_ids: list[list[int]] | None = None,
+    template_kwargs: dict | None = None,
 ) -> list[Sample]:
     """Sample n responses for each chat prompt; returns len(prompts) * n Samples, the n samples of a
     prompt consecutive. temperature=0 (with n=1) is greedy: validation uses this same function.
 
     seed: if given, prompt i is sampled with seed + i * n (vLLM gives its n children seed + j), so
     the samples do not depend on batch composition or engine state: a resumed run resamples the same.
-    prompt_ids: already rendered prompts (render_prompt), to skip re-tokenising.
+    prompt_ids: already rendered prompts (render_prompt), to skip re-tokenising; else render_prompt with
+    template_kwargs renders them.
     """
     tokenizer = llm.get_tokenizer()
     if prompt_ids is None:
-        prompt_ids = [render_prompt(tokenizer, m) for m in prompts]
+        prompt_ids = [render_prompt(tokenizer, m, template_kwargs) for m in prompts]
     if len(prompt_ids) != len(prompts):
         raise ValueError(f"generate: {len(prompts)} prompts but {len(prompt_ids)} prompt_ids")
     params = [

@@ -32,7 +32,9 @@ def _hf_name(name: str) -> str:
     return name
 
 
-def full_params(model: torch.nn.Module, dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+def full_params(
+    model: torch.nn.Module, dtype: torch.dtype | None = None, names: dict[str, str] | None = None
+) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield (hf_name, full tensor) for each parameter, one at a time (streaming: at most one
     gathered parameter is alive per step, never a second full copy of the model).
 
@@ -40,7 +42,9 @@ def full_params(model: torch.nn.Module, dtype: torch.dtype | None = None) -> Ite
     `full_tensor()` all-gathers one parameter, so EVERY rank must consume this generator in step.
     dtype (the engine's, engine_dtype(llm)): each SHARD is cast before the gather, so a bf16 engine
     receives half the bytes of fp32 master weights (vLLM would round them to bf16 anyway; exact in fp32).
-    A tied lm_head is not listed (named_parameters() deduplicates it).
+    A tied lm_head is not listed (named_parameters() deduplicates it). names: HF parameter name -> the name the
+    checkpoint (and so vLLM's loader) uses, where they differ (GPT-NeoX's lm_head.weight is embed_out.weight in
+    its checkpoints; fsdp_train.checkpoint_names).
 
     A layer that computes with one merged weight (a module with a merged_weight method over its base_layer, as
     lora.LoraLinear: W + (B @ A) * scaling in fp32 from the full tensors, then cast) is yielded MERGED under the
@@ -53,15 +57,17 @@ def full_params(model: torch.nn.Module, dtype: torch.dtype | None = None) -> Ite
     for name, param in model.named_parameters():
         layer = merged_layers.get(name.rsplit(".", 2)[0])  # "<module>.base_layer.weight" -> "<module>"
         if layer is not None and name.endswith(".base_layer.weight"):
-            yield _hf_name(name.replace(".base_layer.", ".")), layer.merged_weight(dtype)
+            yield _checkpoint_name(name, names), layer.merged_weight(dtype)
             continue
         if layer is not None and not name.endswith(".base_layer.bias"):
             continue  # the adapters: inside the merged weight
         param = param.detach() if dtype is None else param.detach().to(dtype)  # a DTensor casts its local shard
-        yield (
-            _hf_name(name.replace(".base_layer.", ".")),
-            param.full_tensor() if hasattr(param, "full_tensor") else param,
-        )
+        yield _checkpoint_name(name, names), param.full_tensor() if hasattr(param, "full_tensor") else param
+
+
+def _checkpoint_name(name: str, names: dict[str, str] | None) -> str:
+    hf_name = _hf_name(name.replace(".base_layer.", "."))
+    return (names or {}).get(hf_name, hf_name)
 
 
 def engine_dtype(llm: LLM) -> torch.dtype:

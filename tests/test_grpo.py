@@ -88,6 +88,9 @@ def test_defaults_yaml_and_overrides(tmp_path):
         ("rollout.temperature=-1", "rollout.temperature = -1.0; accepted: > 0"),
         ("rollout.top_p=2", "rollout.top_p = 2.0; accepted: 0 < value <= 1"),
         ("rollout.top_k=0", "rollout.top_k = 0; accepted: -1 (off) or >= 1"),
+        ("rollout.top_p=0.8", "rollout.top_p = 0.8, rollout.top_k = -1; accepted for training: top_p 1 and top_k -1"),
+        ("rollout.top_k=50", "rollout.top_p = 1.0, rollout.top_k = 50; accepted for training: top_p 1 and top_k -1"),
+        ("data.apply_chat_template_kwargs=thinking", "data.apply_chat_template_kwargs = 'thinking' has type str"),
         ("actor.grad_clip=-1", "actor.grad_clip = -1.0; accepted: > 0"),
         ("data.max_response_length=0", "data.max_response_length = 0; accepted: >= 1"),
         ("trainer.total_steps=0", "trainer.total_steps = 0; accepted: >= 1"),
@@ -597,7 +600,7 @@ def test_overlong_prompts_are_filtered_and_counted_never_truncated(tiny_tokenize
         {"prompt": [{"role": "user", "content": "short"}], "ground_truth": "1"},
         {"prompt": [{"role": "user", "content": "long " * 200}], "ground_truth": "2"},
     ]
-    d = {"max_prompt_length": 64, "filter_overlong_prompts": True}
+    d = {"max_prompt_length": 64, "filter_overlong_prompts": True, "apply_chat_template_kwargs": None}
     kept, dropped = data.filter_overlong(rows, tiny_tokenizer, d)
     assert kept == rows[:1] and dropped == 1 and kept[0] is rows[0]
     with pytest.raises(ValueError, match="1 prompts exceed data.max_prompt_length=64"):

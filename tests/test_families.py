@@ -1,0 +1,355 @@
+"""Bring your model: every dense family in FAMILIES trains through grpo.py (1 rank, fp32), and the quirks of real
+checkpoints are handled. One tiny random model per family (tiny.save_random_family_model, ~1 s each), two runs per
+family in one module fixture: 2 steps (the start-up and per-step sync checks: vLLM serves what the trainer trains,
+after every push), then resumed from its step-2 checkpoint for a third step; run 1's export (hf/, written at step 2)
+reloads in transformers' own from_pretrained with the log-probs the resumed trainer computed at step 3 (its old
+log-probs, dumped), within fp32_noise.FACTOR x the fp32 noise measured here.
+
+OLMo 2 and GPT-NeoX are served by vLLM 0.32 through its Transformers backend, which changes transformers' decoder
+class for the whole process: without fsdp_train.trainer_model_class (the trainer's own copy of the modeling module)
+both stop at step 0 (`'Olmo2Model' object has no attribute 'do_not_compile'`). GPT-NeoX's weights are not named as
+Llama's (gpt_neox.embed_in, embed_out): the trainer's reading through transformers' from_pretrained is what loads
+them. Qwen2 is the default tiny model of every other test (test_grpo: resume, export, 2 ranks).
+
+The quirky checkpoint (one run, tests below): a Qwen2 whose config, tokenizer and generation config carry the
+quirks real checkpoints have (docs/running.md, "Bring your model")."""
+
+import copy
+import json
+import os
+
+import pytest
+import safetensors
+import torch
+import transformers
+from test_grpo import one_error_line, read_metrics, run_grpo
+from tokenizers import processors
+from transformers import AutoModelForCausalLM, GenerationConfig
+
+import fp32_noise
+import tiny
+
+# family -> (config class, its keys on top of tiny.TINY). Untied heads where the released models have them.
+FAMILIES = {
+    "qwen3": (transformers.Qwen3Config, {}),
+    "llama": (transformers.LlamaConfig, dict(tie_word_embeddings=False)),  # Llama 3 8B: an untied head
+    "mistral": (transformers.MistralConfig, dict(tie_word_embeddings=False)),
+    "gemma2": (transformers.Gemma2Config, {}),  # tied, soft-capped logits (logit_rules)
+    "gemma3": (transformers.Gemma3TextConfig, dict(sliding_window=16)),  # local and global layers
+    "phi3": (transformers.Phi3Config, dict(tie_word_embeddings=False)),
+    "olmo2": (transformers.Olmo2Config, dict(tie_word_embeddings=False)),  # vLLM: Transformers backend
+    "gpt_neox": (transformers.GPTNeoXConfig, dict(num_key_value_heads=4, tie_word_embeddings=False)),  # idem; MHA
+}
+RUN = [
+    "trainer.total_steps=2",
+    "trainer.save_every=2",
+    "trainer.val_every=0",
+    "trainer.plot=false",
+    "actor.entropy_coeff=0.01",  # random rewards are all 0: the entropy bonus moves the weights, the push matters
+    "actor.lr=1e-3",
+]
+RESUMED = ["trainer.total_steps=3", "trainer.resume=auto", "trainer.export_hf=false"]
+SYNC = 1e-4  # vLLM against the trainer after a push, fp32 (docs/cpu-notes.md), as test_logit_rules
+
+
+@pytest.fixture(scope="module")
+def family_models(tiny_tokenizer, tmp_path_factory):
+    """family -> the path of its tiny random model (the tiny tokenizer), built on first use (~1 s)."""
+    root, paths = tmp_path_factory.mktemp("family-models"), {}
+
+    def get(family):
+        if family not in paths:
+            config_class, keys = FAMILIES[family]
+            paths[family] = tiny.save_random_family_model(
+                str(root / family), tiny_tokenizer, config_class, seed=1, **keys
+            )
+        return paths[family]
+
+    return get
+
+
+@pytest.fixture(scope="module")
+def family_runs(family_models, tiny_build, tmp_path_factory):
+    """family -> (model path, run directory, run 1's process, the resumed run's process), run on first use."""
+    root, runs = tmp_path_factory.mktemp("families"), {}
+
+    def get(family):
+        if family not in runs:
+            path, out = family_models(family), root / family / "run"
+            first = run_grpo(out, 1, f"model.path={path}", *RUN, check=False)
+            resumed = None
+            if first.returncode == 0:
+                dump = f"trainer.dump_batches={out / 'dump'}"
+                resumed = run_grpo(out, 1, f"model.path={path}", *RUN, *RESUMED, dump, check=False)
+            runs[family] = path, out, first, resumed
+        return runs[family]
+
+    return get
+
+
+def plain_logprobs(model, b: dict) -> dict:
+    """log_softmax of transformers' own forward (no chunks), at the response tokens: {"logp": [B, R]}."""
+    r = b["response_mask"].shape[1]
+    pos = (b["attention_mask"].cumsum(-1) - 1).clamp(min=0)
+    with torch.no_grad():
+        logits = model(input_ids=b["input_ids"], attention_mask=b["attention_mask"], position_ids=pos).logits
+        logp = torch.log_softmax(logits[:, -r - 1 : -1], -1).gather(-1, b["input_ids"][:, -r:, None])[..., 0]
+    return {"logp": logp * b["response_mask"]}  # [B, R]
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_a_family_trains_pushes_resumes_and_exports(family_runs, family):
+    path, out, first, resumed = family_runs(family)
+    assert first.returncode == 0, first.stderr[-3000:]
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    logged = [r for r in read_metrics(out) if "training/global_step" in r]
+    assert [r["training/global_step"] for r in logged] == [1, 2, 3]
+    assert all(r["actor/grad_norm"] > 0 for r in logged)
+    worst = max(max(r["rollout/logprob_diff_max"], r["rollout/sync_check"]) for r in logged)
+    print(f"{family}: vLLM vs trainer {worst:.3g} nats at most over 3 steps (one resumed)")
+    assert worst <= SYNC
+    # run 1's export = the weights the resumed run trained from: its step-3 old log-probs
+    b = torch.load(out / "dump" / "step_3.pt")
+    export = AutoModelForCausalLM.from_pretrained(out / "hf", dtype=torch.float32)
+    assert type(export).__module__.startswith("transformers.models.")  # transformers' class, not the trainer's
+    ref, noise = fp32_noise.measure(
+        lambda dtype: plain_logprobs(fp32_noise.float64_copy(export) if dtype == torch.float64 else export, b)
+    )
+    fp32_noise.check(b["old_logprobs"] * b["response_mask"], ref["logp"], noise["logp"], f"{family} export")
+    saved = json.loads((out / "hf" / "config.json").read_text())
+    assert saved["architectures"] == json.loads(open(os.path.join(path, "config.json")).read())["architectures"]
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_the_trainer_loads_what_transformers_loads_and_pushes_the_checkpoints_names(family_models, family):
+    """fsdp_train.load_model (weights through transformers' from_pretrained, in the trainer's own class): the logits
+    of transformers' AutoModelForCausalLM.from_pretrained; sync.full_params with the model's checkpoint_names: the
+    checkpoint's own tensor names (what vLLM's loaders read; GPT-NeoX's head is embed_out there, lm_head in the
+    module), a tied head left out as vLLM skips it."""
+    import fsdp_train as ft
+    import logit_rules
+    import sync
+
+    path = family_models(family)
+    ft.init_distributed()
+    model = ft.load_model(path, device=torch.device("cpu"), head=logit_rules.logits_head)
+    reference = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    ids = torch.tensor([[(3 + 11 * i) % 400 for i in range(20)]])
+    with torch.no_grad():
+        assert torch.equal(model.eval()(input_ids=ids).logits, reference(input_ids=ids).logits)
+    pushed = {name: tensor for name, tensor in sync.full_params(model, None, model.checkpoint_names)}
+    with safetensors.safe_open(os.path.join(path, "model.safetensors"), "pt") as f:
+        stored = {name: f.get_tensor(name) for name in f.keys()}
+    if reference.config.get_text_config().tie_word_embeddings:
+        stored.pop("lm_head.weight", None)
+    assert sorted(pushed) == sorted(stored)
+    assert all(torch.equal(pushed[name], stored[name]) for name in stored)
+
+
+def test_an_unsupported_model_stops_before_anything_loads(tiny_tokenizer, tiny_build, tmp_path):
+    """One line, before the trainer or the engine loads, naming the model, what fails and what is supported: T5 has
+    no causal-LM class in transformers (fsdp_train.trainer_model_class); RWKV has one, but vLLM cannot serve it
+    (rollout.check_servable; vLLM itself would say so after the trainer loaded, listing ~400 architectures)."""
+    t5 = str(tmp_path / "t5")
+    config = transformers.T5Config(vocab_size=len(tiny_tokenizer), d_model=64, d_kv=16, d_ff=128, num_layers=1)
+    transformers.T5ForConditionalGeneration(config).save_pretrained(t5)
+    tiny_tokenizer.save_pretrained(t5)
+    line = one_error_line(run_grpo(tmp_path / "t5-run", 1, f"model.path={t5}", check=False))
+    assert line.startswith(f"error: model {t5}: model_type 't5' has no causal-LM class in transformers "), line
+    assert "supported: decoder-only language models" in line
+    rwkv = tiny.save_random_family_model(
+        str(tmp_path / "rwkv"), tiny_tokenizer, transformers.RwkvConfig, num_hidden_layers=2, attention_hidden_size=128
+    )
+    line = one_error_line(run_grpo(tmp_path / "rwkv-run", 1, f"model.path={rwkv}", check=False))
+    assert line.startswith(f"error: model {rwkv}: vLLM 0.32.0 cannot serve ['RwkvForCausalLM']: "), line
+    assert "supported: vllm.ModelRegistry.get_supported_archs()" in line
+    assert not os.path.exists(tmp_path / "rwkv-run" / "checkpoints")
+
+
+def test_a_mixture_of_experts_model_stops_in_one_line(tiny_tokenizer, tmp_path):
+    """Qwen3-MoE: transformers merges its per-expert checkpoint tensors into one parameter, which the push would
+    have to split (fsdp_train.checkpoint_names): load_model stops with one line, before reading a weight."""
+    import fsdp_train as ft
+
+    path = tiny.save_random_family_model(
+        str(tmp_path / "moe"),
+        tiny_tokenizer,
+        transformers.Qwen3MoeConfig,
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=64,
+    )
+    ft.init_distributed()
+    with pytest.raises(ft.UnsupportedModel) as e:
+        ft.load_model(path, device=torch.device("cpu"))
+    message = str(e.value)
+    assert "\n" not in message and message.startswith(f"model {path}: Qwen3MoeForCausalLM: transformers merges"), (
+        message
+    )
+    assert "Mixture-of-Experts models are not supported yet" in message
+
+
+# ------------------------------------------------------------------------------------------ quirks
+BOS = "<|begin_of_text|>"
+THINK = "<think>\n\n</think>\n\n"  # what Qwen3's template writes after the generation prompt when thinking is off
+QUIRKY_TEMPLATE = (  # writes the BOS itself, as Llama 3's and Gemma's do; reads enable_thinking, as Qwen3's
+    "{{- bos_token }}" + tiny.CHAT_TEMPLATE + "{%- if add_generation_prompt and enable_thinking is defined and "
+    "not enable_thinking %}{{- '" + THINK.replace("\n", "\\n") + "' }}{%- endif %}"
+)
+STOP = "<|endoftext|>"  # in generation_config's eos_token_id list, not the tokenizer's eos (<|im_end|>)
+
+
+def quirky_tokenizer(tiny_tokenizer):
+    """The tiny tokenizer with a BOS that tokenising with special tokens adds (Llama 3's post-processor), a chat
+    template that writes it too, pad == eos (<|im_end|>) and Qwen3's enable_thinking."""
+    tok = copy.deepcopy(tiny_tokenizer)
+    tok.add_special_tokens({"bos_token": BOS})
+    bos = tok.convert_tokens_to_ids(BOS)
+    tok._tokenizer.post_processor = processors.TemplateProcessing(
+        single=f"{BOS} $A", pair=f"{BOS} $A {BOS} $B", special_tokens=[(BOS, bos)]
+    )
+    tok.pad_token = tok.eos_token
+    tok.chat_template = QUIRKY_TEMPLATE
+    return tok
+
+
+@pytest.fixture(scope="module")
+def quirky_run(tiny_tokenizer, tiny_build, tmp_path_factory):
+    """A tiny Qwen2 with the quirks of real checkpoints, trained 2 steps at 1 rank in fp32 with validation:
+    attention_dropout 0.3; pad == eos; a BOS the template writes and the tokenizer would add again; a vocabulary
+    padded past the tokenizer's; generation_config.json with an eos list (<|im_end|>, <|endoftext|>) and sampling
+    defaults that would make every sample the same (temperature 0.01, top_k 1, top_p 0.1, repetition_penalty 1.5).
+    Its head makes both eos ids likely (most responses end with one of them within 32 tokens); the run passes
+    data.apply_chat_template_kwargs={enable_thinking: false}. Returns (tokenizer, run directory)."""
+    root = tmp_path_factory.mktemp("quirky")
+    tok, path = quirky_tokenizer(tiny_tokenizer), str(root / "model")
+    tiny.save_random_family_model(
+        path,
+        tok,
+        transformers.Qwen2Config,
+        seed=3,
+        tie_word_embeddings=False,
+        attention_dropout=0.3,
+        vocab_size=len(tok) + 15,
+        bos_token_id=tok.bos_token_id,
+        use_sliding_window=False,
+    )
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    prompt = tok.apply_chat_template([{"role": "user", "content": "2+3?"}], add_generation_prompt=True)
+    with torch.no_grad():
+        hidden = model.model(input_ids=torch.tensor([prompt["input_ids"]])).last_hidden_state[0]  # [s, h]
+        mean = hidden.mean(0)  # [h]
+        for token in (tok.eos_token_id, tok.convert_tokens_to_ids(STOP)):
+            model.lm_head.weight[token] = 2.5 * mean / mean.dot(mean)  # a logit of ~2.5 where the others are ~0
+    model.generation_config = GenerationConfig(
+        eos_token_id=[tok.eos_token_id, tok.convert_tokens_to_ids(STOP)],
+        pad_token_id=tok.pad_token_id,
+        bos_token_id=tok.bos_token_id,
+        do_sample=True,
+        temperature=0.01,
+        top_k=1,
+        top_p=0.1,
+        repetition_penalty=1.5,
+    )
+    model.save_pretrained(path)
+    out = root / "run"
+    overrides = [
+        "trainer.val_every=2",
+        "data.val_max_samples=8",
+        f"trainer.validation_data_dir={out / 'generations'}",
+        f"trainer.dump_batches={out / 'dump'}",
+        "data.apply_chat_template_kwargs={enable_thinking: false}",
+    ]
+    run_grpo(out, 1, f"model.path={path}", *RUN, *overrides)
+    return tok, out
+
+
+def quirky_dumps(out) -> list[tuple[list[int], list[int], list[int]]]:
+    """(prompt ids, response ids, response mask) of every sample the quirky run trained on, both steps."""
+    rows = []
+    for step in (1, 2):
+        b = torch.load(out / "dump" / f"step_{step}.pt")
+        width = b["response_mask"].shape[1]
+        for ids, seen, mask in zip(b["input_ids"], b["attention_mask"], b["response_mask"], strict=True):
+            prompt = ids[:-width][seen[:-width].bool()].tolist()
+            response = ids[-width:][seen[-width:].bool()].tolist()
+            rows.append((prompt, response, mask.tolist()))
+    return rows
+
+
+def test_no_training_pass_applies_dropout_and_vllm_agrees(quirky_run):
+    """attention_dropout 0.3 in the config: the trainer builds its modules without dropout (fsdp_train.without_dropout),
+    so its log-probs are vLLM's at fp32 noise on every step; the export keeps the checkpoint's keys."""
+    _, out = quirky_run
+    logged = [r for r in read_metrics(out) if "training/global_step" in r]
+    worst = max(max(r["rollout/logprob_diff_max"], r["rollout/sync_check"]) for r in logged)
+    assert worst <= SYNC, worst
+    assert json.loads((out / "hf" / "config.json").read_text())["attention_dropout"] == 0.3
+
+
+def test_the_trainer_builds_no_dropout_whatever_the_config(quirky_run):
+    """In process: load_model's policy, in training mode, gives the same logits twice and those of transformers'
+    model in eval mode; its modules hold no dropout probability above 0."""
+    import fsdp_train as ft
+
+    _, out = quirky_run
+    path = str(out / "hf")
+    ft.init_distributed()
+    policy = ft.load_model(path, device=torch.device("cpu"))
+    assert policy.training
+    ids = torch.tensor([[(5 + 7 * i) % 400 for i in range(24)]])
+    reference = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    with torch.no_grad():
+        once, twice, plain = policy(input_ids=ids).logits, policy(input_ids=ids).logits, reference(input_ids=ids).logits
+    assert torch.equal(once, twice)
+    assert torch.allclose(once, plain, rtol=0, atol=1e-5)
+    assert all(getattr(m, "attention_dropout", 0.0) == 0.0 for m in policy.modules())
+
+
+def test_every_eos_id_in_generation_config_stops_and_is_trained(quirky_run):
+    """<|endoftext|> is in generation_config's eos list, not the tokenizer's eos: vLLM stops there (nothing is
+    sampled after it) and the response mask trains it, as it trains the final <|im_end|>."""
+    tok, out = quirky_run
+    stop, eos = tok.convert_tokens_to_ids(STOP), tok.eos_token_id
+    rows = quirky_dumps(out)
+    ended = [r for _, r, _ in rows if r[-1] == stop]
+    assert len(ended) >= len(rows) // 8, (len(ended), len(rows))
+    for _, response, mask in rows:
+        assert stop not in response[:-1] and eos not in response[:-1]
+        assert mask == [1] * len(response) + [0] * (len(mask) - len(response))
+
+
+def test_the_final_eos_is_trained_when_pad_is_eos(quirky_run):
+    """pad == eos (<|im_end|>): padding never hides the final EOS from the loss. The dumps' response masks cover
+    every sampled token, the final EOS included (a mask taken as `ids != pad` would drop it)."""
+    tok, out = quirky_run
+    assert tok.pad_token_id == tok.eos_token_id
+    rows = quirky_dumps(out)
+    ended = [(r, m) for _, r, m in rows if r[-1] == tok.eos_token_id]
+    assert len(ended) >= len(rows) // 8, (len(ended), len(rows))
+    assert all(m[len(r) - 1] == 1 for r, m in ended)
+
+
+def test_one_bos_and_the_template_kwargs_in_training_and_validation(quirky_run):
+    """The template writes the BOS and tokenising adds none (rollout.render_prompt): every prompt trained on
+    starts with exactly one BOS, and vLLM saw the same ids (its log-probs are the trainer's, first test). The
+    think block that enable_thinking=false writes is in every training prompt and every validation input."""
+    tok, out = quirky_run
+    think = tok(THINK, add_special_tokens=False)["input_ids"]
+    for prompt, _, _ in quirky_dumps(out):
+        assert prompt[0] == tok.bos_token_id and prompt.count(tok.bos_token_id) == 1
+        assert prompt[-len(think) :] == think
+    generations = [json.loads(line) for line in open(out / "generations" / "2.jsonl")]
+    assert generations and all(g["input"].endswith(THINK) for g in generations)
+
+
+def test_vllm_samples_with_the_runs_keys_not_generation_configs(quirky_run):
+    """generation_config.json asks for near-greedy sampling (temperature 0.01, top_k 1, top_p 0.1) and a
+    repetition penalty; the run's keys (temperature 1, whole softmax) decide: the samples of a prompt differ,
+    and their log-probs are the trainer's plain softmax at fp32 noise (first test)."""
+    _, out = quirky_run
+    b = torch.load(out / "dump" / "step_1.pt")
+    n = 8  # tiny.yaml's rollout.n
+    groups = b["input_ids"].view(-1, n, b["input_ids"].shape[1])  # [prompts, n, S]
+    distinct = [len({tuple(row.tolist()) for row in group}) for group in groups]
+    assert min(distinct) > 1, distinct
