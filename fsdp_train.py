@@ -114,8 +114,8 @@ def load_model(
     shard it, allocate only their shards, and rank 0 reads the checkpoint and broadcasts it
     parameter by parameter. Tied embeddings stay tied (one parameter). compute_dtype (e.g. bf16 on
     GPU, as veRL) keeps `param_dtype` master weights and casts for the forward/backward only.
-    Raises UnsupportedModel (one line) when the log-prob path's head does not give the model's own logits
-    (check_logits_fn).
+    Raises UnsupportedModel (one line) for a model it cannot train (trainer_model_class, checkpoint_names,
+    decoder_layers) or whose logits the log-prob path does not reproduce (check_logits_fn).
 
     Optional features plug in here (both None by default):
     adapt(meta model) -> (settings, convert, trains) may replace modules before sharding (LoRA: lora.adapter);
@@ -124,14 +124,8 @@ def load_model(
     head(model) -> (rule, function hidden [n, h] -> logits [n, V]): a model family's logits when its forward
     does more than the output embedding (logit_rules.logits_head), kept as model.logits_head.
     """
-    config = AutoConfig.from_pretrained(path)
-    model_class = trainer_model_class(path, config)  # before anything loads: an unsupported model stops here
+    model_class, model = _empty_model(path, param_dtype)  # an unsupported model stops here, before any weight
     compute_dtype = compute_dtype or param_dtype
-    with init_empty_weights(include_buffers=False):  # parameters on meta; small buffers (RoPE) real
-        model = model_class._from_config(without_dropout(config), dtype=param_dtype)
-    model.config = config  # the checkpoint's keys (export_hf writes them); the modules were built without dropout
-    model.tie_weights()  # init_empty_weights re-registers parameters, which unties lm_head from embed_tokens
-    model.checkpoint_names = checkpoint_names(model)  # what the push calls each parameter
     settings, convert, trains = adapt(model) if adapt else (None, None, None)  # e.g. LoRA's layers
     model.adapter_settings = settings
     buffers = {name: b.clone() for name, b in model.named_buffers()}
@@ -159,6 +153,20 @@ def load_model(
     model.logits_rule, model.logits_head = head(model) if head else ("none", None)
     check_logits_fn(model)  # a family whose logits the log-prob path would compute wrongly stops here
     return model
+
+
+def _empty_model(path: str, dtype: torch.dtype) -> tuple[type, torch.nn.Module]:
+    """(the trainer's class for the model, the model with its parameters on the meta device and its small buffers
+    (RoPE) real): built without dropout, holding the checkpoint's config and the names the push uses
+    (model.checkpoint_names)."""
+    config = AutoConfig.from_pretrained(path)
+    model_class = trainer_model_class(path, config)
+    with init_empty_weights(include_buffers=False):
+        model = model_class._from_config(without_dropout(config), dtype=dtype)
+    model.config = config  # the checkpoint's keys (export_hf writes them); the modules were built without dropout
+    model.tie_weights()  # init_empty_weights re-registers parameters, which unties lm_head from embed_tokens
+    model.checkpoint_names = checkpoint_names(model)
+    return model_class, model
 
 
 def trainer_model_class(path: str, config) -> type:

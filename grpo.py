@@ -513,8 +513,6 @@ def setup(cfg: dict) -> Run:
         )
     cluster.seed_everything(trainer["seed"] + rank)
     model_path, tokenizer, train_rows, val_rows, total_steps = load_data(cfg, rank, world)
-    if not trainer["replay_batches"]:  # a model vLLM cannot serve stops here, before the trainer loads it
-        rollout.check_servable(model_path)
     policy, ref = load_models(cfg, model_path, device)
     optimizer, scheduler = build_optimizer(cfg, policy, total_steps)
     start, extra = cluster.resume(cfg, policy, optimizer, scheduler, rank, world)
@@ -586,8 +584,8 @@ def on_policy_shortcut(cfg: dict) -> bool:
 def load_data(cfg: dict, rank: int, world: int, train: bool = True) -> tuple:
     """(model_path, tokenizer, train_rows, val_rows, total_steps). What is downloaded (hub model and data)
     or built (tiny.py) is fetched by each node's first rank, then read from disk by the node's others. A
-    missing model or file, a bad row, an overlong prompt with filtering off, or a data source without a
-    scorer stops the run here, in one line."""
+    missing model or file, a model vLLM cannot serve, a bad row, an overlong prompt with filtering off, or a
+    data source without a scorer stops the run here, in one line."""
     data_cfg, trainer = cfg["data"], cfg["trainer"]
     tiny_paths = None
     if "tiny" in (cfg["model"]["path"], data_cfg["train"], data_cfg["val"]):
@@ -598,6 +596,7 @@ def load_data(cfg: dict, rank: int, world: int, train: bool = True) -> tuple:
         model_path = tiny_paths["model"]
     else:  # a local directory, or a hub id fetched by each node's first rank
         model_path = cluster.node_first(lambda first: data.resolve_model(cfg["model"]["path"], download=first))
+    rollout.check_servable(model_path)  # a model vLLM cannot serve stops here, before anything loads
     from transformers import AutoConfig, AutoTokenizer
 
     positions = getattr(AutoConfig.from_pretrained(model_path), "max_position_embeddings", None)
@@ -738,7 +737,6 @@ def evaluate(cfg: dict):
     score = data.make_scorer(cfg)
     logs.route_library_logs(cfg["trainer"]["output_dir"], rank, cfg["trainer"]["verbose"])
     model_path, tokenizer, _, val_rows, _ = load_data(cfg, rank, world, train=False)
-    rollout.check_servable(model_path)
     llm = start_engine(cfg, model_path, rank)
     run = Run(cfg=cfg, rank=rank, world=world, val_rows=val_rows, score=score, llm=llm, tokenizer=tokenizer)
     if cfg["model"]["lora_adapter_path"]:  # LoRA: the base with the adapter, pushed merged into the engine

@@ -9,7 +9,8 @@ OLMo 2 and GPT-NeoX are served by vLLM 0.32 through its Transformers backend, wh
 class for the whole process: without fsdp_train.trainer_model_class (the trainer's own copy of the modeling module)
 both stop at step 0 (`'Olmo2Model' object has no attribute 'do_not_compile'`). GPT-NeoX's weights are not named as
 Llama's (gpt_neox.embed_in, embed_out): the trainer's reading through transformers' from_pretrained is what loads
-them. Qwen2 is the default tiny model of every other test (test_grpo: resume, export, 2 ranks).
+them. The tied Qwen2 is the default tiny model of every other test (test_grpo: resume, export, 2 ranks); here
+an untied one, as Qwen2.5-7B.
 
 The quirky checkpoint (one run, tests below): a Qwen2 whose config, tokenizer and generation config carry the
 quirks real checkpoints have (docs/running.md, "Bring your model")."""
@@ -31,6 +32,7 @@ import tiny
 
 # family -> (config class, its keys on top of tiny.TINY). Untied heads where the released models have them.
 FAMILIES = {
+    "qwen2": (transformers.Qwen2Config, dict(tie_word_embeddings=False, use_sliding_window=False)),  # Qwen2.5-7B's
     "qwen3": (transformers.Qwen3Config, {}),
     "llama": (transformers.LlamaConfig, dict(tie_word_embeddings=False)),  # Llama 3 8B: an untied head
     "mistral": (transformers.MistralConfig, dict(tie_word_embeddings=False)),
@@ -125,7 +127,7 @@ def test_the_trainer_loads_what_transformers_loads_and_pushes_the_checkpoints_na
     """fsdp_train.load_model (weights through transformers' from_pretrained, in the trainer's own class): the logits
     of transformers' AutoModelForCausalLM.from_pretrained; sync.full_params with the model's checkpoint_names: the
     checkpoint's own tensor names (what vLLM's loaders read; GPT-NeoX's head is embed_out there, lm_head in the
-    module), a tied head left out as vLLM skips it."""
+    module), a tied head left out as vLLM skips it; the blocks FSDP2 shards one by one: one per decoder layer."""
     import fsdp_train as ft
     import logit_rules
     import sync
@@ -137,6 +139,7 @@ def test_the_trainer_loads_what_transformers_loads_and_pushes_the_checkpoints_na
     ids = torch.tensor([[(3 + 11 * i) % 400 for i in range(20)]])
     with torch.no_grad():
         assert torch.equal(model.eval()(input_ids=ids).logits, reference(input_ids=ids).logits)
+    assert len(ft.decoder_layers(model)) == reference.config.get_text_config().num_hidden_layers  # FSDP2's blocks
     pushed = {name: tensor for name, tensor in sync.full_params(model, None, model.checkpoint_names)}
     with safetensors.safe_open(os.path.join(path, "model.safetensors"), "pt") as f:
         stored = {name: f.get_tensor(name) for name in f.keys()}
