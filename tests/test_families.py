@@ -24,6 +24,7 @@ import safetensors
 import torch
 import transformers
 from test_grpo import one_error_line, read_metrics, run_grpo
+from test_logit_rules import GEMMA2_RUN
 from tokenizers import processors
 from transformers import AutoModelForCausalLM, GenerationConfig
 
@@ -42,14 +43,8 @@ FAMILIES = {
     "olmo2": (transformers.Olmo2Config, dict(tie_word_embeddings=False)),  # vLLM: Transformers backend
     "gpt_neox": (transformers.GPTNeoXConfig, dict(num_key_value_heads=4, tie_word_embeddings=False)),  # idem; MHA
 }
-RUN = [
-    "trainer.total_steps=2",
-    "trainer.save_every=2",
-    "trainer.val_every=0",
-    "trainer.plot=false",
-    "actor.entropy_coeff=0.01",  # random rewards are all 0: the entropy bonus moves the weights, the push matters
-    "actor.lr=1e-3",
-]
+# test_logit_rules' Gemma 2 run (2 steps, the entropy bonus moving the weights), exported, with a checkpoint at step 2
+RUN = [o for o in GEMMA2_RUN if o != "trainer.export_hf=false"] + ["trainer.save_every=2"]
 RESUMED = ["trainer.total_steps=3", "trainer.resume=auto", "trainer.export_hf=false"]
 SYNC = 1e-4  # vLLM against the trainer after a push, fp32 (docs/cpu-notes.md), as test_logit_rules
 
