@@ -98,8 +98,14 @@ def check_servable(model_path: str) -> None:
     included) nor a transformers class that backend can run (attention through transformers' attention
     interface: is_backend_compatible() or _can_set_attn_implementation(), vLLM 0.32's test in
     vllm/model_executor/models/registry.py, _try_resolve_transformers). vLLM itself would say so at engine start,
-    after the trainer loaded, in a message listing its ~400 architectures."""
-    architectures = AutoConfig.from_pretrained(model_path).architectures or []
+    after the trainer loaded, in a message listing its ~400 architectures. A config transformers cannot read
+    (an unknown model type, remote code) stops here too, with the first line of transformers' message."""
+    try:
+        architectures = AutoConfig.from_pretrained(model_path).architectures or []
+    except ValueError as e:  # a model type transformers does not know, remote code: a paragraph, its first line here
+        raise UnservableModel(
+            f"model {model_path}: transformers cannot read its config: {str(e).splitlines()[0]}"
+        ) from None
     if not any(_servable(a) for a in architectures):
         raise UnservableModel(
             f"model {model_path}: vLLM {vllm.__version__} cannot serve {architectures}: not one of its architectures, "

@@ -147,7 +147,8 @@ def test_the_trainer_loads_what_transformers_loads_and_pushes_the_checkpoints_na
 def test_an_unsupported_model_stops_before_anything_loads(tiny_tokenizer, tiny_build, tmp_path):
     """One line, before the trainer or the engine loads, naming the model, what fails and what is supported: T5 has
     no causal-LM class in transformers (fsdp_train.trainer_model_class); RWKV has one, but vLLM cannot serve it
-    (rollout.check_servable; vLLM itself would say so after the trainer loaded, listing ~400 architectures)."""
+    (rollout.check_servable; vLLM itself would say so after the trainer loaded, listing ~400 architectures); a
+    model type transformers does not know stops there too."""
     t5 = str(tmp_path / "t5")
     config = transformers.T5Config(vocab_size=len(tiny_tokenizer), d_model=64, d_kv=16, d_ff=128, num_layers=1)
     transformers.T5ForConditionalGeneration(config).save_pretrained(t5)
@@ -162,6 +163,15 @@ def test_an_unsupported_model_stops_before_anything_loads(tiny_tokenizer, tiny_b
     assert line.startswith(f"error: model {rwkv}: vLLM 0.32.0 cannot serve ['RwkvForCausalLM']: "), line
     assert "supported: vllm.ModelRegistry.get_supported_archs()" in line
     assert not os.path.exists(tmp_path / "rwkv-run" / "checkpoints")
+    import rollout  # a model type transformers does not know: the first line of its message, in process
+
+    unknown = tmp_path / "unknown"
+    unknown.mkdir()
+    (unknown / "config.json").write_text(json.dumps({"model_type": "no_such_family"}))
+    with pytest.raises(rollout.UnservableModel) as e:
+        rollout.check_servable(str(unknown))
+    assert str(e.value).startswith(f"model {unknown}: transformers cannot read its config: The checkpoint you ")
+    assert "\n" not in str(e.value)
 
 
 def test_a_mixture_of_experts_model_stops_in_one_line(tiny_tokenizer, tmp_path):
