@@ -101,7 +101,7 @@ def check_servable(model_path: str) -> None:
     after the trainer loaded, in a message listing its ~400 architectures. A config transformers cannot read
     (an unknown model type, remote code) stops here too, with the first line of transformers' message."""
     try:
-        architectures = AutoConfig.from_pretrained(model_path).architectures or []
+        architectures = AutoConfig.from_pretrained(model_path, trust_remote_code=False).architectures or []
     except ValueError as e:  # a model type transformers does not know, remote code: a paragraph, its first line here
         raise UnservableModel(
             f"model {model_path}: transformers cannot read its config: {str(e).splitlines()[0]}"

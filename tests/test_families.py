@@ -165,13 +165,20 @@ def test_an_unsupported_model_stops_before_anything_loads(tiny_tokenizer, tiny_b
     assert not os.path.exists(tmp_path / "rwkv-run" / "checkpoints")
     import rollout  # a model type transformers does not know: the first line of its message, in process
 
-    unknown = tmp_path / "unknown"
+    unknown, remote = tmp_path / "unknown", tmp_path / "remote"
     unknown.mkdir()
     (unknown / "config.json").write_text(json.dumps({"model_type": "no_such_family"}))
-    with pytest.raises(rollout.UnservableModel) as e:
-        rollout.check_servable(str(unknown))
-    assert str(e.value).startswith(f"model {unknown}: transformers cannot read its config: The checkpoint you ")
-    assert "\n" not in str(e.value)
+    remote.mkdir()  # remote code: refused without asking on stdin (trust_remote_code=False)
+    auto_map = {"AutoConfig": "configuration_my.MyConfig", "AutoModelForCausalLM": "modeling_my.MyForCausalLM"}
+    (remote / "config.json").write_text(json.dumps({"model_type": "my_custom", "auto_map": auto_map}))
+    for path, says in (
+        (unknown, "The checkpoint you are trying"),
+        (remote, f"The repository {remote} contains custom"),
+    ):
+        with pytest.raises(rollout.UnservableModel) as e:
+            rollout.check_servable(str(path))
+        assert str(e.value).startswith(f"model {path}: transformers cannot read its config: {says}"), str(e.value)
+        assert "\n" not in str(e.value)
 
 
 def test_a_mixture_of_experts_model_stops_in_one_line(tiny_tokenizer, tmp_path):
