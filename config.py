@@ -78,6 +78,17 @@ SCHEMA = {
         "val_temperature": (0.0, GE0),
         "val_top_p": (1.0, UNIT),
         "val_top_k": (-1, OFF),
+        # multi-turn with tools, veRL's actor_rollout_ref.rollout.multi_turn.*: docs/features.md "Multi-turn"
+        "multi_turn": {
+            "enable": False,
+            "max_assistant_turns": (None, ">= 1 (null: as many as data.max_response_length holds)"),
+            "max_user_turns": (None, ">= 1 (null: no limit; a turn of tool responses is a user turn)"),
+            "max_parallel_calls": (1, GE1),
+            "max_tool_response_length": (256, ">= 1 (characters)"),
+            "tool_response_truncate_side": ("middle", ("left", "middle", "right")),
+            "format": ("hermes", ("hermes",)),
+            "function_tool_path": (None, str),
+        },
     },
     "actor": {
         "lr": (1e-5, POS),
@@ -166,6 +177,8 @@ TYPES = {
     "data.gen_batch_size": int,
     "trainer.total_steps": int,
     "algorithm.rollout_correction.rollout_is": str,
+    "rollout.multi_turn.max_assistant_turns": int,
+    "rollout.multi_turn.max_user_turns": int,
 }
 RULES = {
     "two numbers in [0, 1)": lambda v: len(v) == 2 and all(isinstance(b, (int, float)) and 0 <= b < 1 for b in v),

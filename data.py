@@ -230,6 +230,10 @@ DUMPED = (
     "is_weights",
     "response_mask",
 )
+# A multi-turn run's (multi_turn.batch_fields): turn_ids [B, R] (2k - 1 on assistant turn k, 2k on the tool
+# responses after it, 0 past the end), num_turns / num_tool_calls / num_tool_errors [B], tool_calls (B lists of
+# {"turn", "name", "arguments", "response", "error"}, or {"turn", "error", "response"} for a malformed call).
+MULTI_TURN = ("turn_ids", "num_turns", "num_tool_calls", "num_tool_errors", "tool_calls")
 
 
 def dump_batch(run, step: int, batch: dict):
@@ -238,7 +242,7 @@ def dump_batch(run, step: int, batch: dict):
     mask the loss uses (after rejection sampling), rewards (the scores) and the per-token rewards (veRL's
     token_level_rewards: the score at the last token, minus the KL in the reward), advantages and returns,
     old, reference and vLLM log-probs, and the IS weights (the seed's Experiment 1: replay them elsewhere
-    with trainer.replay_batches)."""
+    with trainer.replay_batches); in a multi-turn run also its turns and tool calls (MULTI_TURN)."""
     n, root = run.cfg["rollout"]["n"], run.cfg["trainer"]["dump_batches"]
     if "token_level_rewards" not in batch:  # GRPO's: the score at the last sampled token, the returns its advantages
         width = batch["response_mask"].shape[1]
@@ -273,10 +277,19 @@ def _whole_batch(rows: list[dict]) -> dict:
     r_width = full["response_mask"].shape[1]
     for key in DUMPED:
         if key in rows[0]:
-            padded = [torch.nn.functional.pad(r[key], (0, r_width - r[key].shape[0]))[:r_width] for r in rows]
-            full[key] = torch.stack(padded)  # [B, R]
+            full[key] = _stack_padded(rows, key, r_width)  # [B, R]
     full["rewards"] = torch.stack([r["rewards"] for r in rows])  # [B]
+    for key in MULTI_TURN:  # a multi-turn run's turns and tool calls (multi_turn.batch_fields)
+        if key in rows[0]:
+            full[key] = [r[key] for r in rows] if key == "tool_calls" else _stack_padded(rows, key, r_width)
     return full
+
+
+def _stack_padded(rows: list[dict], key: str, width: int) -> torch.Tensor:
+    """rows' per-token tensors [R_i] (or per-row scalars) -> [B, width] (or [B]), zero-padded."""
+    if rows[0][key].dim() == 0:
+        return torch.stack([r[key] for r in rows])  # [B]
+    return torch.stack([torch.nn.functional.pad(r[key], (0, width - r[key].shape[0]))[:width] for r in rows])
 
 
 def load_replay(run, step: int) -> dict:

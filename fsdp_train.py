@@ -329,10 +329,12 @@ def select(batch: dict[str, torch.Tensor], rows: list[int]) -> dict[str, torch.T
     """Rows of a batch, with the padding columns that only those rows share trimmed away."""
     r_width = batch["response_mask"].shape[1]
     p_width = batch["input_ids"].shape[1] - r_width
-    sub = {k: v[rows] for k, v in batch.items()}
+    sub = {k: v[rows] if torch.is_tensor(v) else [v[r] for r in rows] for k, v in batch.items()}  # lists: per row
     p_len = int(sub["attention_mask"][:, :p_width].sum(-1).max())
     r_len = max(1, int(sub["attention_mask"][:, p_width:].sum(-1).max()))  # not response_mask: it may have holes
     for k, v in sub.items():
+        if not torch.is_tensor(v):
+            continue
         if k in SEQ_KEYS:
             sub[k] = v[:, p_width - p_len : p_width + r_len]
         elif v.dim() == 2:
@@ -600,7 +602,7 @@ def _forward(
 
 def _device_batch(batch, rows, device):
     rows = rows or [0]  # an empty micro-batch still runs a forward (masked out) for FSDP's collectives
-    mb = {k: v.to(device) for k, v in select(batch, rows).items()}
+    mb = {k: v.to(device) for k, v in select(batch, rows).items() if torch.is_tensor(v)}
     return mb, rows
 
 

@@ -47,6 +47,7 @@ import logs  # noqa: E402
 import lora  # noqa: E402
 import losses  # noqa: E402
 import metrics  # noqa: E402
+import multi_turn  # noqa: E402
 import rollout  # noqa: E402
 import rollout_correction  # noqa: E402
 import sync  # noqa: E402
@@ -73,7 +74,7 @@ def main(argv=None) -> int:
         if args.print_config:
             return config.print_config(cfg)
         return evaluate(cfg) if cfg["trainer"]["val_only"] else train(cfg)
-    except (*config.ONE_LINE_ERRORS, rollout.UnservableModel, metrics.OutOfSync) as e:
+    except (*config.ONE_LINE_ERRORS, rollout.UnservableModel, multi_turn.ToolSetupError, metrics.OutOfSync) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
 
@@ -169,13 +170,17 @@ def next_prompts(run: "Run") -> list[dict]:
 
 def groups_to_batch(groups: list[dict], pad_id: int) -> dict:
     """Scored groups -> one batch in fsdp_train's layout, with rewards [B], vLLM's log-probs [B, R] (0 past a
-    response's end) and a reward file's numeric extra outputs (extra/<key> [B])."""
+    response's end) and a reward file's numeric extra outputs (extra/<key> [B]); a multi-turn run's turns and tool
+    calls (multi_turn.batch_fields), its tool tokens out of the response mask."""
     samples = [s for g in groups for s in g["samples"]]
     batch = fsdp_train.make_batch([s.prompt_ids for s in samples], [s.response_ids for s in samples], pad_id)
     batch["rewards"] = torch.cat([g["rewards"] for g in groups])  # [B]
     batch["rollout_logprobs"] = torch.zeros_like(batch["response_mask"])  # [B, R]
     for k, s in enumerate(samples):
         batch["rollout_logprobs"][k, : len(s.logprobs)] = torch.tensor(s.logprobs)
+    if isinstance(samples[0], multi_turn.Trajectory):  # multi-turn: the tool responses' tokens are not trained
+        batch.update(multi_turn.batch_fields(samples, batch["response_mask"].shape[1]))
+        batch["response_mask"] *= batch.pop("loss_mask")  # [B, R]
     extras = [e for g in groups for e in g["extras"]]
     numeric_keys = [key for key, value in extras[0].items() if isinstance(value, (int, float))]
     for key in numeric_keys:
@@ -189,16 +194,14 @@ def sample_groups(run: "Run", prompts: list[dict], t: dict) -> list[dict]:
     sampling, n = run.cfg["rollout"], run.cfg["rollout"]["n"]
     with timed(t, "gen"):
         seed = sample_seed(run.cfg["trainer"]["seed"], run.gen_cursor, run.rank) if sampling["seed_samples"] else None
-        samples = rollout.generate(
-            run.llm,
+        samples = generate(
+            run,
             [p["prompt"] for p in prompts],
             n=n,
             temperature=sampling["temperature"],
             top_p=sampling["top_p"],
             top_k=sampling["top_k"],
-            max_tokens=run.cfg["data"]["max_response_length"],
             seed=seed,
-            template_kwargs=run.cfg["data"]["apply_chat_template_kwargs"],
         )
     with timed(t, "reward"):
         rewards, extras = score_samples(run, samples, prompts)
@@ -210,6 +213,37 @@ def sample_groups(run: "Run", prompts: list[dict], t: dict) -> list[dict]:
         }
         for i in range(len(prompts))
     ]
+
+
+def generate(run: "Run", prompts: list[list[dict]], *, n: int, temperature: float, top_p: float, top_k: int, seed):
+    """n samples of each chat prompt: rollout.generate, or in a multi-turn run multi_turn.generate (the model's
+    turns with the tools' responses between them; samples are then multi_turn.Trajectory)."""
+    max_tokens = run.cfg["data"]["max_response_length"]
+    if run.tools is not None:  # multi-turn with tools (multi_turn.py)
+        return multi_turn.generate(
+            run.llm,
+            [rollout.render_prompt(run.tokenizer, p, run.template_kwargs) for p in prompts],
+            n=n,
+            temperature=temperature,
+            max_tokens=max_tokens,
+            seed=seed,
+            tools=run.tools,
+            settings=run.cfg["rollout"]["multi_turn"],
+            top_p=top_p,
+            top_k=top_k,
+            template_kwargs=run.cfg["data"]["apply_chat_template_kwargs"],
+        )
+    return rollout.generate(
+        run.llm,
+        prompts,
+        n=n,
+        temperature=temperature,
+        top_p=top_p,
+        top_k=top_k,
+        max_tokens=max_tokens,
+        seed=seed,
+        template_kwargs=run.template_kwargs,
+    )
 
 
 def score_samples(run: "Run", samples: list, prompts: list[dict]) -> tuple[torch.Tensor, list[dict]]:
@@ -452,16 +486,14 @@ def validate(run: "Run", step: int) -> dict:
     mine = rows[lo:hi]
     samples = []
     if mine:
-        samples = rollout.generate(
-            run.llm,
+        samples = generate(
+            run,
             [r["prompt"] for r in mine],
             n=n,
             temperature=sampling["val_temperature"],
             top_p=sampling["val_top_p"],
             top_k=sampling["val_top_k"],
-            max_tokens=run.cfg["data"]["max_response_length"],
             seed=run.cfg["trainer"]["seed"] + lo * n if sampling["val_temperature"] > 0 else None,
-            template_kwargs=run.cfg["data"]["apply_chat_template_kwargs"],
         )
     rewards, extras = score_samples(run, samples, mine)
     scores, generations = [], []  # one per sample: what the metrics read; what validation_data_dir writes
@@ -527,6 +559,8 @@ def setup(cfg: dict) -> Run:
         positions=data.local_positions(cfg["data"]["train_batch_size"], mini_batch_size, world, rank),
         pad_id=tokenizer.eos_token_id if tokenizer.pad_token_id is None else tokenizer.pad_token_id,
         tokenizer=tokenizer,
+        tools=run_tools(cfg),
+        template_kwargs=chat_template_kwargs(cfg),
         total_steps=total_steps,
         start=start,
         policy=policy,
@@ -588,11 +622,12 @@ def load_data(cfg: dict, rank: int, world: int, train: bool = True) -> tuple:
     data source without a scorer stops the run here, in one line."""
     data_cfg, trainer = cfg["data"], cfg["trainer"]
     tiny_paths = None
-    if "tiny" in (cfg["model"]["path"], data_cfg["train"], data_cfg["val"]):
+    tools = cfg["model"]["path"] == "tiny_tools"  # tiny.py's set-up that calls a calculator (multi_turn.py)
+    if tools or "tiny" in (cfg["model"]["path"], data_cfg["train"], data_cfg["val"]):
         tiny_paths = cluster.node_first(
-            lambda first: tiny.build(os.path.join(".cache", "tiny"), seed=cfg["model"]["tiny_seed"])
+            lambda first: tiny.build(os.path.join(".cache", "tiny"), seed=cfg["model"]["tiny_seed"], tools=tools)
         )
-    if cfg["model"]["path"] == "tiny":
+    if cfg["model"]["path"] in ("tiny", "tiny_tools"):
         model_path = tiny_paths["model"]
     else:  # a local directory, or a hub id fetched by each node's first rank
         model_path = cluster.node_first(lambda first: data.resolve_model(cfg["model"]["path"], download=first))
@@ -607,6 +642,9 @@ def load_data(cfg: dict, rank: int, world: int, train: bool = True) -> tuple:
             f"max_position_embeddings ({positions}) in {model_path}"
         )
     tokenizer = AutoTokenizer.from_pretrained(model_path)
+    if cfg["rollout"]["multi_turn"]["enable"]:  # multi-turn: a template that cannot render tools stops here
+        multi_turn.check_template(tokenizer, run_tools(cfg), data_cfg["apply_chat_template_kwargs"])
+    data_cfg = {**data_cfg, "apply_chat_template_kwargs": chat_template_kwargs(cfg)}  # the prompts as rendered
     train_rows, n_dropped = [], 0
     if train:
         train_rows, n_dropped = read_split(data_cfg["train"], "train", tiny_paths, tokenizer, data_cfg)
@@ -626,6 +664,19 @@ def load_data(cfg: dict, rank: int, world: int, train: bool = True) -> tuple:
         f"filtered out), {len(val_rows)} validation prompts; {total_steps} steps on {world} rank(s)",
     )
     return model_path, tokenizer, train_rows, val_rows, total_steps
+
+
+def run_tools(cfg: dict) -> dict | None:
+    """A multi-turn run's tools by name (rollout.multi_turn: the calculator or function_tool_path's); else None."""
+    settings = cfg["rollout"]["multi_turn"]
+    return multi_turn.load_tools(settings["function_tool_path"]) if settings["enable"] else None
+
+
+def chat_template_kwargs(cfg: dict) -> dict | None:
+    """The chat template's keyword arguments for every prompt: data.apply_chat_template_kwargs, plus the tools'
+    schemas (tools=) in a multi-turn run."""
+    tools, kwargs = run_tools(cfg), cfg["data"]["apply_chat_template_kwargs"]
+    return kwargs if tools is None else {**(kwargs or {}), "tools": multi_turn.tool_schemas(tools)}
 
 
 def read_split(source: str, split: str, tiny_paths: dict | None, tokenizer, data_cfg: dict) -> tuple[list[dict], int]:
@@ -739,6 +790,7 @@ def evaluate(cfg: dict):
     model_path, tokenizer, _, val_rows, _ = load_data(cfg, rank, world, train=False)
     llm = start_engine(cfg, model_path, rank)
     run = Run(cfg=cfg, rank=rank, world=world, val_rows=val_rows, score=score, llm=llm, tokenizer=tokenizer)
+    run.tools, run.template_kwargs = run_tools(cfg), chat_template_kwargs(cfg)
     if cfg["model"]["lora_adapter_path"]:  # LoRA: the base with the adapter, pushed merged into the engine
         adapt, head = config.lora_adapter(cfg, model_path), logit_rules.logits_head
         model = fsdp_train.load_model(model_path, device=device, trainable=False, adapt=adapt, head=head)

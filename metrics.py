@@ -14,6 +14,7 @@ import torch.distributed as dist
 import config
 import fsdp_train
 import losses
+import multi_turn
 
 
 @functools.cache
@@ -153,6 +154,7 @@ def batch_metrics(batch: dict, d: dict, timings: dict, world: int) -> dict:
         "adv": batch["advantages"][mask.bool()].tolist(),
     }
     local.update({k: v.tolist() for k, v in batch.items() if k.startswith("extra/")})
+    local.update({k: batch[k].tolist() for k in ("num_turns", "num_tool_calls", "num_tool_errors") if k in batch})
     parts = [None] * world
     dist.all_gather_object(parts, local)
     g = {k: [x for p in parts for x in p[k]] for k in local}
@@ -166,6 +168,8 @@ def batch_metrics(batch: dict, d: dict, timings: dict, world: int) -> dict:
     for key, values in g.items():  # a reward file's numeric extra outputs
         if key.startswith("extra/"):
             out[f"reward_extra_info/{key.removeprefix('extra/')}/mean"] = sum(values) / len(values)
+    if "num_turns" in g:  # a multi-turn run's: veRL's num_turns/*, the tool metrics
+        out.update(multi_turn.turn_metrics(g["num_turns"], g["num_tool_calls"], g["num_tool_errors"]))
     total = sum(g["resp"]) + sum(g["prompt"])
     if "gen" in timings:
         out["timing_per_token_ms/gen"] = timings["gen"] * 1000 / max(1, sum(g["resp"]))

@@ -17,6 +17,13 @@ Everything is built here, deterministically from a seed, with no hub access, and
               targets use "####" in only FORMAT_SHARE of the examples. GRPO's reward teaches the
               format and sharpens the arithmetic; see docs/demo.md, "why the tiny run learns".
 
+tiny.build(tools=True) (model.path `tiny_tools`): the same data, a tokenizer that also knows the Hermes tool tags,
+a chat template that renders `tools=` and tool messages the way Qwen2.5's does (compactly), and a warm start in
+which TOOL_SHARE of the answers compute through a calculator tool call first (multi_turn.py runs it):
+    <tool_call>\n{"name": "calculator", "arguments": {"expression": "3 + 5"}}\n</tool_call><|im_end|>
+    \n<|im_start|>user\n<tool_response>\n8\n</tool_response><|im_end|>\n<|im_start|>assistant\n   (not trained)
+    The answer is 8.<|im_end|>
+
 Also: `save_random_model(path, ...)` writes any Qwen2 shape (tied or untied) with this tokenizer,
 e.g. the Qwen2.5-0.5B shape used by the benchmarks (`QWEN25_05B`); `save_random_family_model(path, tokenizer,
 config_class, ...)` a model of any transformers family (Gemma2Config, CohereConfig, ...).
@@ -31,7 +38,7 @@ import shutil
 import time
 
 import torch
-from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 from transformers import AutoModelForCausalLM, GenerationConfig, PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 
 VERSION = 2  # bump when anything below changes what gets built
@@ -42,6 +49,45 @@ CHAT_TEMPLATE = (
     "{%- endfor %}"
     "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
 )
+# tiny_tools: Qwen2.5's tool tags (added tokens, not special: they survive skip_special_tokens) and a ChatML
+# template that renders `tools=` (one line per tool, where Qwen2.5 writes the JSON schema) and a run of tool messages
+# as one user turn of <tool_response> blocks, as Qwen2.5's template does.
+TOOL_TAGS = ["<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>"]
+TOOLS_CHAT_TEMPLATE = (
+    "{%- if tools %}{{- '<|im_start|>system\\n# Tools' }}"
+    "{%- for tool in tools %}{{- '\\n' + tool.function.name + ': ' + tool.function.description }}{%- endfor %}"
+    "{{- '<|im_end|>\\n' }}{%- endif %}"
+    "{%- for message in messages %}"
+    "{%- if message.role == 'tool' %}"
+    "{%- if loop.first or messages[loop.index0 - 1].role != 'tool' %}{{- '<|im_start|>user' }}{%- endif %}"
+    "{{- '\\n<tool_response>\\n' + message.content + '\\n</tool_response>' }}"
+    "{%- if loop.last or messages[loop.index0 + 1].role != 'tool' %}{{- '<|im_end|>\\n' }}{%- endif %}"
+    "{%- else %}"
+    "{{- '<|im_start|>' + message.role + '\\n' + message.content }}"
+    "{%- for call in message.tool_calls or [] %}"
+    "{{- '<tool_call>\\n' + (call.function | tojson) + '\\n</tool_call>' }}"
+    "{%- endfor %}"
+    "{{- '<|im_end|>\\n' }}"
+    "{%- endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+# The calculator's schema as transformers.utils.get_json_schema writes it for multi_turn.calculator.
+CALCULATOR_SCHEMA = {
+    "type": "function",
+    "function": {
+        "name": "calculator",
+        "description": "Evaluate an arithmetic expression.",
+        "parameters": {
+            "type": "object",
+            "properties": {"expression": {"type": "string", "description": "Numbers, + - * / // % ** and brackets."}},
+            "required": ["expression"],
+        },
+        "return": {"type": "string"},
+    },
+}
+TOOL_SHARE = 0.5  # share of tiny_tools' warm-start answers that call the calculator first
+TOOLS_SFT_BATCH = 16  # tiny_tools' warm-start batch: its sequences are longer; half the build time of 32
 # Qwen2's pre-tokenizer (transformers' tokenization_qwen2.py): digits split one by one.
 QWEN2_SPLIT = r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""  # noqa: E501 (verbatim)
 INSTRUCTION = 'Let\'s think step by step and output the final answer after "####".'  # = reward.py's
@@ -126,8 +172,9 @@ def chat_response(answer: str, use_hashes: bool) -> str:
 
 
 # ------------------------------------------------------------------------------- tokenizer
-def build_tokenizer(texts: list[str]) -> PreTrainedTokenizerFast:
-    """Byte-level BPE trained on `texts` with Qwen2's normaliser, pre-tokenizer and decoder."""
+def build_tokenizer(texts: list[str], tools: bool = False) -> PreTrainedTokenizerFast:
+    """Byte-level BPE trained on `texts` with Qwen2's normaliser, pre-tokenizer and decoder. tools: also Qwen2.5's
+    tool tags as added tokens, and the template that renders tools."""
     tok = Tokenizer(
         models.BPE(
             unk_token=None, continuing_subword_prefix="", end_of_word_suffix="", fuse_unk=False, byte_fallback=False
@@ -148,13 +195,15 @@ def build_tokenizer(texts: list[str]) -> PreTrainedTokenizerFast:
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
     )
     tok.train_from_iterator(texts, trainer)
+    if tools:
+        tok.add_tokens([AddedToken(tag, special=False, normalized=False) for tag in TOOL_TAGS])
     return PreTrainedTokenizerFast(
         tokenizer_object=tok,
         eos_token="<|im_end|>",
         pad_token="<|endoftext|>",
         unk_token="<|endoftext|>",
         additional_special_tokens=["<|im_start|>"],
-        chat_template=CHAT_TEMPLATE,
+        chat_template=TOOLS_CHAT_TEMPLATE if tools else CHAT_TEMPLATE,
         model_max_length=TINY["max_position_embeddings"],
     )
 
@@ -207,28 +256,23 @@ def _save(model, tokenizer, path: str) -> None:
 
 
 # ------------------------------------------------------------------------------- warm start
-def warm_start(model, tokenizer, rows: list[dict], seed: int, steps: int | None = None, verbose: bool = False) -> None:
-    """Supervised fine-tuning on chat-formatted (prompt, response) pairs; loss on the response only.
-    verbose: a progress line every PROGRESS_EVERY steps (the build's longest part: ~1-2 minutes on 2 cores)."""
+def warm_start(
+    model, tokenizer, rows: list[dict], seed: int, steps: int | None = None, verbose: bool = False, tools: bool = False
+) -> None:
+    """Supervised fine-tuning on chat-formatted (prompt, response) pairs; loss on the response only (with tools: on
+    the model's own turns, not on the tool responses). verbose: a progress line every PROGRESS_EVERY steps (the
+    build's longest part: ~1-2 minutes on 2 cores)."""
     steps = SFT_STEPS if steps is None else steps
     rng = random.Random(seed)
     gen = torch.Generator().manual_seed(seed)
-    examples = []
-    for row in rows:
-        prompt = tokenizer.apply_chat_template(
-            [{"role": "user", "content": row["question"] + " " + INSTRUCTION}],
-            add_generation_prompt=True,
-            tokenize=False,
-        )
-        response = chat_response(row["answer"], use_hashes=rng.random() < FORMAT_SHARE) + "<|im_end|>"
-        p, r = tokenizer(prompt)["input_ids"], tokenizer(response)["input_ids"]
-        examples.append((p + r, [0] * len(p) + [1] * len(r)))
+    examples = [sft_example(tokenizer, row, rng, tools) for row in rows]
     opt = torch.optim.AdamW(model.parameters(), lr=SFT_LR, weight_decay=0.0)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 50) * max(0.05, 1 - s / steps))
     model.train()
     start = time.time()
     for step in range(steps):
-        batch = [examples[i] for i in torch.randint(len(examples), (SFT_BATCH,), generator=gen).tolist()]
+        size = TOOLS_SFT_BATCH if tools else SFT_BATCH
+        batch = [examples[i] for i in torch.randint(len(examples), (size,), generator=gen).tolist()]
         width = max(len(ids) for ids, _ in batch)
         ids = torch.tensor([x + [tokenizer.pad_token_id] * (width - len(x)) for x, _ in batch])  # [B, L]
         loss_mask = torch.tensor([m + [0] * (width - len(m)) for _, m in batch], dtype=torch.float32)  # [B, L]
@@ -246,18 +290,68 @@ def warm_start(model, tokenizer, rows: list[dict], seed: int, steps: int | None 
     model.eval()
 
 
+def sft_example(tokenizer, row: dict, rng: random.Random, tools: bool) -> tuple[list[int], list[int]]:
+    """One warm-start example: (token ids, loss mask), the mask 1 on the model's own tokens. Each segment is
+    tokenised alone, as a multi-turn rollout appends them (token in, token out)."""
+    use_hashes = rng.random() < FORMAT_SHARE
+    user = [{"role": "user", "content": row["question"] + " " + INSTRUCTION}]
+    schemas = [CALCULATOR_SCHEMA] if tools else None
+    prompt = tokenizer.apply_chat_template(user, tools=schemas, add_generation_prompt=True, tokenize=False)
+    segments = [(prompt, 0)]
+    if tools and rng.random() < TOOL_SHARE:  # compute through the calculator, then answer
+        call, result = calculator_call(row["answer"])
+        segments += [(call + "<|im_end|>", 1), (tool_response_text(tokenizer, user, result), 0)]
+        number = row["answer"].split("#### ")[-1]
+        segments.append(("#### " + number if use_hashes else f"The answer is {number}.", 1))
+        segments[-1] = (segments[-1][0] + "<|im_end|>", 1)
+    else:
+        segments.append((chat_response(row["answer"], use_hashes) + "<|im_end|>", 1))
+    ids, mask = [], []
+    for text, trained in segments:
+        tokens = tokenizer(text)["input_ids"]
+        ids, mask = ids + tokens, mask + [trained] * len(tokens)
+    return ids, mask
+
+
+def calculator_call(answer: str) -> tuple[str, str]:
+    """A GSM8K answer's arithmetic as one Hermes calculator call, and the result the tool returns:
+    "3 + 5 = <<3+5=8>>8\\n8 - 2 = <<8-2=6>>6\\n#### 6" -> ('<tool_call>\\n{"name": "calculator", "arguments":
+    {"expression": "3 + 5 - 2"}}\\n</tool_call>', "6")."""
+    *steps, final = answer.split("\n")
+    expression = steps[0].split(" = ")[0]
+    for step in steps[1:]:  # "8 - 2 = ..." continues the previous result: "3 + 5" -> "3 + 5 - 2"
+        expression += " " + step.split(" = ")[0].split(" ", 1)[1]
+    call = json.dumps({"name": "calculator", "arguments": {"expression": expression}})
+    return f"<tool_call>\n{call}\n</tool_call>", final.removeprefix("#### ")
+
+
+def tool_response_text(tokenizer, user: list[dict], result: str) -> str:
+    """What the chat template writes after an assistant turn (which ends with <|im_end|>) for one tool message,
+    up to the next assistant turn's header: "\\n<|im_start|>user\\n<tool_response>\\n8\\n</tool_response>..."."""
+    schemas = [CALCULATOR_SCHEMA]
+    history = [*user, {"role": "assistant", "content": "x"}]
+    before = tokenizer.apply_chat_template(history, tools=schemas, tokenize=False)
+    after = tokenizer.apply_chat_template(
+        [*history, {"role": "tool", "content": result}], tools=schemas, add_generation_prompt=True, tokenize=False
+    )
+    return after[len(before) - 1 :]  # from the "\\n" after the assistant's <|im_end|>
+
+
 # ------------------------------------------------------------------------------------ build
-def cache_key(seed: int) -> str:
+def cache_key(seed: int, tools: bool = False) -> str:
     """The cache directory's hash: every constant the build depends on, so a change rebuilds."""
     recipe = [VERSION, seed, TINY, FORMAT_SHARE, VOCAB_SIZE, N_TRAIN, N_TEST, SFT_STEPS, SFT_BATCH, SFT_LR]
     recipe += [KINDS, LO, HI, MUL_HI]
+    if tools:
+        recipe += [TOOL_TAGS, TOOLS_CHAT_TEMPLATE, CALCULATOR_SCHEMA, TOOL_SHARE, TOOLS_SFT_BATCH]
     return hashlib.sha256(json.dumps(recipe).encode()).hexdigest()[:10]
 
 
-def build(out_dir: str = ".cache/tiny", seed: int = 0) -> dict[str, str]:
-    """Build (or reuse) everything; returns paths: model, base, train, test, dir."""
-    key = cache_key(seed)
-    root = os.path.join(out_dir, f"seed{seed}-{key}")
+def build(out_dir: str = ".cache/tiny", seed: int = 0, tools: bool = False) -> dict[str, str]:
+    """Build (or reuse) everything; returns paths: model, base, train, test, dir. tools: the tiny_tools set-up
+    (a tokenizer and template for tool calls, a warm start that calls the calculator; the same data)."""
+    key = cache_key(seed, tools)
+    root = os.path.join(out_dir, f"seed{seed}-{'tools-' if tools else ''}{key}")
     paths = {
         "dir": root,
         "model": os.path.join(root, "model"),
@@ -277,13 +371,15 @@ def build(out_dir: str = ".cache/tiny", seed: int = 0) -> dict[str, str]:
             f.writelines(json.dumps(r) + "\n" for r in rows)
     corpus = [r["question"] + " " + INSTRUCTION for r in data["train"]]
     corpus += [chat_response(r["answer"], h) for r in data["train"] for h in (True, False)]
-    tokenizer = build_tokenizer(corpus)
+    if tools:
+        corpus += [calculator_call(r["answer"])[0] for r in data["train"]] + ["# Tools\ncalculator: Evaluate an"]
+    tokenizer = build_tokenizer(corpus, tools)
     save_random_model(os.path.join(tmp, "base"), tokenizer, seed=seed)
     model = Qwen2ForCausalLM.from_pretrained(os.path.join(tmp, "base"), dtype=torch.float32)
     threads = torch.get_num_threads()
     torch.set_num_threads(os.cpu_count() or 1)  # the build runs alone (other ranks wait for it)
     try:
-        warm_start(model, tokenizer, data["train"], seed, verbose=True)
+        warm_start(model, tokenizer, data["train"], seed, verbose=True, tools=tools)
     finally:
         torch.set_num_threads(threads)
     _save(model, tokenizer, os.path.join(tmp, "model"))
@@ -305,6 +401,7 @@ if __name__ == "__main__":
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", default=".cache/tiny")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--tools", action="store_true", help="the tiny_tools set-up (multi-turn with a calculator)")
     args = ap.parse_args()
     t0 = time.time()
-    print(json.dumps(build(args.out, args.seed), indent=1), f"\n({time.time() - t0:.1f} s)")
+    print(json.dumps(build(args.out, args.seed, args.tools), indent=1), f"\n({time.time() - t0:.1f} s)")

@@ -1,0 +1,429 @@
+"""multi_turn.py: multi-turn rollouts with a calculator tool on tiny.py's tiny_tools model.
+
+- The pieces, in process: the calculator's safe evaluator, Hermes parsing, failed calls as tool responses, veRL's
+  truncation, the tool-response tokens against the chat template's text, tool files, the metrics.
+- One vLLM engine (tests/multi_turn_worker.py) with every request it receives recorded: each turn generates from
+  the whole history token for token, the loss mask is 1 exactly on what vLLM sampled, a sample without tool calls
+  is the single-turn sample, a raising tool and a short budget do not stop the rollout.
+- Runs of grpo.py: 2 ranks with a dump (vLLM's log-probs = the trainer's at fp32; the dump audited), its replay
+  at 1 rank (the same update), the replay with garbage at the tool positions (still the same update), a raising
+  tool (the run goes on), and one-line errors.
+"""
+
+import json
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+import torch
+from test_families import SYNC, plain_logprobs
+from test_grpo import comparable, read_metrics, run_grpo
+from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers.utils import get_json_schema
+
+import fp32_noise
+import multi_turn
+import tiny
+from conftest import ROOT, threads
+
+# the recipe's keys (recipes/tiny_calculator.yaml) as overrides on test_grpo's SMALL run: 2 mini-batches per step
+MULTI_TURN = [
+    "model.path=tiny_tools",
+    "rollout.multi_turn.enable=true",
+    "rollout.multi_turn.max_assistant_turns=3",
+    "data.max_response_length=96",
+    "trainer.total_steps=2",
+    "trainer.val_every=2",
+    "data.val_max_samples=16",
+    "trainer.export_hf=false",
+]
+TOOL_PATH = "rollout.multi_turn.function_tool_path"
+ANSWER = "\n<|im_start|>user\n<tool_response>\n{}\n</tool_response><|im_end|>\n<|im_start|>assistant\n"
+ARITHMETIC = re.compile(r"[\d\s+\-*/()]+")
+
+
+@pytest.fixture(scope="module")
+def tools_build():
+    """tiny.build(tools=True), cached in .cache/tiny; a lock as conftest's tiny_build (the other worker may build)."""
+    import fcntl
+
+    cache = os.path.join(ROOT, ".cache", "tiny")
+    os.makedirs(cache, exist_ok=True)
+    with open(os.path.join(cache, ".lock-tools"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        return tiny.build(cache, seed=0, tools=True)
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tools_build):
+    return AutoTokenizer.from_pretrained(tools_build["model"])
+
+
+# ------------------------------------------------------------------------------------------- the pieces
+def test_the_calculator_evaluates_arithmetic_and_nothing_else():
+    calc = multi_turn.calculator
+    assert [calc(e) for e in ("3 + 5 - 2", "7 * 9", "7 / 2", "(2 + 3) ** 2", "-4 + 1", "9 // 2", "9 % 4")] == [
+        "6",
+        "63",
+        "3.5",
+        "25",
+        "-3",
+        "4",
+        "1",
+    ]
+    assert calc("10 / 4 * 2") == "5"  # an integral float is written as an integer
+    for bad in ("__import__('os').system('ls')", "open('x')", "a + 1", "'1' + '2'", "[1, 2]", "2 ** 100"):
+        with pytest.raises(ValueError):
+            calc(bad)
+    with pytest.raises(ZeroDivisionError):
+        calc("1 / 0")
+    with pytest.raises(SyntaxError):
+        calc("3 +")
+
+
+def test_the_calculator_schema_is_the_one_the_tiny_model_learned():
+    """transformers' schema of multi_turn.calculator (what tools= receives) = the one tiny.py's warm start renders."""
+    assert get_json_schema(multi_turn.calculator) == tiny.CALCULATOR_SCHEMA
+    assert multi_turn.tool_schemas(multi_turn.load_tools(None)) == [tiny.CALCULATOR_SCHEMA]
+
+
+def test_hermes_tool_calls_are_parsed_and_malformed_ones_named():
+    call = '<tool_call>\n{"name": "calculator", "arguments": {"expression": "1 + 2"}}\n</tool_call>'
+    assert multi_turn.parse_tool_calls("Let me compute.\n" + call) == [
+        {"name": "calculator", "arguments": {"expression": "1 + 2"}}
+    ]
+    assert len(multi_turn.parse_tool_calls(call + call)) == 2
+    assert multi_turn.parse_tool_calls("no call, or an unclosed <tool_call>{") == []
+    for body, message in [
+        ('{"name": "calculator", "arguments": {"expression": "1', "Invalid tool call: Unterminated string"),
+        ('{"arguments": {}}', 'Invalid tool call: expected {"name": "...", "arguments": {...}}'),
+        ('["calculator"]', 'Invalid tool call: expected {"name"'),
+        ('{"name": "calculator", "arguments": "1 + 2"}', "Invalid tool call: the arguments are not a JSON object"),
+    ]:
+        (parsed,) = multi_turn.parse_tool_calls(f"<tool_call>{body}</tool_call>")
+        assert parsed["error"].startswith(message), parsed
+
+
+def test_a_failed_call_becomes_a_tool_response_that_says_what_went_wrong():
+    tools = multi_turn.load_tools(None)
+    settings = dict(max_tool_response_length=256, tool_response_truncate_side="middle")
+
+    def run(call):
+        return multi_turn.run_tool_call(tools, call, settings)
+
+    assert run({"name": "calculator", "arguments": {"expression": "6 * 7"}}) == ("42", None)
+    text, error = run({"name": "search", "arguments": {}})
+    assert text == error == "Tool 'search' not found; tools: calculator"
+    text, error = run({"name": "calculator", "arguments": {"expression": "1 / 0"}})
+    assert text == error == "Error executing tool 'calculator': division by zero"
+    text, error = run({"name": "calculator", "arguments": {"x": "1"}})
+    assert text == error and text.startswith("Error executing tool 'calculator': ") and "'x'" in text
+    text, error = run({"error": "Invalid tool call: Expecting value"})
+    assert text == error == "Invalid tool call: Expecting value"
+
+
+def test_long_tool_responses_are_cut_as_verl_cuts_them():
+    text = "abcdefghij"
+    assert multi_turn.truncate(text, 10, "middle") == text
+    assert multi_turn.truncate(text, 4, "left") == "(truncated)...ghij"
+    assert multi_turn.truncate(text, 4, "right") == "abcd...(truncated)"
+    assert multi_turn.truncate(text, 4, "middle") == "ab...(truncated)...ij"
+
+
+def test_tool_responses_are_the_tokens_of_the_templates_text(tokenizer):
+    """After an assistant turn (ending with <|im_end|>, as sampled): the text Qwen2.5's template writes for tool
+    messages, through the next assistant header, tokenised once; two responses are one user turn."""
+    schemas = [tiny.CALCULATOR_SCHEMA]
+    ids = multi_turn.tool_response_ids(tokenizer, ["8"], schemas, None)
+    assert ids == tokenizer(ANSWER.format("8"), add_special_tokens=False)["input_ids"]
+    two = multi_turn.tool_response_ids(tokenizer, ["8", "9"], schemas, None)
+    assert tokenizer.decode(two) == ANSWER.format("8\n</tool_response>\n<tool_response>\n9")
+    multi_turn.check_template(tokenizer, multi_turn.load_tools(None))
+
+
+def test_a_template_without_tools_stops_in_one_line(tiny_build):
+    plain = AutoTokenizer.from_pretrained(tiny_build["model"])  # tiny.py's default: no tools in its template
+    with pytest.raises(multi_turn.ToolSetupError, match="the chat template does not render tools="):
+        multi_turn.check_template(plain, multi_turn.load_tools(None))
+
+
+def test_tool_files_give_their_plain_functions_or_stop_in_one_line(tmp_path):
+    good = tmp_path / "tools.py"
+    good.write_text(
+        "import math\n\n"
+        "def square_root(x: float) -> float:\n"
+        '    """The square root.\n\n    Args:\n        x: A number.\n    """\n'
+        "    return math.sqrt(x)\n\n"
+        "def _helper():\n    pass\n"
+    )
+    tools = multi_turn.load_tools(str(good))
+    assert list(tools) == ["square_root"] and tools["square_root"](9.0) == 3.0
+    assert multi_turn.tool_schemas(tools)[0]["function"]["parameters"]["properties"]["x"]["type"] == "number"
+    cases = {
+        "none.py": ("X = 1\n", "defines no public function"),
+        "nodoc.py": ("def f(x: int) -> int:\n    return x\n", "tool 'f': no schema"),
+        "broken.py": ("import not_a_module_anywhere\n", "importing it raised ModuleNotFoundError"),
+    }
+    for name, (source, message) in cases.items():
+        (tmp_path / name).write_text(source)
+        with pytest.raises(multi_turn.ToolSetupError, match=message) as e:
+            multi_turn.load_tools(str(tmp_path / name))
+        assert str(tmp_path / name) in str(e.value) and "\n" not in str(e.value)
+    with pytest.raises(multi_turn.ToolSetupError, match="no such file"):
+        multi_turn.load_tools(str(tmp_path / "missing.py"))
+
+
+def test_turn_metrics_on_known_values():
+    m = multi_turn.turn_metrics(num_turns=[3, 1, 5, 1], calls=[1, 0, 2, 0], errors=[1, 0, 0, 0])
+    assert m == {
+        "num_turns/min": 1,
+        "num_turns/max": 5,
+        "num_turns/mean": 2.5,
+        "tool_calls/per_sample": 0.75,
+        "tool_calls/sample_share": 0.5,
+        "tool_calls/error_rate": 1 / 3,
+    }
+    assert multi_turn.turn_metrics([1], [0], [0])["tool_calls/error_rate"] == 0.0
+
+
+# ------------------------------------------------------------------------------ one engine, every request
+@pytest.fixture(scope="module")
+def engine(tools_build, tmp_path_factory):
+    out = tmp_path_factory.mktemp("multi-turn-engine") / "record.json"
+    proc = subprocess.run(
+        [sys.executable, "tests/multi_turn_worker.py", tools_build["dir"], str(out)],
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": threads(1)},
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(out.read_text())
+
+
+def segments(t: dict) -> list[tuple[int, list[int], list[int]]]:
+    """A trajectory's response as (turn id, token ids, loss mask) runs."""
+    runs = []
+    for token, mask, turn in zip(t["response_ids"], t["loss_mask"], t["turn_ids"], strict=True):
+        if not runs or runs[-1][0] != turn:
+            runs.append((turn, [], []))
+        runs[-1][1].append(token)
+        runs[-1][2].append(mask)
+    return runs
+
+
+@pytest.mark.parametrize("case", ["calculator", "failing", "short"])
+def test_every_turn_generates_from_the_whole_history_and_only_its_samples_are_trained(engine, case):
+    """Turn 1: the prompts, n samples each. Turn t > 1: one request per trajectory still going, whose prompt is its
+    whole history (prompt, every sampled turn, every tool response) token for token; what vLLM returned for it
+    is the trajectory's turn t exactly, with loss mask 1 and its own log-probs; tool tokens have mask 0, log-prob 0."""
+    record, n = engine[case], 4
+    trajectories, requests = record["trajectories"], record["requests"]
+    assert requests[0]["n"] == [n] * len(requests[0]["prompts"])
+    assert requests[0]["prompts"] == [trajectories[k]["prompt_ids"] for k in range(0, len(trajectories), n)]
+    for turn, request in enumerate(requests, start=1):
+        if turn == 1:  # the prompts' n completions each, trajectory k = prompt k // n's (k % n)-th
+            asked = list(enumerate(trajectories))
+            completions = [c for per_prompt in request["completions"] for c in per_prompt]
+        else:  # one request per trajectory still going
+            asked = [(k, t) for k, t in enumerate(trajectories) if t["assistant_turns"] >= turn]
+            completions = [c for (c,) in request["completions"]]
+            assert request["n"] == [1] * len(asked)
+        assert len(completions) == len(asked)
+        for j, ((k, t), sampled) in enumerate(zip(asked, completions, strict=True)):
+            start = sum(len(ids) for turn_id, ids, _ in segments(t) if turn_id < 2 * turn - 1)
+            if turn > 1:
+                assert request["prompts"][j] == t["prompt_ids"] + t["response_ids"][:start], (case, k, turn)
+            assert t["response_ids"][start : start + len(sampled)] == sampled, (case, k, turn)
+            assert set(t["turn_ids"][start : start + len(sampled)]) == {2 * turn - 1}
+    for t in trajectories:
+        sampled = [m for turn_id, _, mask in segments(t) for m in mask if turn_id % 2 == 1]
+        assert all(m == 1 for m in sampled) and sum(t["loss_mask"]) == len(sampled)
+        assert all(lp == 0.0 for lp, m in zip(t["logprobs"], t["loss_mask"], strict=True) if m == 0)
+    assert any(t["user_turns"] >= 1 for t in trajectories), "the tiny_tools model never called the tool"
+    assert case == "short" or any(t["assistant_turns"] >= 2 for t in trajectories)  # short: cut in the response
+
+
+def test_tool_responses_are_the_calculators_results_in_the_templates_text(engine, tokenizer):
+    """Each tool segment decodes to the template's text of the calculator's answer, which is Python's value of the
+    expression the model wrote (an independent evaluation), or the error the model is shown."""
+    checked = 0
+    for t in engine["calculator"]["trajectories"]:
+        tool_segments = [ids for turn_id, ids, _ in segments(t) if turn_id % 2 == 0]
+        assert len(tool_segments) == t["user_turns"] == len(t["tool_calls"])
+        for ids, call in zip(tool_segments, t["tool_calls"], strict=True):
+            assert tokenizer.decode(ids) == ANSWER.format(call["response"])
+            expression = call.get("arguments", {}).get("expression", "")
+            if call["error"] is None and ARITHMETIC.fullmatch(expression):
+                value = eval(expression)  # the test's own evaluation: digits, operators and brackets only
+                assert float(call["response"]) == pytest.approx(value)
+                checked += 1
+    assert checked >= 8
+
+
+def test_a_sample_without_tool_calls_is_the_single_turn_sample(engine):
+    """multi_turn's first turn is rollout.generate's request: what the model writes without calling a tool is what
+    a single-turn rollout samples with the same seed."""
+    plain = [t for t in engine["calculator"]["trajectories"] if not t["tool_calls"]]
+    assert plain
+    for k, t in enumerate(engine["calculator"]["trajectories"]):
+        if not t["tool_calls"]:
+            assert t["response_ids"] == engine["single"][k]
+
+
+def test_a_raising_tool_is_read_as_an_error_and_the_rollout_goes_on(engine, tokenizer):
+    trajectories = engine["failing"]["trajectories"]
+    calls = [c for t in trajectories for c in t["tool_calls"]]
+    assert calls and all(c["error"] == "Error executing tool 'calculator': the calculator is down" for c in calls)
+    assert any(t["assistant_turns"] >= 2 for t in trajectories)  # the model wrote again after the error
+    for t in trajectories:
+        tool_text = [tokenizer.decode(ids) for turn_id, ids, _ in segments(t) if turn_id % 2 == 0]
+        assert tool_text == [ANSWER.format(c["response"]) for c in t["tool_calls"]]
+
+
+def test_the_response_budget_bounds_the_tool_tokens_too(engine):
+    """data.max_response_length holds everything after the prompt: a tool response that does not fit is cut at
+    the budget, and the trajectory ends there, truncated."""
+    trajectories = engine["short"]["trajectories"]
+    assert all(len(t["response_ids"]) <= 30 for t in trajectories)
+    cut_in_a_tool_response = [t for t in trajectories if t["turn_ids"] and t["turn_ids"][-1] % 2 == 0]
+    assert cut_in_a_tool_response
+    assert all(t["truncated"] and len(t["response_ids"]) == 30 for t in cut_in_a_tool_response)
+    assert all(t["truncated"] == (len(t["response_ids"]) == 30) for t in trajectories)
+
+
+# ------------------------------------------------------------------------------------------ runs of grpo.py
+@pytest.fixture(scope="module")
+def mt_run(tools_build, tiny_build, tmp_path_factory):
+    """2 ranks, 2 steps (2 mini-batches each: the old-log-prob pass compares with vLLM), dumped; its replay at
+    1 rank; the replay of a copy whose tool positions hold garbage."""
+    root = tmp_path_factory.mktemp("multi-turn-run")
+    run_grpo(root / "run", 2, *MULTI_TURN, f"trainer.dump_batches={root / 'dump'}")
+    garbage = root / "garbage"
+    garbage.mkdir()
+    for step in (1, 2):
+        b = torch.load(root / "dump" / f"step_{step}.pt")
+        tool = (b["turn_ids"] % 2 == 0) & (b["turn_ids"] > 0)  # [B, R]
+        for key in ("advantages", "old_logprobs", "ref_logprobs", "rollout_logprobs", "returns"):
+            b[key] = torch.where(tool, torch.full_like(b[key], 1e3), b[key])
+        torch.save(b, garbage / f"step_{step}.pt")
+    replays = {}
+    for name, dump in (("replay", root / "dump"), ("garbage", garbage)):
+        run_grpo(root / name, 1, *MULTI_TURN, f"trainer.replay_batches={dump}")
+        replays[name] = read_metrics(root / name)
+    return root, read_metrics(root / "run"), replays
+
+
+def test_a_multi_turn_run_trains_with_vllms_log_probs_equal_to_the_trainers(mt_run, tools_build):
+    """fp32: over the sampled tokens of every turn, vLLM's log-probs are the trainer's (SYNC, as every family), and
+    the trainer's are transformers' plain forward within fp32 noise (measured here): no re-tokenisation drift."""
+    root, logged, _ = mt_run
+    steps = [r for r in logged if "training/global_step" in r]
+    assert [r["training/global_step"] for r in steps] == [1, 2]
+    assert all(r["rollout/logprob_diff_max"] <= SYNC and r["timing_s/old_log_prob"] > 0 for r in steps)
+    assert all(r["tool_calls/sample_share"] > 0.1 and r["num_turns/max"] >= 3 for r in steps)
+    assert "val-core/openai/gsm8k/reward/mean@1" in logged[-1]
+    b = torch.load(root / "dump" / "step_1.pt")
+    mask = b["response_mask"]
+    assert (mask * (b["rollout_logprobs"] - b["old_logprobs"])).abs().max() <= SYNC
+    model = AutoModelForCausalLM.from_pretrained(tools_build["model"], dtype=torch.float32)  # what sampled step 1
+    ref, noise = fp32_noise.measure(
+        lambda dtype: plain_logprobs(fp32_noise.float64_copy(model) if dtype == torch.float64 else model, b)
+    )
+    fp32_noise.check(b["old_logprobs"] * mask, ref["logp"], noise["logp"], "multi-turn old log-probs")
+
+
+def test_the_dumped_multi_turn_batches_hold_turns_masks_and_tool_calls(mt_run, tokenizer):
+    """The audit of a dump: the loss mask is the assistant turns' tokens; vLLM's log-probs are 0 exactly on the
+    tool tokens; each tool segment is the template's text of its recorded call's response; the counts agree with
+    the calls and with the logged metrics."""
+    root, logged, _ = mt_run
+    for step in (1, 2):
+        b = torch.load(root / "dump" / f"step_{step}.pt")
+        width = b["response_mask"].shape[1]
+        sampled = b["attention_mask"][:, -width:].bool()  # [B, R]
+        turn = b["turn_ids"]  # [B, R]
+        assert torch.equal(turn > 0, sampled)
+        assert torch.equal(b["response_mask"].bool(), (turn % 2 == 1) & sampled)
+        assert (b["rollout_logprobs"][(turn % 2 == 0) & sampled] == 0).all()
+        assert ((turn % 2 == 0) & sampled).any()
+        for i, calls in enumerate(b["tool_calls"]):
+            assert b["num_tool_calls"][i] == len(calls)
+            assert b["num_tool_errors"][i] == sum(c["error"] is not None for c in calls)
+            ids = b["input_ids"][i, -width:]
+            for k, call in enumerate(calls):
+                text, full = tokenizer.decode(ids[turn[i] == 2 * (k + 1)].tolist()), ANSWER.format(call["response"])
+                cut = sampled[i].sum() == 96 and turn[i].max() == 2 * (k + 1)  # the budget ends inside it
+                assert call["turn"] == k + 1 and (text == full or cut and full.startswith(text))
+            assert b["num_turns"][i] == turn[i].max() + 1  # veRL's: assistant turns + tool turns + 1
+        m = logged[step]
+        assert m["num_turns/mean"] == pytest.approx(b["num_turns"].float().mean().item())
+        assert m["tool_calls/per_sample"] == pytest.approx(b["num_tool_calls"].float().mean().item())
+
+
+def test_a_multi_turn_update_is_the_same_at_one_and_two_ranks(mt_run):
+    """The 2-rank run's batches replayed at 1 rank: every metric both log (the tool counts are the batch's)."""
+    _, logged, replays = mt_run
+    for x, y in zip(logged[1:], replays["replay"], strict=True):
+        keys = [k for k in comparable(x) if k in y and not k.startswith(("rollout/", "val-"))]
+        assert len(keys) >= 30 and "actor/grad_norm" in keys
+        for key in keys:
+            assert y[key] == pytest.approx(x[key], rel=1e-4, abs=1e-6), (x["step"], key)
+
+
+def test_tool_positions_do_not_move_the_update(mt_run):
+    """Advantages, old / reference / vLLM log-probs of 1000 at every tool token: the same update (loss, gradient,
+    KL, entropy, token counts) as the plain replay. A tool token that reached the loss, its token-mean
+    denominator, the KL or the entropy would move them by orders of magnitude."""
+    _, _, replays = mt_run
+    for x, y in zip(replays["replay"], replays["garbage"], strict=True):
+        for key in ("actor/pg_loss", "actor/grad_norm", "actor/kl_loss", "actor/entropy", "actor/ppo_kl"):
+            assert y[key] == pytest.approx(x[key], rel=1e-6, abs=1e-9), key
+
+
+def test_a_raising_tool_does_not_stop_the_run(tools_build, tiny_build, tmp_path):
+    tool_file = tmp_path / "down.py"
+    tool_file.write_text(
+        "def calculator(expression: str) -> str:\n"
+        '    """Evaluate an arithmetic expression.\n\n    Args:\n        expression: Numbers.\n    """\n'
+        "    raise RuntimeError('down')\n"
+    )
+    run_grpo(
+        tmp_path / "run",
+        1,
+        *MULTI_TURN,
+        "trainer.total_steps=1",
+        "trainer.val_every=0",
+        f"{TOOL_PATH}={tool_file}",
+    )
+    (m,) = [r for r in read_metrics(tmp_path / "run") if "training/global_step" in r]
+    assert m["tool_calls/sample_share"] > 0 and m["tool_calls/error_rate"] == 1.0
+
+
+def test_bad_multi_turn_input_stops_in_one_line(tiny_build, tmp_path):
+    """A chat template without tools, a tool file without functions: one line, before any model loads."""
+    empty = tmp_path / "empty.py"
+    empty.write_text("X = 1\n")
+    for overrides, message in [
+        (["rollout.multi_turn.enable=true"], "error: multi-turn: the chat template does not render tools="),
+        (
+            [
+                "model.path=tiny_tools",
+                "rollout.multi_turn.enable=true",
+                f"rollout.multi_turn.function_tool_path={empty}",
+            ],
+            f"error: {TOOL_PATH} {empty}: defines no public function",
+        ),
+        (["rollout.multi_turn.tool_response_truncate_side=top"], "accepted: left, middle, right"),
+    ]:
+        proc = subprocess.run(
+            [sys.executable, "grpo.py", "--config", "tiny.yaml", f"trainer.output_dir={tmp_path}", *overrides],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        assert proc.returncode == 1 and message in proc.stderr.strip().splitlines()[-1], proc.stderr[-2000:]
