@@ -168,16 +168,19 @@ def check_template(tokenizer, tools: dict, template_kwargs: dict | None = None) 
 # ------------------------------------------------------------------------------------- tokens in, tokens out
 def tool_response_ids(tokenizer, responses: list[str], schemas: list[dict], template_kwargs: dict | None) -> list[int]:
     """The token ids that follow an assistant turn (which ends with eos) for its tool messages, up to and including
-    the next assistant header: the chat template's text for [..., assistant, tool, tool] with the generation prompt,
-    minus its text for [..., assistant], tokenised once. Qwen2.5: ["8"] ->
-    "\\n<|im_start|>user\\n<tool_response>\\n8\\n</tool_response><|im_end|>\\n<|im_start|>assistant\\n"."""
-    kwargs = dict(tools=schemas, tokenize=False, **(template_kwargs or {}))
-    history = [{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"}]
-    before = tokenizer.apply_chat_template(history, **kwargs)
-    messages = history + [{"role": "tool", "content": r} for r in responses]
-    after = tokenizer.apply_chat_template(messages, add_generation_prompt=True, **kwargs)
-    end = before.find(tokenizer.eos_token, before.rindex("y"))
-    if end < 0 or not after.startswith(before[:end]):
+    the next assistant header: the chat template's text for [user, assistant, tool, tool, ...] with the generation
+    prompt, from the eos after the assistant's content on, tokenised once. Qwen2.5: ["8"] ->
+    "\\n<|im_start|>user\\n<tool_response>\\n8\\n</tool_response><|im_end|>\\n<|im_start|>assistant\\n". Only the text
+    after the assistant turn is read, so a template that renders an earlier assistant turn differently (Qwen3 drops
+    the empty <think> block of a turn before the last) gives the same ids."""
+    marker = "flatgrpo-assistant-turn"
+    messages = [{"role": "user", "content": "x"}, {"role": "assistant", "content": marker}]
+    messages += [{"role": "tool", "content": r} for r in responses]
+    after = tokenizer.apply_chat_template(
+        messages, tools=schemas, add_generation_prompt=True, tokenize=False, **(template_kwargs or {})
+    )
+    end = after.find(tokenizer.eos_token, after.find(marker) + len(marker))
+    if marker not in after or end < 0:
         raise ToolSetupError(
             f"multi-turn: the chat template does not end an assistant turn with the eos token {tokenizer.eos_token!r}"
         )
