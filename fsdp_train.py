@@ -333,11 +333,9 @@ def select(batch: dict[str, torch.Tensor], rows: list[int]) -> dict[str, torch.T
     p_len = int(sub["attention_mask"][:, :p_width].sum(-1).max())
     r_len = max(1, int(sub["attention_mask"][:, p_width:].sum(-1).max()))  # not response_mask: it may have holes
     for k, v in sub.items():
-        if not torch.is_tensor(v):
-            continue
         if k in SEQ_KEYS:
             sub[k] = v[:, p_width - p_len : p_width + r_len]
-        elif v.dim() == 2:
+        elif torch.is_tensor(v) and v.dim() == 2:  # not a list (a multi-turn run's tool calls)
             sub[k] = v[:, :r_len]
     return sub
 

@@ -178,9 +178,8 @@ def groups_to_batch(groups: list[dict], pad_id: int) -> dict:
     batch["rollout_logprobs"] = torch.zeros_like(batch["response_mask"])  # [B, R]
     for k, s in enumerate(samples):
         batch["rollout_logprobs"][k, : len(s.logprobs)] = torch.tensor(s.logprobs)
-    if isinstance(samples[0], multi_turn.Trajectory):  # multi-turn: the tool responses' tokens are not trained
-        batch.update(multi_turn.batch_fields(samples, batch["response_mask"].shape[1]))
-        batch["response_mask"] *= batch.pop("loss_mask")  # [B, R]
+    if isinstance(samples[0], multi_turn.Trajectory):  # multi-turn: the tool responses' tokens out of the mask
+        batch.update(multi_turn.batch_fields(samples, batch["response_mask"]))
     extras = [e for g in groups for e in g["extras"]]
     numeric_keys = [key for key, value in extras[0].items() if isinstance(value, (int, float))]
     for key in numeric_keys:

@@ -328,15 +328,17 @@ def _answer_tool_calls(t, calls, tokenizer, tools, schemas, settings, template_k
 
 
 # ------------------------------------------------------------------------------------------ batch and metrics
-def batch_fields(trajectories: list[Trajectory], width: int) -> dict:
-    """The batch's multi-turn fields, responses right-padded to width: loss_mask and turn_ids [B, R] (0 past the
+def batch_fields(trajectories: list[Trajectory], response_mask: torch.Tensor) -> dict:
+    """The batch's multi-turn fields, for responses right-padded as response_mask [B, R] (1 on every response
+    token): the response mask with the tool responses' tokens out (the loss mask), turn_ids [B, R] (0 past the
     end); per trajectory num_turns, num_tool_calls and num_tool_errors [B], and its tool calls (a list)."""
+    width = response_mask.shape[1]
 
     def padded(rows: list[list[int]]) -> torch.Tensor:
         return torch.tensor([r + [0] * (width - len(r)) for r in rows])
 
     return {
-        "loss_mask": padded([t.loss_mask for t in trajectories]).float(),  # [B, R]
+        "response_mask": response_mask * padded([t.loss_mask for t in trajectories]),  # [B, R]
         "turn_ids": padded([t.turn_ids for t in trajectories]),  # [B, R]
         "num_turns": torch.tensor([t.num_turns for t in trajectories]),  # [B]
         "num_tool_calls": torch.tensor([len(t.tool_calls) for t in trajectories]),  # [B]
