@@ -217,16 +217,17 @@ def sample_groups(run: "Run", prompts: list[dict], t: dict) -> list[dict]:
 def generate(run: "Run", prompts: list[list[dict]], *, n: int, temperature: float, top_p: float, top_k: int, seed):
     """n samples of each chat prompt: rollout.generate, or in a multi-turn run multi_turn.generate (the model's
     turns with the tools' responses between them; samples are then multi_turn.Trajectory)."""
-    max_tokens = run.cfg["data"]["max_response_length"]
-    if run.tools is not None:  # multi-turn with tools (multi_turn.py)
+    max_tokens, tools = run.cfg["data"]["max_response_length"], run_tools(run.cfg)
+    template_kwargs = chat_template_kwargs(run.cfg)  # the tools' schemas too, in a multi-turn run
+    if tools is not None:  # multi-turn with tools (multi_turn.py)
         return multi_turn.generate(
             run.llm,
-            [rollout.render_prompt(run.tokenizer, p, run.template_kwargs) for p in prompts],
+            [rollout.render_prompt(run.tokenizer, p, template_kwargs) for p in prompts],
             n=n,
             temperature=temperature,
             max_tokens=max_tokens,
             seed=seed,
-            tools=run.tools,
+            tools=tools,
             settings=run.cfg["rollout"]["multi_turn"],
             top_p=top_p,
             top_k=top_k,
@@ -241,7 +242,7 @@ def generate(run: "Run", prompts: list[list[dict]], *, n: int, temperature: floa
         top_k=top_k,
         max_tokens=max_tokens,
         seed=seed,
-        template_kwargs=run.template_kwargs,
+        template_kwargs=template_kwargs,
     )
 
 
@@ -558,8 +559,6 @@ def setup(cfg: dict) -> Run:
         positions=data.local_positions(cfg["data"]["train_batch_size"], mini_batch_size, world, rank),
         pad_id=tokenizer.eos_token_id if tokenizer.pad_token_id is None else tokenizer.pad_token_id,
         tokenizer=tokenizer,
-        tools=run_tools(cfg),
-        template_kwargs=chat_template_kwargs(cfg),
         total_steps=total_steps,
         start=start,
         policy=policy,
@@ -789,7 +788,6 @@ def evaluate(cfg: dict):
     model_path, tokenizer, _, val_rows, _ = load_data(cfg, rank, world, train=False)
     llm = start_engine(cfg, model_path, rank)
     run = Run(cfg=cfg, rank=rank, world=world, val_rows=val_rows, score=score, llm=llm, tokenizer=tokenizer)
-    run.tools, run.template_kwargs = run_tools(cfg), chat_template_kwargs(cfg)
     if cfg["model"]["lora_adapter_path"]:  # LoRA: the base with the adapter, pushed merged into the engine
         adapt, head = config.lora_adapter(cfg, model_path), logit_rules.logits_head
         model = fsdp_train.load_model(model_path, device=device, trainable=False, adapt=adapt, head=head)
