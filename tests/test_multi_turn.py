@@ -124,6 +124,21 @@ def test_a_failed_call_becomes_a_tool_response_that_says_what_went_wrong():
     assert text == error == "Invalid tool call: Expecting value"
 
 
+def test_a_malformed_call_is_answered_and_the_trajectory_goes_on(tokenizer):
+    """A turn whose only call is not JSON: the trajectory gets a tool response naming the error (mask 0) and stays
+    open for the next turn, as after a good call (veRL would end it)."""
+    settings = dict(max_parallel_calls=1, max_tool_response_length=256, tool_response_truncate_side="middle")
+    tools, schemas = multi_turn.load_tools(None), [tiny.CALCULATOR_SCHEMA]
+    t = multi_turn.Trajectory(prompt_ids=[1, 2], response_ids=[5, 6], loss_mask=[1, 1], turn_ids=[1, 1])
+    t.logprobs, t.assistant_turns = [-0.5, -0.5], 1
+    calls = multi_turn.parse_tool_calls('<tool_call>{"name": "calculator", "arguments": {"expression": 3</tool_call>')
+    multi_turn._answer_tool_calls(t, calls, tokenizer, tools, schemas, settings, None, max_tokens=96)
+    (record,) = t.tool_calls
+    assert record["error"].startswith("Invalid tool call: ") and not t.done and not t.truncated
+    assert tokenizer.decode(t.response_ids[2:]) == ANSWER.format(record["error"])
+    assert t.loss_mask[2:] == [0] * (len(t.response_ids) - 2) and t.turn_ids[2:] == [2] * (len(t.response_ids) - 2)
+
+
 def test_long_tool_responses_are_cut_as_verl_cuts_them():
     text = "abcdefghij"
     assert multi_turn.truncate(text, 10, "middle") == text
