@@ -40,7 +40,6 @@ from vllm import SamplingParams
 from vllm.inputs import TokensPrompt
 
 TOOL_CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)  # veRL's HermesToolParser
-FORMATS = ("hermes",)
 
 
 class ToolSetupError(ValueError):
