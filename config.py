@@ -21,6 +21,7 @@ import fsdp_train
 import grpo_family
 import lora
 import losses
+import moe
 import reward_files
 import rollout_correction
 
@@ -64,6 +65,7 @@ SCHEMA = {
         "dtype": ("float32", ("auto", "float32", "bfloat16", "float16")),
         "gpu_memory_utilization": (0.4, UNIT),
         "enable_prefix_caching": True,
+        "enable_rollout_routing_replay": False,  # a Mixture-of-Experts model: vLLM returns its routing (moe.py)
         "seed_samples": True,
         "tensor_parallel_size": (1, "1 (each rank runs its own engine; tensor-parallel rollouts are not supported)"),
         # vLLM 0.32 level 2 discards the weights and restores only the named buffers on wake
@@ -116,6 +118,7 @@ SCHEMA = {
         "kl_loss_coef": (0.001, GE0),
         "grad_clip": (1.0, POS),
         "kl_loss_type": ("low_var_kl", losses.KL_KINDS + tuple(k + "+" for k in losses.KL_KINDS)),
+        "router_replay": {"mode": ("disabled", moe.MODES)},  # Mixture-of-Experts routing replay (moe.py)
     },
     "algorithm": {
         "adv_estimator": ("grpo", ("grpo", *grpo_family.ESTIMATORS)),
@@ -245,6 +248,7 @@ ONE_LINE_ERRORS = (
     dapo.TooFewGroups,
     lora.LoraError,
     fsdp_train.UnsupportedModel,
+    moe.ReplayError,
 )
 
 
@@ -416,7 +420,32 @@ def check_config(cfg: dict) -> dict:
         specs = ", ".join(f"{k} = {rc[k]!r}" for k in rc if k.startswith("rollout_"))
         raise ConfigError(f"config: algorithm.rollout_correction.{specs}: {e}") from None
     check_family(cfg)
+    check_router_replay(cfg)
     return cfg
+
+
+def check_router_replay(cfg: dict) -> None:
+    """Routing replay's combinations refused: R3 without the rollout's routing; R2 with it, or with the rollout
+    correction's bypass (veRL 0.9.1 refuses both: R2 records the old-log-prob pass, which bypass skips); the
+    rollout's routing in a multi-turn run or a replay of dumps (neither carries it)."""
+    mode, returned = cfg["actor"]["router_replay"]["mode"], cfg["rollout"]["enable_rollout_routing_replay"]
+    if mode == "R3" and not returned:
+        raise ConfigError(
+            "config: actor.router_replay.mode = R3 replays the rollout's routing: set "
+            "rollout.enable_rollout_routing_replay=true (or mode R2: the old-log-prob pass's routing)"
+        )
+    if mode == "R2" and (returned or cfg["algorithm"]["rollout_correction"]["bypass_mode"]):
+        key = "rollout.enable_rollout_routing_replay" if returned else "algorithm.rollout_correction.bypass_mode"
+        raise ConfigError(
+            f"config: actor.router_replay.mode = R2 with {key}=true; R2 replays the old-log-prob pass's routing "
+            "(accepted: R3 with the rollout's routing, or R2 without it and without bypass_mode)"
+        )
+    if returned and (cfg["rollout"]["multi_turn"]["enable"] or cfg["trainer"]["replay_batches"]):
+        key = "rollout.multi_turn.enable" if cfg["rollout"]["multi_turn"]["enable"] else "trainer.replay_batches"
+        raise ConfigError(
+            f"config: rollout.enable_rollout_routing_replay=true with {key}: its samples carry no routing "
+            "(accepted: enable_rollout_routing_replay=false)"
+        )
 
 
 def check_lora(m: dict) -> None:

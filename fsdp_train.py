@@ -26,6 +26,7 @@ that of one process on the full batch, however unevenly tokens fall on micro-bat
 """
 
 import copy
+import functools
 import glob
 import importlib.util
 import math
@@ -52,10 +53,9 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
 from torch.utils.checkpoint import checkpoint
 from transformers import AutoConfig, AutoModelForCausalLM
-from transformers.conversion_mapping import get_model_conversion_mapping
-from transformers.core_model_loading import WeightConverter, revert_weight_conversion
+from transformers.core_model_loading import revert_weight_conversion
 
-SEQ_KEYS = ("input_ids", "attention_mask")  # [B, P + R]; every other 2-D tensor is [B, R]
+SEQ_KEYS = ("input_ids", "attention_mask", "routed_experts")  # [B, P + R, ...]; every other 2-D one is [B, R]
 
 
 # ------------------------------------------------------------------------------ distributed
@@ -114,7 +114,7 @@ def load_model(
     shard it, allocate only their shards, and rank 0 reads the checkpoint and broadcasts it
     parameter by parameter. Tied embeddings stay tied (one parameter). compute_dtype (e.g. bf16 on
     GPU, as veRL) keeps `param_dtype` master weights and casts for the forward/backward only.
-    Raises UnsupportedModel (one line) for a model it cannot train (trainer_model_class, checkpoint_names,
+    Raises UnsupportedModel (one line) for a model it cannot train (trainer_model_class,
     decoder_layers) or whose logits the log-prob path does not reproduce (check_logits_fn).
 
     Optional features plug in here (both None by default):
@@ -158,14 +158,14 @@ def load_model(
 def _empty_model(path: str, dtype: torch.dtype) -> tuple[type, torch.nn.Module]:
     """(the trainer's class for the model, the model with its parameters on the meta device and its small buffers
     (RoPE) real): built without dropout, holding the checkpoint's config and the names the push uses
-    (model.checkpoint_names)."""
+    (model.checkpoint_names, model.checkpoint_split)."""
     config = AutoConfig.from_pretrained(path)
     model_class = trainer_model_class(path, config)
     with init_empty_weights(include_buffers=False):
         model = model_class._from_config(without_dropout(config), dtype=dtype)
     model.config = config  # the checkpoint's keys (export_hf writes them); the modules were built without dropout
     model.tie_weights()  # init_empty_weights re-registers parameters, which unties lm_head from embed_tokens
-    model.checkpoint_names = checkpoint_names(model)
+    model.checkpoint_names, model.checkpoint_split = checkpoint_names(model)
     return model_class, model
 
 
@@ -198,23 +198,24 @@ def trainer_model_class(path: str, config) -> type:
     return getattr(sys.modules[name], shared.__name__)
 
 
-def checkpoint_names(model) -> dict[str, str]:
-    """Parameter name -> its name in the checkpoint format (what save_pretrained writes and every vLLM loader
-    reads), where the two differ: transformers' own key conversion for the family, reversed
-    (revert_weight_conversion; GPT-NeoX: lm_head.weight -> embed_out.weight). Raises UnsupportedModel (one line)
-    for a family whose conversion merges checkpoint tensors into one parameter (the experts of Mixture-of-Experts
-    models): one pushed tensor would be several checkpoint tensors."""
-    params = {name: torch.empty(0, device="meta") for name, _ in model.named_parameters()}
-    merges = [c for c in get_model_conversion_mapping(model, add_legacy=False) if isinstance(c, WeightConverter)]
-    if merges:
-        patterns = [p for c in merges for p in c.source_patterns]
-        raise UnsupportedModel(
-            f"model {model.config.name_or_path}: {type(model).__name__}: transformers merges checkpoint tensors "
-            f"into one parameter ({', '.join(patterns[:3])}): Mixture-of-Experts models are not supported yet; "
-            "supported: dense decoder-only models"
-        )
+def checkpoint_names(model) -> tuple[dict[str, str], Callable | None]:
+    """(names, split): how the push names and cuts the parameters for the checkpoint format (what save_pretrained
+    writes and every vLLM loader reads): transformers' own key conversion for the family, reversed
+    (revert_weight_conversion). names: parameter name -> its checkpoint name where the two differ (GPT-NeoX:
+    lm_head.weight -> embed_out.weight). split: for a family whose conversion merges several checkpoint tensors
+    into one parameter (Mixture-of-Experts: E per-expert gate_proj and up_proj tensors into experts.gate_up_proj
+    [E, 2I, H], E down_proj into experts.down_proj [E, H, I]), split(name, full tensor) -> [(checkpoint name,
+    tensor)], those tensors back (views, no copy); None for every other family."""
+    params = {name: torch.empty_like(p, device="meta") for name, p in model.named_parameters()}
     by_tensor = {id(t): name for name, t in revert_weight_conversion(model, dict(params)).items()}
-    return {name: by_tensor[id(t)] for name, t in params.items() if by_tensor[id(t)] != name}
+    names = {name: by_tensor[id(t)] for name, t in params.items() if by_tensor.get(id(t), name) != name}
+    merged = {name for name, t in params.items() if id(t) not in by_tensor}  # reverted into new tensors
+    return names, (functools.partial(_split_merged, model, merged) if merged else None)
+
+
+def _split_merged(model, merged: set[str], name: str, tensor: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+    """A merged parameter's checkpoint tensors (transformers' conversion reversed on it alone); another as it is."""
+    return list(revert_weight_conversion(model, {name: tensor}).items()) if name in merged else [(name, tensor)]
 
 
 DROPOUT_KEY = re.compile(r"dropout|pdrop")  # attention_dropout, hidden_dropout, resid_pdrop, embd_pdrop, ...
@@ -598,10 +599,14 @@ def _forward(
     )
 
 
-def _device_batch(batch, rows, device):
-    rows = rows or [0]  # an empty micro-batch still runs a forward (masked out) for FSDP's collectives
-    mb = {k: v.to(device) for k, v in select(batch, rows).items() if torch.is_tensor(v)}
-    return mb, rows
+def _device_batch(model, batch, rows, device):
+    """The micro-batch `rows` of the batch on the device, and its row indices ([0] for an empty one: it still runs a
+    forward, masked out, for FSDP's collectives). A feature that reads the micro-batch's rows before its forward
+    (moe.py's routing replay) sees them here, through model.micro_batch_hook."""
+    sub = select(batch, rows or [0])
+    if hasattr(model, "micro_batch_hook"):
+        model.micro_batch_hook(batch, rows, sub)
+    return {k: v.to(device) for k, v in sub.items() if torch.is_tensor(v)}, rows or [0]
 
 
 @torch.no_grad()
@@ -620,7 +625,7 @@ def compute_logprobs(
     shape = batch["response_mask"].shape
     logp_all, ent_all = torch.zeros(shape), torch.zeros(shape) if entropy_fn else None
     for rows in _synced_micro_batches(batch, max_tokens):
-        mb, idx = _device_batch(batch, rows, device)
+        mb, idx = _device_batch(model, batch, rows, device)
         logp, ent = _forward(model, mb, temperature, entropy_fn, chunk_size=chunk_size)
         if rows:
             width = logp.shape[1]
@@ -681,7 +686,7 @@ def train_step(
     kept = {"logprobs": torch.zeros(shape), "entropy": torch.zeros(shape)} if keep_logprobs else {}  # [B, R]
     optimizer.zero_grad(set_to_none=True)
     for rows in _synced_micro_batches(batch, max_tokens):
-        mb, _ = _device_batch(batch, rows, device)
+        mb, _ = _device_batch(model, batch, rows, device)
         if not rows:
             mb["response_mask"] = torch.zeros_like(mb["response_mask"])
         logp, entropy = _forward(model, mb, temperature, entropy_fn, entropy_grad, chunk_size)
@@ -751,12 +756,18 @@ def peak_flops() -> float:
 
 
 def estimate_flops(config, seqlens: list[int]) -> float:
-    """veRL's FlopsCounter for dense decoders, forward + backward of sequences of these lengths:
-    6*N*sum(s) + 6*sum(s^2)*d*H*L, N = L*(3*h*I + h*(H*d + 2*K*d + H*d)) + 2*V*h (no biases)."""
-    h, inter, layers = config.hidden_size, config.intermediate_size, config.num_hidden_layers
+    """veRL's FlopsCounter for decoders, forward + backward of sequences of these lengths:
+    6*N*sum(s) + 6*sum(s^2)*d*H*L, N = L*(M + h*(H*d + 2*K*d + H*d)) + 2*V*h (no biases), with the MLP's
+    M = 3*h*I for a dense model and, for a Mixture-of-Experts one (num_experts, num_experts_per_tok), the active
+    experts' and the router's: M = 3*h*k*I_moe + h*E (veRL's _estimate_qwen2_moe_flops)."""
+    h, layers = config.hidden_size, config.num_hidden_layers
     heads, kv_heads, vocab = config.num_attention_heads, config.num_key_value_heads, config.vocab_size
     d = getattr(config, "head_dim", None) or h // heads
-    n = layers * (3 * h * inter + h * (heads * d + 2 * kv_heads * d + heads * d)) + 2 * vocab * h
+    if getattr(config, "num_experts_per_tok", None) and getattr(config, "moe_intermediate_size", None):
+        mlp = 3 * h * config.num_experts_per_tok * config.moe_intermediate_size + h * config.num_experts
+    else:
+        mlp = 3 * h * config.intermediate_size
+    n = layers * (mlp + h * (heads * d + 2 * kv_heads * d + heads * d)) + 2 * vocab * h
     return 6 * n * sum(seqlens) + 6 * sum(s * s for s in seqlens) * d * heads * layers
 
 

@@ -47,6 +47,7 @@ import logs  # noqa: E402
 import lora  # noqa: E402
 import losses  # noqa: E402
 import metrics  # noqa: E402
+import moe  # noqa: E402
 import multi_turn  # noqa: E402
 import rollout  # noqa: E402
 import rollout_correction  # noqa: E402
@@ -180,6 +181,8 @@ def groups_to_batch(groups: list[dict], pad_id: int) -> dict:
         batch["rollout_logprobs"][k, : len(s.logprobs)] = torch.tensor(s.logprobs)
     if isinstance(samples[0], multi_turn.Trajectory):  # multi-turn: the tool responses' tokens out of the mask
         batch.update(multi_turn.batch_fields(samples, batch["response_mask"]))
+    elif samples[0].routed_experts is not None:  # a MoE model's routing, returned by vLLM (R3: moe.py)
+        batch["routed_experts"] = moe.batch_routing([s.routed_experts for s in samples], batch)  # [B, P + R, L, k]
     extras = [e for g in groups for e in g["extras"]]
     numeric_keys = [key for key, value in extras[0].items() if isinstance(value, (int, float))]
     for key in numeric_keys:
@@ -263,11 +266,16 @@ def old_logprob_pass(run: "Run", batch: dict, t: dict) -> dict:
     before the update, a dump): the sampling policy's log-probs (the PPO ratio's denominator), with actor/entropy
     and the sync proof; then the reference's (ref), and rollout_corr (correct_rollout) against vLLM's, whose
     rejection must not reach the reference's log-probs (the KL in the reward reads every sampled token)."""
+    recording = run.cfg["actor"]["router_replay"]["mode"] == "R2"  # MoE: record this pass's routing (moe.py)
+    if recording:
+        moe.start_recording(run.policy, batch)
     with timed(t, "old_log_prob"):
         old, entropy = compute_logprobs(run, run.policy, batch, entropy_fn=losses.entropy_from_logits)
-    out = metrics.old_logprob_metrics(batch, old, entropy, run.cfg)
+    out = metrics.old_logprob_metrics(batch, old, entropy, run.cfg) | moe.routing_metrics(run.policy, "old_log_prob")
     batch.setdefault("old_logprobs", old)  # a replayed batch keeps its dumped ones
     reference_logprobs(run, batch, t)
+    if recording:  # the update replays it (R2); the reference kept its own, as veRL's
+        batch["routed_experts"] = moe.recorded(run.policy, batch)  # [B, P + R, L, k]
     if "rollout_logprobs" in batch:  # all but a replay of a dump without vLLM's log-probs
         with timed(t, "rollout_corr"):
             out.update(correct_rollout(run, batch, batch["old_logprobs"]))
@@ -367,6 +375,7 @@ def update_actor(run: "Run", batch: dict, t: dict) -> dict:
     if torch.cuda.is_available():
         out.update(metrics.gpu_memory_metrics(results))
     out["actor/kl_coef"] = actor["kl_loss_coef"] if kl_loss_on(actor) else 0.0
+    out.update(moe.routing_metrics(run.policy, "update_actor"))  # a MoE model's routing replay
     if run.capture:
         batch["update_logprobs"] = update_logprobs  # [B, R]
         out.update(metrics.old_logprob_metrics(batch, update_logprobs, update_entropy, run.cfg))
@@ -388,8 +397,10 @@ def update_weights(run: "Run", step: int, t: dict) -> dict:
 
 
 def push(llm, model) -> None:
-    """The model's full weights into the engine: cast to the engine's dtype, under the checkpoint's names."""
-    sync.push_weights(llm, sync.full_params(model, sync.engine_dtype(llm), model.checkpoint_names))
+    """The model's full weights into the engine: cast to the engine's dtype, under the checkpoint's names (a
+    Mixture-of-Experts model's merged experts as the checkpoint's per-expert tensors)."""
+    tensors = sync.full_params(model, sync.engine_dtype(llm), model.checkpoint_names, model.checkpoint_split)
+    sync.push_weights(llm, tensors)
 
 
 def sync_gap(run: "Run") -> float:
@@ -610,6 +621,7 @@ def on_policy_shortcut(cfg: dict) -> bool:
     one_update = actor["ppo_epochs"] == 1 and actor["ppo_mini_batch_size"] == cfg["data"]["train_batch_size"]
     needs_old_pass = actor["recompute_old_log_prob"] or correction["rollout_is"] or correction["rollout_rs"]
     needs_old_pass = needs_old_pass or cfg["algorithm"]["use_kl_in_reward"]
+    needs_old_pass = needs_old_pass or actor["router_replay"]["mode"] == "R2"  # R2 replays that pass's routing
     return one_update and not needs_old_pass and not trainer["dump_batches"] and not trainer["replay_batches"]
 
 
@@ -712,6 +724,8 @@ def load_models(cfg: dict, model_path: str, device) -> tuple:
         ref = fsdp_train.load_model(
             model_path, trainable=False, device=device, param_dtype=compute_dtype, head=logit_rules.logits_head
         )
+    replay, returned = cfg["actor"]["router_replay"], cfg["rollout"]["enable_rollout_routing_replay"]
+    moe.attach_for_run(policy, ref, replay["mode"], returned, not rollout.is_cpu())  # a MoE model's routers (moe.py)
     return policy, ref
 
 
@@ -744,6 +758,7 @@ def start_engine(cfg: dict, model_path: str, rank: int):
         tensor_parallel_size=sampling["tensor_parallel_size"],
         seed=cfg["trainer"]["seed"] + rank,
         enable_prefix_caching=sampling["enable_prefix_caching"],
+        enable_return_routed_experts=sampling["enable_rollout_routing_replay"],  # a MoE model's routing (R3)
         use_tqdm_on_load=cfg["trainer"]["verbose"],
     )
 

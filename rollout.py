@@ -31,6 +31,7 @@ class Sample:
     logprobs: list[float]  # vLLM's log-prob of each sampled token (len == len(response_ids))
     text: str  # the response decoded with skip_special_tokens=True (what is scored)
     truncated: bool  # stopped at max_tokens
+    routed_experts: object = None  # vLLM's experts per token [prompt + response - 1, layers, top-k] (numpy), or None
 
 
 def is_cpu() -> bool:
@@ -185,6 +186,7 @@ def generate(
                     logprobs=[lp[t].logprob for t, lp in zip(response, c.logprobs, strict=True)],
                     text=tokenizer.decode(response, skip_special_tokens=True),
                     truncated=c.finish_reason == "length",
+                    routed_experts=c.routed_experts,  # only with the engine's enable_return_routed_experts
                 )
             )
     return samples

