@@ -1,10 +1,11 @@
 """Mixture-of-Experts routing replay: the trainer's forwards send each token to the experts it is given instead of
 their own top-k (veRL's router_replay). Imports torch only: copy it anywhere.
 
-    moe.attach(policy, mode="R3")             # hooks on every router of a transformers MoE model (Qwen3-MoE, ...)
+    moe.attach_for_run(policy, ref, "R3", returned=True, engine_returns_routing=True)  # hooks on every router
     batch["routed_experts"] = moe.batch_routing([s.routed_experts for s in samples], batch)   # R3: vLLM's choices
-    # R2: moe.start_recording(policy, batch) before the old-log-prob pass, moe.recorded(policy) after it
+    # R2: moe.start_recording(policy, batch) before the old-log-prob pass, moe.recorded(policy, batch) after it
     model.micro_batch_hook(batch, rows, mb)   # fsdp_train calls it before each micro-batch's forward
+    metrics = moe.routing_metrics(policy, "update_actor")   # the disagreement with the routing given
 
 Why: vLLM and the trainer compute the router's logits with different kernels, so about one router in ten picks
 other experts in bf16 (R3, arXiv 2510.11370), and the policy the trainer differentiates is not the one that sampled.
@@ -21,7 +22,7 @@ renormalised when the family does), so the router's weights still get their grad
 Routing layout, veRL's and vLLM's: routed_experts [B, P + R, L, k] aligned with input_ids (left-padded prompt,
 right-padded response), -1 where no routing is given (padding; the last sampled token, which vLLM never ran).
 A token without routing keeps its own top-k. Metrics: the share of (token, layer) pairs whose own top-k differs
-from the routing given, and the share of tokens with at least one such layer, per pass (router_metrics).
+from the routing given, and the share of tokens with at least one such layer, per pass (routing_metrics).
 
 Activation checkpointing: the backward recomputes each layer; the router's recomputation returns the experts the
 forward used (the same tensors), so the recomputation routes exactly as the forward did, replay or not (a
@@ -66,7 +67,7 @@ class Routing:
     record: torch.Tensor | None = None
     where: tuple | None = None
     differ: torch.Tensor | None = None
-    sums: torch.Tensor = field(default_factory=lambda: torch.zeros(4, dtype=torch.float64))
+    sums: torch.Tensor | None = None  # [4] on the model's device: no host sync per layer
 
 
 def routers(model) -> list[torch.nn.Module]:
@@ -138,7 +139,7 @@ def _end_forward(state: Routing) -> None:
     """Counts this forward's tokens: those given a routing, and those whose own routing differs in some layer."""
     if state.differ is not None:  # [N]
         known = (state.given >= 0).all(-1).all(-1).to(state.differ.device)  # [N]
-        state.sums += torch.tensor([0, 0, (state.differ & known).sum().item(), known.sum().item()], dtype=torch.float64)
+        _add(state, 0, 0, (state.differ & known).sum(), known.sum())
 
 
 def _next_micro_batch(state: Routing, batch: dict, rows: list[int], mb: dict) -> None:
@@ -180,8 +181,16 @@ def _compare(state: Routing, layer: int, own: torch.Tensor) -> torch.Tensor:
     known = (given >= 0).all(-1)  # [N]
     differ = (own.sort(-1).values != given.sort(-1).values).any(-1) & known  # [N]
     state.differ = differ if state.differ is None else state.differ | differ
-    state.sums += torch.tensor([differ.sum().item(), known.sum().item(), 0.0, 0.0], dtype=torch.float64)
+    _add(state, differ.sum(), known.sum(), 0, 0)
     return torch.where(known[:, None], given, own) if state.apply else own
+
+
+def _add(state: Routing, *counts) -> None:
+    """sums += counts, on the device of the counts that are tensors (they stay there until take_sums)."""
+    device = next(c.device for c in counts if torch.is_tensor(c))
+    if state.sums is None:
+        state.sums = torch.zeros(4, dtype=torch.float64, device=device)
+    state.sums += torch.stack([torch.as_tensor(c, dtype=torch.float64, device=device) for c in counts])
 
 
 def replayed_weights(router_logits: torch.Tensor, experts: torch.Tensor, renormalise: bool) -> torch.Tensor:
@@ -216,8 +225,8 @@ def take_sums(model) -> torch.Tensor:
     """(pairs that differ, (token, layer) pairs given, tokens that differ, tokens given) [4] since the last call:
     sum them over ranks, then disagreement()."""
     state = model.moe_routing
-    sums, state.sums = state.sums, torch.zeros(4, dtype=torch.float64)
-    return sums
+    sums, state.sums = state.sums, None
+    return torch.zeros(4, dtype=torch.float64) if sums is None else sums.cpu()
 
 
 def disagreement(sums: torch.Tensor) -> dict[str, float]:

@@ -186,6 +186,34 @@ def test_replay_sends_each_token_to_the_given_experts_weighted_as_its_router_wou
     fp32_noise.check(logp, ref["own"], noise["own"], "replayed, the router's own")
 
 
+def test_the_loop_puts_vllms_routing_in_the_batch_aligned_with_the_tokens():
+    """grpo.groups_to_batch with samples as rollout.generate returns them with the engine's routing (vLLM's
+    layout, [prompt + response - 1, L, k], uint8): batch["routed_experts"] holds token t's routing at token t's
+    column (prompts left-padded, responses right-padded), -1 elsewhere."""
+    import numpy as np
+
+    import grpo
+    import rollout
+
+    prompts, responses = [[5, 6, 7], [8]], [[9, 10], [11, 12, 13, 14]]
+    samples = []
+    for p, r in zip(prompts, responses, strict=True):
+        tokens = p + r
+        routing = np.array([[[t % 4, (t + 1) % 4]] * 2 for t in tokens[:-1]], dtype=np.uint8)  # [T, L=2, k=2]
+        samples.append(rollout.Sample(p, r, [0.0] * len(r), "", False, routed_experts=routing))
+    group = {"samples": samples, "rewards": torch.zeros(2), "extras": [{}, {}]}
+    batch = grpo.groups_to_batch([group], pad_id=0)
+    got = batch["routed_experts"]  # [2, 3 + 4, 2, 2]
+    assert got.shape == (2, 7, 2, 2) and got.dtype == torch.int16
+    for row in range(2):
+        for column in range(7):
+            token = int(batch["input_ids"][row, column])
+            is_token = bool(batch["attention_mask"][row, column])
+            last = column == int(batch["attention_mask"][row].nonzero().max())
+            expected = [[token % 4, (token + 1) % 4]] * 2 if is_token and not last else [[-1, -1]] * 2
+            assert got[row, column].tolist() == expected, (row, column)
+
+
 def sgd_step(model, batch) -> fp32_noise.Flat:
     """One train_step with SGD at lr 1 and no clipping: the gradient of -mean log-prob, read back from the weights."""
     import fsdp_train as ft
