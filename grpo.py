@@ -706,7 +706,8 @@ def load_models(cfg: dict, model_path: str, device) -> tuple:
     """(policy, reference or None): FSDP2-sharded; the reference only when the KL loss or the KL in the reward
     (algorithm.use_kl_in_reward) is on. A model family's rule for its logits is handed over
     (logit_rules.logits_head). With LoRA (lora.py) the policy's base is frozen and the reference is the policy
-    itself, run with its adapters off (veRL's ref_in_actor): no second model."""
+    itself, run with its adapters off (veRL's ref_in_actor): no second model. A Mixture-of-Experts model's routers
+    are hooked (moe.attach_for_run: activation checkpointing's recomputation, the routing replay R2 / R3)."""
     model_cfg = cfg["model"]
     compute_dtype = DTYPES[model_cfg["compute_dtype"]]
     policy = fsdp_train.load_model(
