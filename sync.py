@@ -49,7 +49,7 @@ def full_params(
     checkpoint (and so vLLM's loader) uses, where they differ (GPT-NeoX's lm_head.weight is embed_out.weight in
     its checkpoints; fsdp_train.checkpoint_names). split(name, full tensor) -> [(checkpoint name, tensor)]: a
     parameter the checkpoint stores as several tensors, yielded as those (a Mixture-of-Experts model's merged
-    experts [E, ...] as E per-expert tensors, views of the gathered one; fsdp_train.checkpoint_split).
+    experts [E, ...] as E per-expert tensors, views of the gathered one; fsdp_train.checkpoint_names).
 
     A layer that computes with one merged weight (a module with a merged_weight method over its base_layer, as
     lora.LoraLinear: W + (B @ A) * scaling in fp32 from the full tensors, then cast) is yielded MERGED under the

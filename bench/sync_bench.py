@@ -6,7 +6,7 @@ engine, against a plain in-memory state-dict copy of the same bytes measured in 
     .venv/bin/python bench/sync_bench.py --only moe      # a Mixture-of-Experts model against a dense one, same bytes
 
 Targets on the CPU dev machine: tiny push + reset <= 20 ms; 0.5B-shaped push <= 5 s; a MoE push (its merged
-experts split into the checkpoint's per-expert tensors, fsdp_train.checkpoint_split) costs what a dense model of
+experts split into the checkpoint's per-expert tensors, fsdp_train.checkpoint_names) costs what a dense model of
 the same bytes costs, at Qwen3-30B-A3B's expert shape: time per GB within 1.5x of the dense one's.
 """
 
@@ -42,7 +42,7 @@ def timed(fn, reps: int) -> list[float]:
 def bench(name: str, path: str, reps: int) -> float:
     """Prints the medians; returns the push's seconds per GB."""
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-    split = fsdp_train.checkpoint_split(model)  # a MoE model's experts: per-expert tensors, as its checkpoint
+    _, split = fsdp_train.checkpoint_names(model)  # a MoE model's experts: per-expert tensors, as its checkpoint
     llm = rollout.make_engine(path, dtype="float32", max_model_len=512, gpu_memory_utilization=0.3)
     nbytes = sum(p.numel() * p.element_size() for p in model.parameters())
     target = {n: torch.empty_like(p) for n, p in model.named_parameters()}

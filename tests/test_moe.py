@@ -122,7 +122,7 @@ def vllm_layout(experts: torch.Tensor, batch) -> list:
 def test_the_trainer_loads_what_transformers_loads_and_pushes_the_checkpoints_per_expert_tensors(moe_model):
     """transformers merges the checkpoint's per-expert tensors (experts.{e}.gate_proj / up_proj / down_proj) into
     experts.gate_up_proj [E, 2I, H] and experts.down_proj [E, H, I] as it loads: the trainer gets its logits,
-    and the push gives vLLM the checkpoint's own tensors back, names and values (fsdp_train.checkpoint_split)."""
+    and the push gives vLLM the checkpoint's own tensors back, names and values (fsdp_train.checkpoint_names)."""
     import fsdp_train as ft
     import sync
 
