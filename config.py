@@ -90,6 +90,8 @@ SCHEMA = {
             "tool_response_truncate_side": ("middle", ("left", "middle", "right")),
             "format": ("hermes", ("hermes",)),
             "function_tool_path": (None, str),
+            "tool_timeout": (5.0, "> 0 (seconds a tool call may take; then its worker is killed)"),
+            "tool_workers": (4, ">= 1 (tool calls running at once on a rank, each in a worker process)"),
         },
     },
     "actor": {

@@ -231,9 +231,10 @@ DUMPED = (
     "response_mask",
 )
 # A multi-turn run's (multi_turn.batch_fields): turn_ids [B, R] (2k - 1 on assistant turn k, 2k on the tool
-# responses after it, 0 past the end), num_turns / num_tool_calls / num_tool_errors [B], tool_calls (B lists of
-# {"turn", "name", "arguments", "response", "error"}, or {"turn", "error", "response"} for a malformed call).
-MULTI_TURN = ("turn_ids", "num_turns", "num_tool_calls", "num_tool_errors", "tool_calls")
+# responses after it, 0 past the end), num_turns / num_tool_calls / num_tool_errors / num_tool_timeouts [B],
+# tool_calls (B lists of {"turn", "name", "arguments", "response", "error", "timeout"}; a malformed call has no
+# name or arguments).
+MULTI_TURN = ("turn_ids", "num_turns", "num_tool_calls", "num_tool_errors", "num_tool_timeouts", "tool_calls")
 
 
 def dump_batch(run, step: int, batch: dict):

@@ -220,9 +220,9 @@ def sample_groups(run: "Run", prompts: list[dict], t: dict) -> list[dict]:
 def generate(run: "Run", prompts: list[list[dict]], *, n: int, temperature: float, top_p: float, top_k: int, seed):
     """n samples of each chat prompt: rollout.generate, or in a multi-turn run multi_turn.generate (the model's
     turns with the tools' responses between them; samples are then multi_turn.Trajectory)."""
-    max_tokens, tools = run.cfg["data"]["max_response_length"], run_tools(run.cfg)
+    max_tokens = run.cfg["data"]["max_response_length"]
     template_kwargs = chat_template_kwargs(run.cfg)  # the tools' schemas too, in a multi-turn run
-    if tools is not None:  # multi-turn with tools (multi_turn.py)
+    if run.tools is not None:  # multi-turn with tools (multi_turn.py)
         return multi_turn.generate(
             run.llm,
             [rollout.render_prompt(run.tokenizer, p, template_kwargs) for p in prompts],
@@ -230,7 +230,7 @@ def generate(run: "Run", prompts: list[list[dict]], *, n: int, temperature: floa
             temperature=temperature,
             max_tokens=max_tokens,
             seed=seed,
-            tools=tools,
+            pool=run.tools,
             settings=run.cfg["rollout"]["multi_turn"],
             top_p=top_p,
             top_k=top_k,
@@ -265,7 +265,9 @@ def old_logprob_pass(run: "Run", batch: dict, t: dict) -> dict:
     """old_log_prob, when the update cannot give them (several mini-batches or epochs, a feature that needs them
     before the update, a dump): the sampling policy's log-probs (the PPO ratio's denominator), with actor/entropy
     and the sync proof; then the reference's (ref), and rollout_corr (correct_rollout) against vLLM's, whose
-    rejection must not reach the reference's log-probs (the KL in the reward reads every sampled token)."""
+    rejection must not reach the reference's log-probs (the KL in the reward reads every sampled token). MoE with R2:
+    the routing this pass used (batch["routed_experts"], for the update), taken before the reference's pass, which
+    routes by its own (with LoRA the reference is the same model, its adapters off)."""
     recording = run.cfg["actor"]["router_replay"]["mode"] == "R2"  # MoE: record this pass's routing (moe.py)
     if recording:
         moe.start_recording(run.policy, batch)
@@ -273,9 +275,12 @@ def old_logprob_pass(run: "Run", batch: dict, t: dict) -> dict:
         old, entropy = compute_logprobs(run, run.policy, batch, entropy_fn=losses.entropy_from_logits)
     out = metrics.old_logprob_metrics(batch, old, entropy, run.cfg) | moe.routing_metrics(run.policy, "old_log_prob")
     batch.setdefault("old_logprobs", old)  # a replayed batch keeps its dumped ones
+    if recording:  # taken before the reference's pass: with LoRA that is the same model (its adapters off)
+        routing = moe.recorded(run.policy, batch)  # [B, P + R, L, k]
+        batch.pop("routed_experts", None)  # a replayed dump's: the reference routes by its own, as veRL's
     reference_logprobs(run, batch, t)
-    if recording:  # the update replays it (R2); the reference kept its own, as veRL's
-        batch["routed_experts"] = moe.recorded(run.policy, batch)  # [B, P + R, L, k]
+    if recording:  # the update replays it (R2)
+        batch["routed_experts"] = routing
     if "rollout_logprobs" in batch:  # all but a replay of a dump without vLLM's log-probs
         with timed(t, "rollout_corr"):
             out.update(correct_rollout(run, batch, batch["old_logprobs"]))
@@ -532,9 +537,9 @@ class Run(types.SimpleNamespace):
     kl_coef (the KL-in-the-reward beta: algorithm.kl_ctrl's, moved by the adaptive controller); logger
     (logs.MetricsLogger); gen_batch_size (prompts per generation batch), gen_cursor (generation batches
     consumed: the steps, without dynamic sampling); capture (the update's own forward gives the old log-probs:
-    on-policy shortcut, bypass); exact (fp32 engine and trainer, sampling from the whole softmax: then vLLM's
-    log-probs must be the trainer's to fp32 noise, metrics.judge_sync); saved (the step of the
-    newest checkpoint this run wrote)."""
+    on-policy shortcut, bypass); tools (a multi-turn run's tool workers, multi_turn.ToolPool, or None); exact
+    (fp32 engine and trainer, sampling from the whole softmax: then vLLM's log-probs must be the trainer's to fp32
+    noise, metrics.judge_sync); saved (the step of the newest checkpoint this run wrote)."""
 
 
 def setup(cfg: dict) -> Run:
@@ -582,6 +587,7 @@ def setup(cfg: dict) -> Run:
         gen_batch_size=cfg["data"]["gen_batch_size"] or cfg["data"]["train_batch_size"],
         gen_cursor=extra.get("gen_batches", start - 1),
         kl_coef=cfg["algorithm"]["kl_ctrl"]["kl_coef"],  # as veRL's, the adaptive one restarts on resume
+        tools=tool_pool(cfg),
     )
     run.capture = cfg["algorithm"]["rollout_correction"]["bypass_mode"] or on_policy_shortcut(cfg)
     if not trainer["replay_batches"]:  # the engine, one per rank, AFTER torch.distributed (replay needs none)
@@ -680,6 +686,21 @@ def run_tools(cfg: dict) -> dict | None:
     """A multi-turn run's tools by name (rollout.multi_turn: the calculator or function_tool_path's); else None."""
     settings = cfg["rollout"]["multi_turn"]
     return multi_turn.load_tools(settings["function_tool_path"]) if settings["enable"] else None
+
+
+def tool_pool(cfg: dict):
+    """A multi-turn run's tool calls' worker processes (multi_turn.ToolPool: rollout.multi_turn's tools, workers,
+    time limit and response cut); None without multi-turn."""
+    settings = cfg["rollout"]["multi_turn"]
+    if not settings["enable"]:
+        return None
+    return multi_turn.ToolPool(
+        settings["function_tool_path"],
+        workers=settings["tool_workers"],
+        timeout=settings["tool_timeout"],
+        max_chars=settings["max_tool_response_length"],
+        side=settings["tool_response_truncate_side"],
+    )
 
 
 def chat_template_kwargs(cfg: dict) -> dict | None:
@@ -804,6 +825,7 @@ def evaluate(cfg: dict):
     model_path, tokenizer, _, val_rows, _ = load_data(cfg, rank, world, train=False)
     llm = start_engine(cfg, model_path, rank)
     run = Run(cfg=cfg, rank=rank, world=world, val_rows=val_rows, score=score, llm=llm, tokenizer=tokenizer)
+    run.tools = tool_pool(cfg)
     if cfg["model"]["lora_adapter_path"]:  # LoRA: the base with the adapter, pushed merged into the engine
         adapt, head = config.lora_adapter(cfg, model_path), logit_rules.logits_head
         model = fsdp_train.load_model(model_path, device=device, trainable=False, adapt=adapt, head=head)

@@ -154,7 +154,8 @@ def batch_metrics(batch: dict, d: dict, timings: dict, world: int) -> dict:
         "adv": batch["advantages"][mask.bool()].tolist(),
     }
     local.update({k: v.tolist() for k, v in batch.items() if k.startswith("extra/")})
-    local.update({k: batch[k].tolist() for k in ("num_turns", "num_tool_calls", "num_tool_errors") if k in batch})
+    turn_keys = ("num_turns", "num_tool_calls", "num_tool_errors", "num_tool_timeouts")
+    local.update({k: batch[k].tolist() for k in turn_keys if k in batch})
     parts = [None] * world
     dist.all_gather_object(parts, local)
     g = {k: [x for p in parts for x in p[k]] for k in local}
@@ -169,7 +170,7 @@ def batch_metrics(batch: dict, d: dict, timings: dict, world: int) -> dict:
         if key.startswith("extra/"):
             out[f"reward_extra_info/{key.removeprefix('extra/')}/mean"] = sum(values) / len(values)
     if "num_turns" in g:  # a multi-turn run's: veRL's num_turns/*, the tool metrics
-        out.update(multi_turn.turn_metrics(g["num_turns"], g["num_tool_calls"], g["num_tool_errors"]))
+        out.update(multi_turn.turn_metrics(*(g[k] for k in turn_keys)))
     total = sum(g["resp"]) + sum(g["prompt"])
     if "gen" in timings:
         out["timing_per_token_ms/gen"] = timings["gen"] * 1000 / max(1, sum(g["resp"]))

@@ -1,12 +1,13 @@
 """Multi-turn rollouts with tools, veRL's tool agent loop (actor_rollout_ref.rollout.multi_turn.*): the model writes,
 calls a tool in Hermes style, reads what the tool returned, writes again; only its own tokens are trained.
-Imports vllm and transformers only: copy it anywhere.
+Imports vllm, transformers and torch only (where they are used: a tool worker imports this file and needs none of
+them): copy it anywhere.
 
     tools = load_tools(None)  # {"calculator": calculator}; or a file of plain functions (function_tool_path)
     check_template(tokenizer, tools)  # the chat template must render tools= and tool messages
-    trajectories = generate(llm, prompt_ids, n=8, temperature=1.0, max_tokens=256, seed=0, tools=tools,
-                            settings=dict(max_assistant_turns=4, max_user_turns=None, max_parallel_calls=1,
-                                          max_tool_response_length=256, tool_response_truncate_side="middle"))
+    pool = ToolPool(None, workers=4, timeout=5.0, max_chars=256, side="middle")  # the calls' worker processes
+    trajectories = generate(llm, prompt_ids, n=8, temperature=1.0, max_tokens=256, seed=0, pool=pool,
+                            settings=dict(max_assistant_turns=4, max_user_turns=None, max_parallel_calls=1))
     t = trajectories[0]
     t.response_ids  # every token after the prompt: the model's turns and the tool responses between them
     t.loss_mask     # 1 on the tokens the model sampled, 0 on the tool responses' tokens
@@ -22,6 +23,8 @@ A Hermes tool call, as Qwen2.5's and Qwen3's chat templates render one:
     <tool_call>\\n{"name": "calculator", "arguments": {"expression": "3 + 5"}}\\n</tool_call>
 A malformed call, an unknown tool or a tool that raises becomes a tool response that says what went wrong (veRL's
 wording where veRL has one), so the model can learn from it; it is counted (tool_calls/error_rate), never fatal.
+The calls run in worker processes (ToolPool), side by side and each within a time limit: a call that hangs, exits
+its process or prints cannot stall, end or garble the run (a timeout is counted apart, tool_calls/timeout_rate).
 """
 
 import ast
@@ -29,15 +32,16 @@ import functools
 import importlib.util
 import inspect
 import json
+import math
 import operator
 import os
 import re
+import selectors
+import signal
+import subprocess
+import sys
+import time
 from dataclasses import dataclass, field
-
-import torch
-from transformers.utils import get_json_schema
-from vllm import SamplingParams
-from vllm.inputs import TokensPrompt
 
 TOOL_CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)  # veRL's HermesToolParser
 
@@ -69,6 +73,9 @@ class Trajectory:
 
 
 # ------------------------------------------------------------------------------------------- the tools
+MAX_BITS = 1024  # the calculator's bound on an integer result (~308 digits), checked before it is computed
+
+
 def calculator(expression: str) -> str:
     """Evaluate an arithmetic expression.
 
@@ -96,7 +103,8 @@ OPERATORS = {
 
 def _evaluate(node):
     """A safe evaluator of arithmetic syntax trees: numbers, + - * / // % **, unary + and -; never eval().
-    "2 ** 3 * (1 + 1)" -> 16; a name, a call, an attribute or a string raises ValueError."""
+    "2 ** 3 * (1 + 1)" -> 16; a name, a call, an attribute or a string raises ValueError, and so does a step whose
+    exponent is above 64 or whose integer result would exceed MAX_BITS bits (_check_size), before it is computed."""
     if isinstance(node, ast.Constant) and type(node.value) in (int, float):
         return node.value
     if isinstance(node, ast.UnaryOp) and isinstance(node.op, (ast.UAdd, ast.USub)):
@@ -106,14 +114,31 @@ def _evaluate(node):
         left, right = _evaluate(node.left), _evaluate(node.right)
         if isinstance(node.op, ast.Pow) and abs(right) > 64:
             raise ValueError("exponent larger than 64")
+        _check_size(node.op, left, right)
         return OPERATORS[type(node.op)](left, right)
     raise ValueError(f"not arithmetic: {ast.unparse(node)!r}")
 
 
-@functools.cache
-def load_tools(function_tool_path: str | None) -> dict:
-    """The tools by name: the calculator, or every public plain function defined in a Python file (veRL 0.9.1's
-    function_tool_path: type hints and a Google-style docstring give the schema, transformers.get_json_schema)."""
+def _check_size(op: ast.operator, left, right) -> None:
+    """Refuse a product or power of integers whose result would have more than MAX_BITS bits, from the operands'
+    sizes alone: a * b has at most bits(a) + bits(b) bits, a ** b about b * log2|a|. Sums and quotients of
+    operands within the bound stay within a bit of it; floats overflow at once (OverflowError). E.g.
+    (9 ** 64) ** 64: 9 ** 64 has 203 bits, so the outer power would have ~13,000: refused."""
+    if not (type(left) is int and type(right) is int):
+        return
+    if isinstance(op, ast.Mult):
+        bits = left.bit_length() + right.bit_length()
+    elif isinstance(op, ast.Pow) and right > 0 and abs(left) > 1:
+        bits = right * math.log2(abs(left))
+    else:
+        return
+    if bits > MAX_BITS:
+        raise ValueError(f"the result would have about {int(bits)} bits, more than {MAX_BITS}")
+
+
+def tool_functions(function_tool_path: str | None) -> dict:
+    """The tools by name, without their schemas: the calculator, or every public plain function defined in a Python
+    file. What a tool worker loads (ToolPool); load_tools checks the schemas too."""
     if function_tool_path is None:
         return {"calculator": calculator}
     where = f"rollout.multi_turn.function_tool_path {function_tool_path}"
@@ -123,7 +148,7 @@ def load_tools(function_tool_path: str | None) -> dict:
     module = importlib.util.module_from_spec(spec)
     try:
         spec.loader.exec_module(module)
-    except Exception as e:
+    except BaseException as e:  # SystemExit too: a file that exits at import is a file that does not import
         raise ToolSetupError(f"{where}: importing it raised {type(e).__name__}: {e}") from None
     tools = {
         name: fn
@@ -132,6 +157,16 @@ def load_tools(function_tool_path: str | None) -> dict:
     }
     if not tools:
         raise ToolSetupError(f"{where}: defines no public function (a tool is a plain function, as the calculator)")
+    return tools
+
+
+@functools.cache
+def load_tools(function_tool_path: str | None) -> dict:
+    """The tools by name: the calculator, or every public plain function defined in a Python file (veRL 0.9.1's
+    function_tool_path: type hints and a Google-style docstring give the schema, transformers.get_json_schema).
+    A file that does not import, defines no public function, or a function without a schema: ToolSetupError."""
+    tools = tool_functions(function_tool_path)
+    where = f"rollout.multi_turn.function_tool_path {function_tool_path}"
     for name in tools:
         tool_schemas({name: tools[name]}, where)  # a function without hints or docstring stops here
     return tools
@@ -139,6 +174,8 @@ def load_tools(function_tool_path: str | None) -> dict:
 
 def tool_schemas(tools: dict, where: str = "multi-turn") -> list[dict]:
     """The OpenAI function schemas the chat template's tools= receives, from each function's hints and docstring."""
+    from transformers.utils import get_json_schema
+
     schemas = []
     for name, fn in tools.items():
         try:
@@ -162,6 +199,166 @@ def check_template(tokenizer, tools: dict, template_kwargs: dict | None = None) 
     probe = "tool-output-probe"
     if probe not in tokenizer.decode(tool_response_ids(tokenizer, [probe], schemas, template_kwargs)):
         raise ToolSetupError("multi-turn: the chat template does not render a message of role 'tool'")
+
+
+# ------------------------------------------------------------------------------------------ running the calls
+class ToolPool:
+    """Runs tool calls in worker processes, side by side, each within a time limit, so that no sampled call and no
+    tool can stall or end the run. `workers` processes (rollout.multi_turn.tool_workers), each `python
+    multi_turn.py --serve-tools ...` (serve_tools): the tools imported once, then one call at a time. A call with
+    no answer within `timeout` seconds (rollout.multi_turn.tool_timeout) has its worker killed (SIGKILL stops a
+    sleep, a busy loop and a billion-bit integer alike) and replaced; a worker that ends (os._exit, a crash) is
+    replaced too. Either is an error response, as is a malformed call or an unknown tool (answered here).
+
+        pool = ToolPool(None, workers=4, timeout=5.0, max_chars=256, side="middle")
+        pool.run([{"name": "calculator", "arguments": {"expression": "6 * 7"}}, {"name": "search", "arguments": {}}])
+        -> [{"text": "42", "error": None, "timeout": False},
+            {"text": "Tool 'search' not found; tools: calculator", "error": <the same>, "timeout": False}]
+
+    Responses are cut as veRL cuts them (truncate: max_chars, side) inside the worker, so a huge return value never
+    crosses the pipe. tools, schemas: the tools by name and their schemas (load_tools, in this process)."""
+
+    START_TIMEOUT = 60.0  # seconds for a worker to import the tools' file and say it is ready
+
+    def __init__(self, function_tool_path: str | None, *, workers: int, timeout: float, max_chars: int, side: str):
+        self.tools = load_tools(function_tool_path)
+        self.schemas = tool_schemas(self.tools)
+        self.timeout = timeout
+        where = os.path.abspath(__file__)
+        self.command = [sys.executable, where, "--serve-tools", json.dumps([function_tool_path, max_chars, side])]
+        self.idle = [self._start() for _ in range(workers)]
+
+    def _start(self) -> subprocess.Popen:
+        """A new worker, once it has imported the tools (one line, {"ready": true}); ToolSetupError if it cannot."""
+        worker = subprocess.Popen(
+            self.command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True
+        )
+        selector = selectors.DefaultSelector()
+        selector.register(worker.stdout, selectors.EVENT_READ)
+        line = worker.stdout.readline() if selector.select(self.START_TIMEOUT) else ""
+        selector.close()
+        if line.strip() != '{"ready": true}':
+            worker.kill()
+            message = line.strip() or f"no answer within {self.START_TIMEOUT:g} s"
+            raise ToolSetupError(f"multi-turn: a tool worker could not start: {message}")
+        return worker
+
+    def run(self, calls: list[dict]) -> list[dict]:
+        """Each call's answer {"text", "error" (None, or the text: what went wrong), "timeout"}, in order. Calls from
+        parse_tool_calls: {"name", "arguments"} or {"error"}. At most len(workers) run at once; every call is
+        answered, whatever its tool does."""
+        answers, queue = [None] * len(calls), []
+        for index, call in enumerate(calls):
+            if "error" in call:  # not a call: parse_tool_calls says why
+                answers[index] = _failed(call["error"])
+            elif call["name"] not in self.tools:
+                answers[index] = _failed(f"Tool '{call['name']}' not found; tools: {', '.join(self.tools)}")
+            else:
+                queue.append(index)
+        busy, selector = {}, selectors.DefaultSelector()  # busy: worker -> (call index, deadline)
+        while queue or busy:
+            while queue and self.idle:
+                index, worker = queue.pop(0), self.idle.pop()
+                try:
+                    worker.stdin.write(json.dumps(calls[index]) + "\n")
+                    worker.stdin.flush()
+                except BrokenPipeError:  # the worker is gone: its closed stdout answers below (_collect)
+                    pass
+                busy[worker] = (index, time.monotonic() + self.timeout)
+                selector.register(worker.stdout, selectors.EVENT_READ, worker)
+            wait = max(0.0, min(deadline for _, deadline in busy.values()) - time.monotonic())
+            done = [key.data for key, _ in selector.select(wait)]
+            late = [w for w, (_, deadline) in busy.items() if w not in done and deadline <= time.monotonic()]
+            for worker in done + late:
+                index = busy.pop(worker)[0]
+                selector.unregister(worker.stdout)
+                answers[index] = self._collect(worker, calls[index]["name"], timed_out=worker in late)
+        selector.close()
+        return answers
+
+    def _collect(self, worker: subprocess.Popen, name: str, timed_out: bool) -> dict:
+        """A worker's answer; a late one is killed, one that ended is gone: either is replaced by a new worker."""
+        line = "" if timed_out else worker.stdout.readline()
+        if line:
+            self.idle.append(worker)
+            return {**json.loads(line), "timeout": False}
+        worker.kill()
+        status = worker.wait()
+        self.idle.append(self._start())
+        if timed_out:
+            return {**_failed(f"Error executing tool '{name}': no answer within {self.timeout:g} s"), "timeout": True}
+        return _failed(f"Error executing tool '{name}': its process ended (exit status {status}) without an answer")
+
+    def close(self) -> None:
+        """Ends the workers (they also end when this process does: their stdin closes)."""
+        for worker in self.idle:
+            worker.kill()
+        self.idle = []
+
+
+def _failed(message: str) -> dict:
+    return {"text": message, "error": message, "timeout": False}
+
+
+def serve_tools(function_tool_path: str | None, max_chars: int, side: str) -> None:
+    """A tool worker (ToolPool): imports the tools, says {"ready": true}, then answers each call read as a JSON line
+    on stdin with a JSON line {"text", "error"} on stdout. What a tool prints goes nowhere and what it reads is empty
+    (the protocol keeps its own copies of stdin and stdout); whatever it raises, SystemExit included, is an error
+    response; its return value becomes text (tool_text), cut to max_chars (truncate)."""
+    _end_with_parent()
+    requests, answers = os.fdopen(os.dup(0), encoding="utf-8"), os.fdopen(os.dup(1), "w", encoding="utf-8")
+    quiet = os.open(os.devnull, os.O_RDWR)
+    for fd in (0, 1, 2):
+        os.dup2(quiet, fd)
+    try:
+        tools = tool_functions(function_tool_path)
+    except ToolSetupError as e:
+        answers.write(f"{e}\n")
+        answers.flush()
+        return
+    answers.write('{"ready": true}\n')
+    answers.flush()
+    for line in requests:
+        call = json.loads(line)
+        try:
+            text, error = truncate(tool_text(tools[call["name"]](**call["arguments"])), max_chars, side), None
+        except BaseException as e:  # the model's arguments or the tool itself: the model reads what went wrong
+            what = str(e) if isinstance(e, Exception) else f"{type(e).__name__} {e}"
+            text = error = f"Error executing tool '{call['name']}': {what}"
+        answers.write(json.dumps({"text": text, "error": error}) + "\n")
+        answers.flush()
+
+
+def tool_text(value) -> str:
+    """A tool's return value as the text the model reads, as veRL's function tools coerce it: a str as it is, a dict
+    as JSON, anything else as str(value) (42 -> "42"). None (a missing return) and bytes (undecoded output) raise
+    TypeError: an error response. Text that is not valid UTF-8 (a lone surrogate) has it replaced."""
+    if value is None or isinstance(value, (bytes, bytearray)):
+        raise TypeError(f"it returned {type(value).__name__}; a tool returns text")
+    text = json.dumps(value, ensure_ascii=False) if isinstance(value, dict) else str(value)
+    return text.encode("utf-8", "replace").decode("utf-8")
+
+
+def _end_with_parent() -> None:
+    """Linux: this worker gets SIGKILL when the process that started it dies, even in the middle of a call."""
+    try:
+        import ctypes
+
+        ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):  # not Linux: the worker ends at its next read (stdin closed)
+        pass
+
+
+def truncate(text: str, max_chars: int, side: str) -> str:
+    """veRL's cut of a long tool response, in characters: keep the end (left), the start (right) or both (middle)."""
+    if len(text) <= max_chars:
+        return text
+    if side == "left":
+        return "(truncated)..." + text[-max_chars:]
+    if side == "right":
+        return text[:max_chars] + "...(truncated)"
+    half = max_chars // 2
+    return text[:half] + "...(truncated)..." + text[-half:]
 
 
 # ------------------------------------------------------------------------------------- tokens in, tokens out
@@ -205,33 +402,6 @@ def parse_tool_calls(text: str) -> list[dict]:
     return calls
 
 
-def run_tool_call(tools: dict, call: dict, settings: dict) -> tuple[str, str | None]:
-    """(the tool response's text, the error or None). Every failure is a response the model reads."""
-    if "error" in call:
-        return call["error"], call["error"]
-    if call["name"] not in tools:
-        message = f"Tool '{call['name']}' not found; tools: {', '.join(tools)}"
-        return message, message
-    try:
-        text = str(tools[call["name"]](**call["arguments"]))
-    except Exception as e:  # the model's arguments or the tool itself: it reads what went wrong
-        message = f"Error executing tool '{call['name']}': {e}"
-        return message, message
-    return truncate(text, settings["max_tool_response_length"], settings["tool_response_truncate_side"]), None
-
-
-def truncate(text: str, max_chars: int, side: str) -> str:
-    """veRL's cut of a long tool response, in characters: keep the end (left), the start (right) or both (middle)."""
-    if len(text) <= max_chars:
-        return text
-    if side == "left":
-        return "(truncated)..." + text[-max_chars:]
-    if side == "right":
-        return text[:max_chars] + "...(truncated)"
-    half = max_chars // 2
-    return text[:half] + "...(truncated)..." + text[-half:]
-
-
 # -------------------------------------------------------------------------------------------- the rollout
 def generate(
     llm,
@@ -241,18 +411,19 @@ def generate(
     temperature: float,
     max_tokens: int,
     seed: int | None,
-    tools: dict,
+    pool: ToolPool,
     settings: dict,
     top_p: float = 1.0,
     top_k: int = -1,
     template_kwargs: dict | None = None,
 ) -> list[Trajectory]:
     """n trajectories per prompt (len(prompt_ids) * n, a prompt's n consecutive), turn by turn. Every active
-    trajectory of a turn goes to vLLM in one call. The first turn is rollout.generate's call exactly (seed + i * n
-    for prompt i): a model that calls no tool samples what a single-turn rollout samples. Turn t > 1 of
-    trajectory k is seeded seed + (t - 1) * len(trajectories) + k. max_tokens (data.max_response_length) bounds
-    every token after the prompt, the tool responses' included: a trajectory that reaches it is truncated."""
-    tokenizer, schemas = llm.get_tokenizer(), tool_schemas(tools)
+    trajectory of a turn goes to vLLM in one call, and all their tool calls to the pool at once. The first turn is
+    rollout.generate's call exactly (seed + i * n for prompt i): a model that calls no tool samples what a
+    single-turn rollout samples. Turn t > 1 of trajectory k is seeded seed + (t - 1) * len(trajectories) + k, so no
+    two requests of one call share a seed. max_tokens (data.max_response_length) bounds every token after the
+    prompt, the tool responses' included: a trajectory that reaches it is truncated."""
+    tokenizer = llm.get_tokenizer()
     sampling = dict(temperature=temperature, top_p=top_p, top_k=top_k, logprobs=0, detokenize=False)
     trajectories = [Trajectory(prompt_ids=list(p)) for p in prompt_ids for _ in range(n)]
     turn = 0
@@ -260,6 +431,7 @@ def generate(
         turn += 1
         active = [k for k, t in enumerate(trajectories) if not t.done]
         completions = _sample_turn(llm, trajectories, active, n, turn, seed, max_tokens, sampling)
+        calling = []  # (trajectory, its calls to answer)
         for k, completion in zip(active, completions, strict=True):
             t = trajectories[k]
             _add_tokens(t, list(completion.token_ids), completion.logprobs, 2 * turn - 1)
@@ -269,7 +441,8 @@ def generate(
             calls = parse_tool_calls(tokenizer.decode(completion.token_ids))
             t.done = t.truncated or not calls or _turn_limit_reached(t, settings)
             if not t.done:
-                _answer_tool_calls(t, calls, tokenizer, tools, schemas, settings, template_kwargs, max_tokens)
+                calling.append((t, calls))
+        _answer_tool_calls(calling, pool, settings["max_parallel_calls"], tokenizer, template_kwargs, max_tokens)
     return trajectories
 
 
@@ -277,6 +450,9 @@ def _sample_turn(llm, trajectories, active, n, turn, seed, max_tokens, sampling)
     """One vLLM call: the first turn n samples per prompt (rollout.generate's requests), a later turn one sample
     per active trajectory from its whole history, with the tokens left of max_tokens. Returns one
     CompletionOutput per active trajectory, in order."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
     if turn == 1:
         prompts = [trajectories[i * n].prompt_ids for i in range(len(trajectories) // n)]
         requests = [
@@ -311,45 +487,62 @@ def _turn_limit_reached(t: Trajectory, settings: dict) -> bool:
     return bool(assistant and t.assistant_turns >= assistant) or bool(user and t.user_turns >= user)
 
 
-def _answer_tool_calls(t, calls, tokenizer, tools, schemas, settings, template_kwargs, max_tokens) -> None:
-    """Run the turn's first max_parallel_calls calls and append their responses as one tool segment. A segment
-    that does not fit in max_tokens is cut there and the trajectory ends truncated."""
-    responses = []
-    for call in calls[: settings["max_parallel_calls"]]:
-        text, error = run_tool_call(tools, call, settings)
-        t.tool_calls.append({"turn": t.assistant_turns, **call, "response": text, "error": error})
-        responses.append(text)
-    ids = tool_response_ids(tokenizer, responses, schemas, template_kwargs)
-    room = max_tokens - len(t.response_ids)
-    _add_tokens(t, ids[:room], None, 2 * t.assistant_turns)
-    t.user_turns += 1
-    t.truncated = t.done = len(ids) >= room
+def _answer_tool_calls(calling: list, pool: ToolPool, max_parallel_calls: int, tokenizer, template_kwargs, max_tokens):
+    """One turn's tool calls, of every trajectory still going, run side by side (pool.run): each trajectory's first
+    max_parallel_calls calls (veRL's), answered as one tool segment (one user turn). A segment that does not fit in
+    max_tokens is cut there and the trajectory ends truncated. calling: [(trajectory, the calls of its turn)]."""
+    calling = [(t, calls[:max_parallel_calls]) for t, calls in calling]
+    answers = iter(pool.run([call for _, calls in calling for call in calls]))
+    rendered = {}  # the same responses render to the same ids: tokenised once per turn
+    for t, calls in calling:
+        responses = []
+        for call in calls:
+            answer = next(answers)
+            outcome = {"response": answer["text"], "error": answer["error"], "timeout": answer["timeout"]}
+            t.tool_calls.append({"turn": t.assistant_turns, **call, **outcome})
+            responses.append(answer["text"])
+        if tuple(responses) not in rendered:
+            rendered[tuple(responses)] = tool_response_ids(tokenizer, responses, pool.schemas, template_kwargs)
+        ids = rendered[tuple(responses)]
+        room = max_tokens - len(t.response_ids)
+        _add_tokens(t, ids[:room], None, 2 * t.assistant_turns)
+        t.user_turns += 1
+        t.truncated = t.done = len(ids) >= room
 
 
 # ------------------------------------------------------------------------------------------ batch and metrics
-def batch_fields(trajectories: list[Trajectory], response_mask: torch.Tensor) -> dict:
+def batch_fields(trajectories: list[Trajectory], response_mask) -> dict:
     """The batch's multi-turn fields, for responses right-padded as response_mask [B, R] (1 on every response
     token): the response mask with the tool responses' tokens out (the loss mask), turn_ids [B, R] (0 past the
-    end); per trajectory num_turns, num_tool_calls and num_tool_errors [B], and its tool calls (a list)."""
+    end); per trajectory num_turns, num_tool_calls, num_tool_errors and num_tool_timeouts [B], and its tool calls
+    (a list)."""
+    import torch
+
     width = response_mask.shape[1]
 
     def padded(rows: list[list[int]]) -> torch.Tensor:
         return torch.tensor([r + [0] * (width - len(r)) for r in rows])
 
+    def count(condition) -> torch.Tensor:
+        return torch.tensor([sum(bool(condition(c)) for c in t.tool_calls) for t in trajectories])  # [B]
+
     return {
         "response_mask": response_mask * padded([t.loss_mask for t in trajectories]),  # [B, R]
         "turn_ids": padded([t.turn_ids for t in trajectories]),  # [B, R]
         "num_turns": torch.tensor([t.num_turns for t in trajectories]),  # [B]
-        "num_tool_calls": torch.tensor([len(t.tool_calls) for t in trajectories]),  # [B]
-        "num_tool_errors": torch.tensor([sum(c["error"] is not None for c in t.tool_calls) for t in trajectories]),
+        "num_tool_calls": count(lambda c: True),  # [B]
+        "num_tool_errors": count(lambda c: c["error"] is not None),  # [B]
+        "num_tool_timeouts": count(lambda c: c["timeout"]),  # [B]
         "tool_calls": [t.tool_calls for t in trajectories],  # B lists of {"turn", "name", "arguments", ...}
     }
 
 
-def turn_metrics(num_turns: list[int], calls: list[int], errors: list[int]) -> dict:
+def turn_metrics(num_turns: list[int], calls: list[int], errors: list[int], timeouts: list[int]) -> dict:
     """veRL's num_turns/{min,max,mean} and the tool metrics, over the global batch: tool_calls/per_sample (mean
     calls), tool_calls/sample_share (share of samples with a call), tool_calls/error_rate (errors / calls, 0 with
-    no call). num_turns [3, 1], calls [1, 0], errors [1, 0] -> mean 2, per_sample 0.5, share 0.5, error_rate 1."""
+    no call; a timeout is an error), tool_calls/timeout_rate (calls stopped at the time limit / calls).
+    num_turns [3, 1], calls [1, 0], errors [1, 0], timeouts [1, 0] -> mean 2, per_sample 0.5, share 0.5,
+    error_rate 1, timeout_rate 1."""
     return {
         "num_turns/min": min(num_turns),
         "num_turns/max": max(num_turns),
@@ -357,4 +550,10 @@ def turn_metrics(num_turns: list[int], calls: list[int], errors: list[int]) -> d
         "tool_calls/per_sample": sum(calls) / len(calls),
         "tool_calls/sample_share": sum(c > 0 for c in calls) / len(calls),
         "tool_calls/error_rate": sum(errors) / max(1, sum(calls)),
+        "tool_calls/timeout_rate": sum(timeouts) / max(1, sum(calls)),
     }
+
+
+if __name__ == "__main__":  # a tool worker: python multi_turn.py --serve-tools '[path or null, max_chars, side]'
+    if sys.argv[1:2] == ["--serve-tools"]:
+        serve_tools(*json.loads(sys.argv[2]))

@@ -83,6 +83,28 @@ def test_the_calculator_evaluates_arithmetic_and_nothing_else():
         calc("3 +")
 
 
+def test_the_calculator_refuses_a_result_too_large_before_computing_it():
+    """Each exponent within the bound, but the value would grow to billions of bits: refused at the first step past
+    multi_turn.MAX_BITS (1024), in microseconds (Python would compute the nested power for minutes). A product is
+    bounded by its operands' bit lengths, a power by exponent x log2|base|: 2**960 (961 bits) times 2**62 (63 bits)
+    is computed, times 2**63 (64 bits) is refused."""
+    calc = multi_turn.calculator
+    assert calc("(2 ** 64) ** 15 * 2 ** 62") == str(2**1022)
+    big = "9" * 100  # 333 bits
+    assert calc(f"{big} ** 3") == str(int(big) ** 3)
+    for hostile, bits in [
+        ("((((9**64)**64)**64)**64)**64", 12984),  # (9**64)**64 is the first step past the bound
+        ("(2 ** 64) ** 15 * 2 ** 63", 1025),
+        ("(2 ** 64) ** 17", 1088),
+        (f"{big} ** 4", 1328),
+    ]:
+        with pytest.raises(ValueError, match=f"the result would have about {bits} bits, more than 1024"):
+            calc(hostile)
+    assert calc("1.5 ** 20") == "3325.25673"  # floats overflow by themselves (OverflowError), at once
+    with pytest.raises(OverflowError):
+        calc("1e300 * 1e300 ** 2")
+
+
 def test_the_calculator_schema_is_the_one_the_tiny_model_learned():
     """transformers' schema of multi_turn.calculator (what tools= receives) = the one tiny.py's warm start renders."""
     assert get_json_schema(multi_turn.calculator) == tiny.CALCULATOR_SCHEMA
@@ -106,12 +128,18 @@ def test_hermes_tool_calls_are_parsed_and_malformed_ones_named():
         assert parsed["error"].startswith(message), parsed
 
 
-def test_a_failed_call_becomes_a_tool_response_that_says_what_went_wrong():
-    tools = multi_turn.load_tools(None)
-    settings = dict(max_tool_response_length=256, tool_response_truncate_side="middle")
+@pytest.fixture(scope="module")
+def calculator_pool():
+    pool = multi_turn.ToolPool(None, workers=2, timeout=5.0, max_chars=256, side="middle")
+    yield pool
+    pool.close()
 
+
+def test_a_failed_call_becomes_a_tool_response_that_says_what_went_wrong(calculator_pool):
     def run(call):
-        return multi_turn.run_tool_call(tools, call, settings)
+        (answer,) = calculator_pool.run([call])
+        assert answer["timeout"] is False
+        return answer["text"], answer["error"]
 
     assert run({"name": "calculator", "arguments": {"expression": "6 * 7"}}) == ("42", None)
     text, error = run({"name": "search", "arguments": {}})
@@ -122,21 +150,206 @@ def test_a_failed_call_becomes_a_tool_response_that_says_what_went_wrong():
     assert text == error and text.startswith("Error executing tool 'calculator': ") and "'x'" in text
     text, error = run({"error": "Invalid tool call: Expecting value"})
     assert text == error == "Invalid tool call: Expecting value"
+    text, error = run({"name": "calculator", "arguments": {"expression": "((((9**64)**64)**64)**64)**64"}})
+    assert text == error == "Error executing tool 'calculator': the result would have about 12984 bits, more than 1024"
 
 
-def test_a_malformed_call_is_answered_and_the_trajectory_goes_on(tokenizer):
-    """A turn whose only call is not JSON: the trajectory gets a tool response naming the error (mask 0) and stays
-    open for the next turn, as after a good call (veRL would end it)."""
-    settings = dict(max_parallel_calls=1, max_tool_response_length=256, tool_response_truncate_side="middle")
-    tools, schemas = multi_turn.load_tools(None), [tiny.CALCULATOR_SCHEMA]
+def bare_trajectory() -> multi_turn.Trajectory:
+    """A trajectory after one assistant turn of two sampled tokens."""
     t = multi_turn.Trajectory(prompt_ids=[1, 2], response_ids=[5, 6], loss_mask=[1, 1], turn_ids=[1, 1])
     t.logprobs, t.assistant_turns = [-0.5, -0.5], 1
+    return t
+
+
+def test_a_malformed_call_is_answered_and_the_trajectory_goes_on(tokenizer, calculator_pool):
+    """A turn whose only call is not JSON: the trajectory gets a tool response naming the error (mask 0) and stays
+    open for the next turn, as after a good call (veRL would end it)."""
+    t = bare_trajectory()
     calls = multi_turn.parse_tool_calls('<tool_call>{"name": "calculator", "arguments": {"expression": 3</tool_call>')
-    multi_turn._answer_tool_calls(t, calls, tokenizer, tools, schemas, settings, None, max_tokens=96)
+    multi_turn._answer_tool_calls([(t, calls)], calculator_pool, 1, tokenizer, None, max_tokens=96)
     (record,) = t.tool_calls
     assert record["error"].startswith("Invalid tool call: ") and not t.done and not t.truncated
     assert tokenizer.decode(t.response_ids[2:]) == ANSWER.format(record["error"])
     assert t.loss_mask[2:] == [0] * (len(t.response_ids) - 2) and t.turn_ids[2:] == [2] * (len(t.response_ids) - 2)
+
+
+def test_max_parallel_calls_answers_a_turns_first_calls_in_one_user_turn(tokenizer, calculator_pool):
+    """veRL's max_parallel_calls = 2 of a turn's three calls: the first two run, in order, answered as one user turn
+    (two <tool_response> blocks); the third is not run. Two trajectories' turns are answered in one pool.run."""
+    first, second = bare_trajectory(), bare_trajectory()
+    calls = [{"name": "calculator", "arguments": {"expression": e}} for e in ("2 + 3", "7 * 6", "9 - 1")]
+    multi_turn._answer_tool_calls(
+        [(first, calls), (second, calls[2:])], calculator_pool, 2, tokenizer, None, max_tokens=96
+    )
+    assert [c["response"] for c in first.tool_calls] == ["5", "42"] and first.user_turns == 1
+    assert tokenizer.decode(first.response_ids[2:]) == ANSWER.format("5\n</tool_response>\n<tool_response>\n42")
+    assert [c["response"] for c in second.tool_calls] == ["8"]
+    assert tokenizer.decode(second.response_ids[2:]) == ANSWER.format("8")
+
+
+def test_a_tokenizer_that_adds_a_bos_adds_none_to_tool_responses(tokenizer):
+    """A tokenizer whose post-processor adds a BOS (Llama 3's) when tokenising with special tokens: the tool
+    responses' ids are the template's text alone, exactly as with the plain tokenizer (no BOS in mid-sequence)."""
+    import copy
+
+    from tokenizers import processors
+
+    bos = "<|endoftext|>"  # a special token of the tiny tokenizer, standing in for Llama 3's <|begin_of_text|>
+    with_bos = copy.deepcopy(tokenizer)
+    with_bos.bos_token = bos
+    bos_id = with_bos.convert_tokens_to_ids(bos)
+    with_bos._tokenizer.post_processor = processors.TemplateProcessing(
+        single=f"{bos} $A", pair=f"{bos} $A {bos} $B", special_tokens=[(bos, bos_id)]
+    )
+    assert with_bos("8")["input_ids"][0] == bos_id  # it does add one
+    schemas = [tiny.CALCULATOR_SCHEMA]
+    ids = multi_turn.tool_response_ids(with_bos, ["8", "9"], schemas, None)
+    assert ids == multi_turn.tool_response_ids(tokenizer, ["8", "9"], schemas, None) and bos_id not in ids
+    multi_turn.check_template(with_bos, multi_turn.load_tools(None))
+
+
+HOSTILE = '''"""A calculator that misbehaves: its calls run, in turn, a function that never answers, one that raises,
+one that returns None (and prints), one that ends its process and one that returns 1 MB (a counter in a file next to
+this one, shared by the ranks' workers), so that a run's calls meet every one of them. The only tool is calculator:
+the prompts are the tiny_tools model's own."""
+import fcntl
+import os
+import sys
+import time
+
+
+def _sleeps_forever(expression: str) -> str:
+    """Never answers.
+
+    Args:
+        expression: Anything.
+    """
+    while True:
+        time.sleep(60)
+
+
+def _raises(expression: str) -> str:
+    """Raises.
+
+    Args:
+        expression: Anything.
+    """
+    raise RuntimeError("the tool broke")
+
+
+def _returns_none(expression: str) -> str:
+    """Forgets to return.
+
+    Args:
+        expression: Anything.
+    """
+    print("a tool that prints", expression)
+
+
+def _exits(expression: str) -> str:
+    """Ends its process.
+
+    Args:
+        expression: Anything.
+    """
+    os._exit(3)
+
+
+def _returns_a_megabyte(expression: str) -> str:
+    """A 1 MB string.
+
+    Args:
+        expression: Anything.
+    """
+    return "7" * 2**20
+
+
+def calculator(expression: str) -> str:
+    """Evaluate an arithmetic expression.
+
+    Args:
+        expression: Numbers, + - * / // % ** and brackets.
+    """
+    with open(os.path.join(os.path.dirname(__file__), "count"), "a+") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        f.seek(0)
+        k = len(f.read())
+        f.write(".")
+    behaviours = [_sleeps_forever, _raises, _returns_none, _exits, _returns_a_megabyte]
+    return behaviours[k % len(behaviours)](expression)
+'''
+HOSTILE_LIMITS = ["rollout.multi_turn.tool_timeout=1", "rollout.multi_turn.tool_workers=2"]
+# what the model reads from each of HOSTILE's tools (the 1 MB string cut to max_tool_response_length: 256)
+HOSTILE_ANSWERS = {
+    "timeout": "Error executing tool '{}': no answer within 1 s",
+    "raises": "Error executing tool '{}': the tool broke",
+    "none": "Error executing tool '{}': it returned NoneType; a tool returns text",
+    "exits": "Error executing tool '{}': its process ended (exit status 3) without an answer",
+    "megabyte": "7" * 128 + "...(truncated)..." + "7" * 128,
+}
+
+
+def test_every_hostile_tool_is_answered_within_the_time_limit(tmp_path):
+    """HOSTILE's calculator five times (each of its behaviours in turn), and more (sys.exit, recursion, reading
+    stdin, bytes, a number, a dict), all in one pool.run with one worker and a 1 s limit: every call is answered, in
+    order; the hung ones as timeouts; the worker, killed or ended, is replaced (the calls after it are answered by
+    new ones). Nothing a tool prints reaches this process's output."""
+    tools = tmp_path / "hostile.py"
+    tools.write_text(
+        HOSTILE
+        + "\n\ndef misc(kind: str) -> str:\n"
+        + '    """Other failures.\n\n    Args:\n        kind: Which.\n    """\n'
+        + "    if kind == 'exit':\n        sys.exit(5)\n"
+        + "    if kind == 'recurse':\n        return misc(kind)\n"
+        + "    if kind == 'stdin':\n        return input()\n"
+        + "    return {'bytes': b'raw', 'number': 42, 'dict': {'a': 1}}[kind]\n"
+    )
+    pool = multi_turn.ToolPool(str(tools), workers=1, timeout=1.0, max_chars=256, side="middle")  # in order
+    calls = [{"name": "calculator", "arguments": {"expression": "1"}}] * 5  # each of HOSTILE's behaviours
+    calls += [{"name": "misc", "arguments": {"kind": kind}} for kind in ("exit", "recurse", "stdin", "bytes")]
+    calls += [{"name": "misc", "arguments": {"kind": kind}} for kind in ("number", "dict")]
+    calls += [{"name": "calculator", "arguments": {"expression": "1"}}]  # the sixth: it never answers, again
+    import time
+
+    start = time.monotonic()
+    answers = pool.run(calls)
+    elapsed = time.monotonic() - start
+    pool.close()
+    assert elapsed < 30, elapsed  # one 1 s limit (and the new workers' start-ups), not a hang
+    texts = [a["text"] for a in answers]
+    kinds = ("timeout", "raises", "none", "exits", "megabyte")
+    assert texts[:5] == [HOSTILE_ANSWERS[kind].format("calculator") for kind in kinds]
+    assert texts[5] == "Error executing tool 'misc': SystemExit 5"
+    assert texts[6] == "Error executing tool 'misc': maximum recursion depth exceeded"
+    assert texts[7] == "Error executing tool 'misc': EOF when reading a line"
+    assert texts[8] == "Error executing tool 'misc': it returned bytes; a tool returns text"
+    assert texts[9:] == ["42", '{"a": 1}', HOSTILE_ANSWERS["timeout"].format("calculator")]
+    assert [a["timeout"] for a in answers] == [True] + [False] * 10 + [True]
+    assert [a["error"] is None for a in answers] == [False] * 4 + [True] + [False] * 4 + [True, True, False]
+
+
+def test_tool_calls_run_side_by_side_up_to_the_worker_count(tmp_path):
+    """Eight calls of a tool that sleeps 0.5 s, four workers: each call's (start, end) as the tool saw them; at some
+    moment four run at once, never five, and all eight ran in worker processes other than this one."""
+    tools = tmp_path / "slow.py"
+    log = tmp_path / "log"
+    tools.write_text(
+        "import os, time\n\n\ndef slow(x: str) -> str:\n"
+        + '    """Sleeps.\n\n    Args:\n        x: A tag.\n    """\n'
+        + "    start = time.time()\n    time.sleep(0.5)\n"
+        + f"    with open({str(log)!r}, 'a') as f:\n"
+        + "        f.write(f'{os.getpid()} {start} {time.time()}\\n')\n"
+        + "    return x\n"
+    )
+    pool = multi_turn.ToolPool(str(tools), workers=4, timeout=10.0, max_chars=256, side="middle")
+    answers = pool.run([{"name": "slow", "arguments": {"x": str(k)}} for k in range(8)])
+    pool.close()
+    assert [a["text"] for a in answers] == [str(k) for k in range(8)]
+    runs = [line.split() for line in log.read_text().splitlines()]
+    assert len(runs) == 8 and os.getpid() not in {int(pid) for pid, _, _ in runs}
+    intervals = [(float(a), float(b)) for _, a, b in runs]
+    most = max(sum(a <= t < b for a, b in intervals) for t, _ in intervals)
+    assert most == 4, intervals
 
 
 def test_long_tool_responses_are_cut_as_verl_cuts_them():
@@ -156,6 +369,37 @@ def test_tool_responses_are_the_tokens_of_the_templates_text(tokenizer):
     two = multi_turn.tool_response_ids(tokenizer, ["8", "9"], schemas, None)
     assert tokenizer.decode(two) == ANSWER.format("8\n</tool_response>\n<tool_response>\n9")
     multi_turn.check_template(tokenizer, multi_turn.load_tools(None))
+
+
+def test_prompts_are_measured_as_rendered_with_the_tools(tools_build, tokenizer, tmp_path):
+    """A multi-turn run's prompts carry the tools' schemas (the template's system block): grpo.load_data (in process)
+    keeps exactly the prompts that fit data.max_prompt_length as rendered WITH tools=, counted here by rendering
+    each with the tokenizer; measured without the tools, all would fit."""
+    import config
+    import fsdp_train
+    import grpo
+
+    questions = [f"Tom has {k} apples" + " and one more" * k + "." for k in range(8)]
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text(
+        "".join(json.dumps({"question": q, "answer": f"{k}\n#### {k}"}) + "\n" for k, q in enumerate(questions))
+    )
+
+    def length(question: str, **kwargs) -> int:
+        messages = [{"role": "user", "content": question + " " + tiny.INSTRUCTION}]
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False, **kwargs)
+        return len(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    with_tools = sorted(length(q, tools=[tiny.CALCULATOR_SCHEMA]) for q in questions)
+    limit = with_tools[3]  # the four shortest fit with the tools; every prompt fits without them
+    assert max(length(q) for q in questions) <= limit
+    fits = [q for q in questions if length(q, tools=[tiny.CALCULATOR_SCHEMA]) <= limit]
+    overrides = ["model.path=tiny_tools", "rollout.multi_turn.enable=true", f"data.train={rows}", f"data.val={rows}"]
+    overrides += [f"data.max_prompt_length={limit}", "data.train_batch_size=1", "actor.ppo_mini_batch_size=1"]
+    fsdp_train.init_distributed()
+    _, _, train_rows, val_rows, _ = grpo.load_data(config.load_config("tiny.yaml", overrides), 0, 1)
+    assert len(fits) == 4
+    assert [r["extra_info"]["question"] for r in train_rows] == [r["extra_info"]["question"] for r in val_rows] == fits
 
 
 def test_a_template_without_tools_stops_in_one_line(tiny_build):
@@ -191,16 +435,17 @@ def test_tool_files_give_their_plain_functions_or_stop_in_one_line(tmp_path):
 
 
 def test_turn_metrics_on_known_values():
-    m = multi_turn.turn_metrics(num_turns=[3, 1, 5, 1], calls=[1, 0, 2, 0], errors=[1, 0, 0, 0])
+    m = multi_turn.turn_metrics(num_turns=[3, 1, 5, 1], calls=[1, 0, 2, 0], errors=[1, 0, 1, 0], timeouts=[0, 0, 1, 0])
     assert m == {
         "num_turns/min": 1,
         "num_turns/max": 5,
         "num_turns/mean": 2.5,
         "tool_calls/per_sample": 0.75,
         "tool_calls/sample_share": 0.5,
-        "tool_calls/error_rate": 1 / 3,
+        "tool_calls/error_rate": 2 / 3,
+        "tool_calls/timeout_rate": 1 / 3,
     }
-    assert multi_turn.turn_metrics([1], [0], [0])["tool_calls/error_rate"] == 0.0
+    assert multi_turn.turn_metrics([1], [0], [0], [0])["tool_calls/error_rate"] == 0.0
 
 
 # ------------------------------------------------------------------------------ one engine, every request
@@ -279,6 +524,54 @@ def test_tool_responses_are_the_calculators_results_in_the_templates_text(engine
     assert checked >= 8
 
 
+def effective_seeds(requests: list[dict]) -> list[int]:
+    """Every sample's seed in one multi_turn.generate call: a request of n samples with seed s draws them with
+    s, s + 1, ..., s + n - 1 (vLLM's children of a seeded request)."""
+    seeds = []
+    for request in requests:
+        for seed, n in zip(request["seeds"], request["n"], strict=True):
+            seeds += [seed + j for j in range(n)]
+    return seeds
+
+
+def test_later_turns_are_seeded_apart_and_reproducibly(engine):
+    """Within one generate call no two samples share a seed, across prompts, trajectories and turns (a later turn
+    reusing another trajectory's seed would sample its choices again); the same call again samples the same."""
+    for case in ("calculator", "failing", "hot"):
+        requests = engine[case]["requests"]
+        assert len(requests) >= 2 and all(seed is not None for r in requests for seed in r["seeds"])
+        seeds = effective_seeds(requests)
+        assert len(set(seeds)) == len(seeds), case
+    assert engine["again"] == engine["calculator"]
+
+
+def test_a_garbled_call_is_answered_and_the_trajectory_goes_on(engine, tokenizer):
+    """At temperature 1.6 the model's calls come out garbled: every call, malformed or not, is answered by a tool
+    segment holding its response (or the part the budget holds), and a trajectory whose call was answered writes
+    again unless the budget or the turn limit ended it."""
+    trajectories = engine["hot"]["trajectories"]
+    malformed = [c for t in trajectories for c in t["tool_calls"] if c["error"] and "name" not in c]
+    assert malformed and all(c["response"].startswith("Invalid tool call: ") for c in malformed)
+    for t in trajectories:
+        tool_segments = [ids for turn_id, ids, _ in segments(t) if turn_id % 2 == 0]
+        assert len(tool_segments) == t["user_turns"] == len({c["turn"] for c in t["tool_calls"]})
+        for ids, call in zip(tool_segments, t["tool_calls"], strict=True):
+            full = ANSWER.format(call["response"])
+            assert tokenizer.decode(ids) == full or (t["truncated"] and full.startswith(tokenizer.decode(ids)))
+        last_call_turn = max((c["turn"] for c in t["tool_calls"]), default=0)
+        if last_call_turn and not t["truncated"]:
+            assert t["assistant_turns"] == last_call_turn + 1  # it wrote again (the limit is 3 turns)
+
+
+def test_max_assistant_turns_ends_a_trajectory_at_its_call(engine, tokenizer):
+    """rollout.multi_turn.max_assistant_turns=1: every trajectory is its first turn; a call written there is never
+    run or answered (no tool segment, no record), and some trajectories did write one."""
+    trajectories = engine["one_turn"]["trajectories"]
+    assert all(t["assistant_turns"] == 1 and t["user_turns"] == 0 and not t["tool_calls"] for t in trajectories)
+    assert all(set(t["turn_ids"]) == {1} for t in trajectories)
+    assert any(multi_turn.parse_tool_calls(tokenizer.decode(t["response_ids"])) for t in trajectories)
+
+
 def test_a_sample_without_tool_calls_is_the_single_turn_sample(engine):
     """multi_turn's first turn is rollout.generate's request: what the model writes without calling a tool is what
     a single-turn rollout samples with the same seed."""
@@ -313,10 +606,15 @@ def test_the_response_budget_bounds_the_tool_tokens_too(engine):
 # ------------------------------------------------------------------------------------------ runs of grpo.py
 @pytest.fixture(scope="module")
 def mt_run(tools_build, tiny_build, tmp_path_factory):
-    """2 ranks, 2 steps (2 mini-batches each: the old-log-prob pass compares with vLLM), dumped; its replay at
-    1 rank; the replay of a copy whose tool positions hold garbage."""
+    """2 ranks, 2 steps (2 mini-batches each: the old-log-prob pass compares with vLLM), dumped, with HOSTILE's tools
+    (its calculator runs, in turn, a tool that never answers, one that raises, one that returns None, one that ends
+    its process and one that returns 1 MB; a 1 s limit, 2 workers per rank); its replay at 1 rank; the replay of a
+    copy whose tool positions hold garbage."""
     root = tmp_path_factory.mktemp("multi-turn-run")
-    run_grpo(root / "run", 2, *MULTI_TURN, f"trainer.dump_batches={root / 'dump'}")
+    (root / "tools").mkdir()
+    (root / "tools" / "hostile.py").write_text(HOSTILE)
+    hostile = [f"{TOOL_PATH}={root / 'tools' / 'hostile.py'}", *HOSTILE_LIMITS]
+    run_grpo(root / "run", 2, *MULTI_TURN, *hostile, f"trainer.dump_batches={root / 'dump'}")
     garbage = root / "garbage"
     garbage.mkdir()
     for step in (1, 2):
@@ -327,7 +625,7 @@ def mt_run(tools_build, tiny_build, tmp_path_factory):
         torch.save(b, garbage / f"step_{step}.pt")
     replays = {}
     for name, dump in (("replay", root / "dump"), ("garbage", garbage)):
-        run_grpo(root / name, 1, *MULTI_TURN, f"trainer.replay_batches={dump}")
+        run_grpo(root / name, 1, *MULTI_TURN, *hostile, f"trainer.replay_batches={dump}")
         replays[name] = read_metrics(root / name)
     return root, read_metrics(root / "run"), replays
 
@@ -399,29 +697,46 @@ def test_tool_positions_do_not_move_the_update(mt_run):
             assert y[key] == pytest.approx(x[key], rel=1e-6, abs=1e-9), key
 
 
-def test_a_raising_tool_does_not_stop_the_run(tools_build, tiny_build, tmp_path):
-    tool_file = tmp_path / "down.py"
-    tool_file.write_text(
-        "def calculator(expression: str) -> str:\n"
-        '    """Evaluate an arithmetic expression.\n\n    Args:\n        expression: Numbers.\n    """\n'
-        "    raise RuntimeError('down')\n"
-    )
-    run_grpo(
-        tmp_path / "run",
-        1,
-        *MULTI_TURN,
-        "trainer.total_steps=1",
-        "trainer.val_every=0",
-        f"{TOOL_PATH}={tool_file}",
-    )
-    (m,) = [r for r in read_metrics(tmp_path / "run") if "training/global_step" in r]
-    assert m["tool_calls/sample_share"] > 0 and m["tool_calls/error_rate"] == 1.0
+def test_hostile_tools_are_answered_counted_and_dumped_and_the_run_goes_on(mt_run):
+    """The 2-rank run with HOSTILE's tools completed its steps (mt_run). In its dumps every call has a response, one
+    of what HOSTILE's tools give (each of them met), the hung ones flagged as timeouts, the 1 MB one cut to
+    max_tool_response_length; the per-sample counts and the logged rates are those of the calls."""
+    root, logged, _ = mt_run
+    seen = set()
+    for step in (1, 2):
+        b = torch.load(root / "dump" / f"step_{step}.pt")
+        calls = [c for per_sample in b["tool_calls"] for c in per_sample]
+        answers = {HOSTILE_ANSWERS[kind].format("calculator"): kind for kind in HOSTILE_ANSWERS}
+        assert all(c["response"] in answers for c in calls if "name" in c), {c["response"][:80] for c in calls}
+        seen |= {answers[c["response"]] for c in calls if c["response"] in answers}
+        assert all(c["timeout"] == (c["response"] == HOSTILE_ANSWERS["timeout"].format("calculator")) for c in calls)
+        assert all((c["error"] is None) == (answers.get(c["response"]) == "megabyte") for c in calls)
+        timeouts = [sum(c["timeout"] for c in per_sample) for per_sample in b["tool_calls"]]
+        assert b["num_tool_timeouts"].tolist() == timeouts
+        m = logged[step]
+        assert m["tool_calls/timeout_rate"] == pytest.approx(sum(timeouts) / len(calls))
+        assert m["tool_calls/error_rate"] == pytest.approx(sum(c["error"] is not None for c in calls) / len(calls))
+    assert seen == set(HOSTILE_ANSWERS)
+
+
+def test_the_turn_limit_holds_in_every_dumped_sample(mt_run):
+    """rollout.multi_turn.max_assistant_turns=3, counted from the dumps: at most 3 turns of the model and 2 of tool
+    responses per sample, a tool segment only after a turn of the model, turn ids in order."""
+    root, _, _ = mt_run
+    for step in (1, 2):
+        b = torch.load(root / "dump" / f"step_{step}.pt")
+        for turns in b["turn_ids"].tolist():
+            written = [t for k, t in enumerate(turns) if t and (k == 0 or turns[k - 1] != t)]  # each segment's id
+            assert written == list(range(1, len(written) + 1)), written  # 1, 2, 3, ...: model, tool, model, ...
+            assert sum(t % 2 == 1 for t in written) <= 3 and sum(t % 2 == 0 for t in written) <= 2
 
 
 def test_bad_multi_turn_input_stops_in_one_line(tiny_build, tmp_path):
-    """A chat template without tools, a tool file without functions: one line, before any model loads."""
-    empty = tmp_path / "empty.py"
+    """A chat template without tools, a tool file without functions or that does not import: one line, before any
+    model loads."""
+    empty, broken = tmp_path / "empty.py", tmp_path / "broken.py"
     empty.write_text("X = 1\n")
+    broken.write_text("import not_a_module_anywhere\n")
     for overrides, message in [
         (["rollout.multi_turn.enable=true"], "error: multi-turn: the chat template does not render tools="),
         (
@@ -431,6 +746,10 @@ def test_bad_multi_turn_input_stops_in_one_line(tiny_build, tmp_path):
                 f"rollout.multi_turn.function_tool_path={empty}",
             ],
             f"error: {TOOL_PATH} {empty}: defines no public function",
+        ),
+        (
+            ["model.path=tiny_tools", "rollout.multi_turn.enable=true", f"{TOOL_PATH}={broken}"],
+            f"error: {TOOL_PATH} {broken}: importing it raised ModuleNotFoundError",
         ),
         (["rollout.multi_turn.tool_response_truncate_side=top"], "accepted: left, middle, right"),
     ]:
