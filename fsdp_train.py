@@ -759,9 +759,10 @@ def estimate_flops(config, seqlens: list[int]) -> float:
     """veRL's FlopsCounter for decoders, forward + backward of sequences of these lengths:
     6*N*sum(s) + 6*sum(s^2)*d*H*L, N = L*(M + h*(H*d + 2*K*d + H*d)) + 2*V*h (no biases), with the MLP's
     M = 3*h*I for a dense model and, for a Mixture-of-Experts one (num_experts, num_experts_per_tok), the active
-    experts' and the router's: M = 3*h*k*I_moe + h*E (veRL's _estimate_qwen2_moe_flops)."""
-    h, layers = config.hidden_size, config.num_hidden_layers
-    heads, kv_heads, vocab = config.num_attention_heads, config.num_key_value_heads, config.vocab_size
+    experts' and the router's: M = 3*h*k*I_moe + h*E (veRL's _estimate_qwen2_moe_flops). A config without
+    num_key_value_heads (GPT-NeoX) has multi-head attention: K = H."""
+    h, layers, heads = config.hidden_size, config.num_hidden_layers, config.num_attention_heads
+    kv_heads, vocab = getattr(config, "num_key_value_heads", None) or heads, config.vocab_size
     d = getattr(config, "head_dim", None) or h // heads
     if getattr(config, "num_experts_per_tok", None) and getattr(config, "moe_intermediate_size", None):
         mlp = 3 * h * config.num_experts_per_tok * config.moe_intermediate_size + h * config.num_experts

@@ -229,19 +229,22 @@ def save_random_family_model(path: str, tokenizer, config_class, seed: int = 0, 
     """Write a randomly initialised causal LM of any transformers family + `tokenizer` to `path`.
     config_class: the family's config class (Qwen2Config, Gemma2Config, CohereConfig, ...); the model is
     AutoModelForCausalLM's class for it. The config: the TINY shape, the tokenizer's vocabulary and special
-    tokens, head_dim = hidden_size / num_attention_heads, then kwargs (another shape, the family's own keys).
-    E.g. save_random_family_model(p, tok, Gemma2Config, final_logit_softcapping=30.0)."""
+    tokens, head_dim = hidden_size / num_attention_heads and the dtype, each only where the class defines the key
+    (its defaults' keys and its attribute_map's: GPT-NeoX has no num_key_value_heads, Qwen2 no head_dim, as their
+    released config.json files), then kwargs as given (another shape, the family's own keys: the caller's to keep
+    real). E.g. save_random_family_model(p, tok, Gemma2Config, final_logit_softcapping=30.0)."""
     settings = {
         **TINY,
         "vocab_size": len(tokenizer),
-        "torch_dtype": dtype,
+        "dtype": dtype,
         "bos_token_id": None,
         "eos_token_id": tokenizer.convert_tokens_to_ids("<|im_end|>"),
         "pad_token_id": tokenizer.pad_token_id,
         **kwargs,
     }
     settings.setdefault("head_dim", settings["hidden_size"] // settings["num_attention_heads"])
-    config = config_class(**settings)
+    known = set(config_class().to_dict()) | set(config_class.attribute_map)
+    config = config_class(**{key: v for key, v in settings.items() if key in known or key in kwargs})
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config).to(dtype)
     _save(model, tokenizer, path)

@@ -41,8 +41,25 @@ FAMILIES = {
     "gemma3": (transformers.Gemma3TextConfig, dict(sliding_window=16)),  # local and global layers
     "phi3": (transformers.Phi3Config, dict(tie_word_embeddings=False)),
     "olmo2": (transformers.Olmo2Config, dict(tie_word_embeddings=False)),  # vLLM: Transformers backend
-    "gpt_neox": (transformers.GPTNeoXConfig, dict(num_key_value_heads=4, tie_word_embeddings=False)),  # idem; MHA
+    "gpt_neox": (transformers.GPTNeoXConfig, dict(tie_word_embeddings=False)),  # idem; MHA (no num_key_value_heads)
 }
+# family -> the keys of its released config.json (the model named) that its config class's defaults lack:
+# transformers 4's rope keys, Gemma's cache_implementation, Phi-3's remote-code auto_map, Pythia's rotary keys. A tiny
+# config may hold these, its class's keys and SERIALISED, nothing else: a key no real checkpoint holds hides what real
+# checkpoints lack (GPT-NeoX's num_key_value_heads: fsdp_train.estimate_flops read it, so Pythia could not train).
+PUBLISHED = {
+    "qwen2": {"rope_theta"},  # Qwen2.5-7B-Instruct
+    "qwen3": {"rope_scaling", "rope_theta"},  # Qwen3-0.6B
+    "llama": {"rope_scaling", "rope_theta"},  # Llama-3.1-8B
+    "mistral": {"rope_theta"},  # Mistral-7B-v0.3
+    "gemma2": {"cache_implementation", "hidden_act", "rope_theta"},  # gemma-2-2b
+    # gemma-3-1b-it
+    "gemma3": {"cache_implementation", "rope_local_base_freq", "rope_scaling", "rope_theta", "sliding_window_pattern"},
+    "phi3": {"attention_bias", "auto_map", "rope_scaling", "rope_theta"},  # Phi-3-mini-4k-instruct
+    "olmo2": {"rope_scaling", "rope_theta"},  # OLMo-2-0425-1B
+    "gpt_neox": {"rotary_emb_base", "rotary_pct"},  # pythia-160m
+}
+SERIALISED = {"architectures", "dtype", "torch_dtype", "transformers_version", "model_type"}  # save_pretrained's
 # test_logit_rules' Gemma 2 run (2 steps, the entropy bonus moving the weights), exported, with a checkpoint at step 2
 RUN = [o for o in GEMMA2_RUN if o != "trainer.export_hf=false"] + ["trainer.save_every=2"]
 RESUMED = ["trainer.total_steps=3", "trainer.resume=auto", "trainer.export_hf=false"]
@@ -144,6 +161,31 @@ def test_the_trainer_loads_what_transformers_loads_and_pushes_the_checkpoints_na
         stored.pop("lm_head.weight", None)
     assert sorted(pushed) == sorted(stored)
     assert all(torch.equal(pushed[name], stored[name]) for name in stored)
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_a_family_config_holds_only_keys_a_released_one_holds(family_models, family):
+    """tiny.save_random_family_model's config.json: its class's keys, the keys of the family's released config.json
+    and transformers' serialisation keys; no num_key_value_heads for GPT-NeoX, no head_dim for Qwen2, Phi-3, OLMo 2
+    or GPT-NeoX (none of their classes or released configs has them)."""
+    config_class, _ = FAMILIES[family]
+    saved = json.loads(open(os.path.join(family_models(family), "config.json")).read())
+    foreign = set(saved) - set(config_class().to_dict()) - PUBLISHED[family] - SERIALISED
+    assert not foreign, f"{family}: config.json holds {sorted(foreign)}, which no released {family} config holds"
+
+
+def test_the_flops_of_a_gpt_neox_config_count_every_head_as_a_key_value_head():
+    """GPT-NeoX's config has no num_key_value_heads (multi-head attention): fsdp_train.estimate_flops counts K = H.
+    veRL's formula (test_fsdp_train) written out for pythia-160m's shape."""
+    import fsdp_train as ft
+
+    shape = dict(hidden_size=768, intermediate_size=3072, num_hidden_layers=12, num_attention_heads=12)
+    config = transformers.GPTNeoXConfig(vocab_size=50304, **shape)
+    assert not hasattr(config, "num_key_value_heads")
+    h, i, layers, heads, v = 768, 3072, 12, 12, 50304
+    d = h // heads
+    n = layers * (3 * h * i + h * (heads * d + 2 * heads * d + heads * d)) + 2 * v * h
+    assert ft.estimate_flops(config, [300, 500]) == 6 * n * 800 + 6 * (300**2 + 500**2) * d * heads * layers
 
 
 def test_an_unsupported_model_stops_before_anything_loads(tiny_tokenizer, tiny_build, tmp_path):
@@ -300,6 +342,41 @@ def test_the_trainer_builds_no_dropout_whatever_the_config(quirky_run):
     assert all(getattr(m, "attention_dropout", 0.0) == 0.0 for m in policy.modules())
 
 
+# family -> every dropout probability its config class defines, however spelled: Phi-3's *_pdrop, GPT-NeoX's; the
+# other families' classes define attention_dropout alone, as Qwen3's (and the quirky Qwen2's above)
+DROPOUTS = {
+    "phi3": ("attention_dropout", "resid_pdrop", "embd_pdrop"),
+    "gpt_neox": ("attention_dropout", "hidden_dropout", "classifier_dropout"),
+    "qwen3": ("attention_dropout",),
+}
+
+
+@pytest.mark.parametrize("family", list(DROPOUTS))
+def test_the_trainer_builds_no_dropout_of_any_spelling(tiny_tokenizer, tmp_path, family):
+    """Every dropout key of the family's config at 0.3 (transformers' own model, in training mode, samples other
+    logits on every forward): fsdp_train.load_model's policy, in training mode, gives the same logits twice, and
+    those of transformers' model in eval mode (without_dropout zeroes every spelling: DROPOUT_KEY)."""
+    import fsdp_train as ft
+    import logit_rules
+
+    config_class, keys = FAMILIES[family]
+    assert set(DROPOUTS[family]) == {key for key in config_class().to_dict() if "drop" in key}
+    path = tiny.save_random_family_model(
+        str(tmp_path / family), tiny_tokenizer, config_class, seed=1, **keys, **dict.fromkeys(DROPOUTS[family], 0.3)
+    )
+    ft.init_distributed()
+    policy = ft.load_model(path, device=torch.device("cpu"), head=logit_rules.logits_head)
+    reference = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    ids = torch.tensor([[(5 + 7 * i) % 400 for i in range(24)]])
+    with torch.no_grad():
+        assert not torch.equal(reference.train()(input_ids=ids).logits, reference(input_ids=ids).logits)
+        plain = reference.eval()(input_ids=ids).logits
+        assert policy.training
+        once, twice = policy(input_ids=ids).logits, policy(input_ids=ids).logits
+    assert torch.equal(once, twice), f"{family}: the training pass applies dropout: {(once - twice).abs().max()}"
+    assert torch.equal(once, plain), (once - plain).abs().max()
+
+
 def test_every_eos_id_in_generation_config_stops_and_is_trained(quirky_run):
     """<|endoftext|> is in generation_config's eos list, not the tokenizer's eos: vLLM stops there (nothing is
     sampled after it) and the response mask trains it, as it trains the final <|im_end|>."""
@@ -335,6 +412,46 @@ def test_one_bos_and_the_template_kwargs_in_training_and_validation(quirky_run):
         assert prompt[-len(think) :] == think
     generations = [json.loads(line) for line in open(out / "generations" / "2.jsonl")]
     assert generations and all(g["input"].endswith(THINK) for g in generations)
+
+
+def test_prompts_are_measured_with_the_template_kwargs(tiny_tokenizer, tmp_path):
+    """data.apply_chat_template_kwargs={enable_thinking: false} makes the quirky template write a think block: with
+    data.max_prompt_length the longest prompt's length without it, grpo.load_data (in process) drops the prompts
+    the block pushes over it, those counted here by rendering each with the tokenizer; without filtering the run
+    stops in one line naming the keys."""
+    import config
+    import fsdp_train
+    import grpo
+
+    tok, model = quirky_tokenizer(tiny_tokenizer), str(tmp_path / "model")
+    tiny.save_random_family_model(model, tok, transformers.Qwen2Config, bos_token_id=tok.bos_token_id)
+    questions = [f"Tom has {k} apples" + " and one more" * k + "." for k in range(8)]
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text(
+        "".join(json.dumps({"question": q, "answer": f"{k} apples\n#### {k}"}) + "\n" for k, q in enumerate(questions))
+    )
+
+    def length(question: str, **kwargs) -> int:  # the prompt as vLLM gets it: template rendered, no special added
+        messages = [{"role": "user", "content": question + " " + tiny.INSTRUCTION}]
+        text = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False, **kwargs)
+        return len(tok(text, add_special_tokens=False)["input_ids"])
+
+    limit = max(length(q) for q in questions)  # every prompt fits without the think block
+    fits = [q for q in questions if length(q, enable_thinking=False) <= limit]
+    assert 0 < len(fits) < len(questions), (limit, len(fits))
+    print(f"max_prompt_length {limit}: {len(fits)} of {len(questions)} prompts fit with the think block")
+    overrides = [f"model.path={model}", f"data.train={rows}", f"data.val={rows}", f"data.max_prompt_length={limit}"]
+    overrides += ["data.apply_chat_template_kwargs={enable_thinking: false}", "data.train_batch_size=1"]
+    overrides += ["actor.ppo_mini_batch_size=1"]
+    fsdp_train.init_distributed()
+    _, _, train_rows, val_rows, _ = grpo.load_data(config.load_config("tiny.yaml", overrides), 0, 1)
+    assert [r["extra_info"]["question"] for r in train_rows] == fits
+    assert [r["extra_info"]["question"] for r in val_rows] == fits
+    with pytest.raises(config.ConfigError) as e:
+        grpo.load_data(config.load_config("tiny.yaml", [*overrides, "data.filter_overlong_prompts=false"]), 0, 1)
+    message = str(e.value)
+    assert message.startswith(f"data: {len(questions) - len(fits)} prompts exceed data.max_prompt_length={limit} ")
+    assert "data.filter_overlong_prompts=true" in message and "\n" not in message, message
 
 
 def test_vllm_samples_with_the_runs_keys_not_generation_configs(quirky_run):
