@@ -266,7 +266,8 @@ def start_recording(model, batch: dict) -> None:
 
 
 def recorded(model, batch: dict) -> torch.Tensor:
-    """R2: the routing the pass since start_recording used [B, P + R, L, k], -1 at padding."""
+    """R2: the routing the pass since start_recording used [B, P + R, L, k], -1 at padding. Take it right after that
+    pass: until then every pass of the model records (LoRA's reference is the same model, its adapters off)."""
     state = model.moe_routing
     out, state.record, state.where = state.record, None, None
     return out.masked_fill(batch["attention_mask"][:, :, None, None] == 0, -1)

