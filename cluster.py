@@ -20,7 +20,6 @@ import torch
 import torch.distributed as dist
 
 import fsdp_train
-import lora
 from config import ConfigError
 from logs import log0
 
@@ -149,10 +148,11 @@ def end_process(status: int):
     os._exit(status)
 
 
-def resume(cfg: dict, policy, optimizer, scheduler, rank: int, world: int) -> tuple[int, dict]:
+def resume(cfg: dict, policy, optimizer, scheduler, rank: int, world: int, check=None) -> tuple[int, dict]:
     """Load the checkpoint trainer.resume names (auto: the newest complete one, chosen by rank 0 for all).
     Returns the first step to run and this rank's saved loop state: step, generation cursor, RNG states
-    (dropped when the checkpoint was written at another world size)."""
+    (dropped when the checkpoint was written at another world size). check: fsdp_train.load_checkpoint's (LoRA's
+    lora.check_resume, handed by grpo's set-up)."""
     trainer = cfg["trainer"]
     path = trainer["resume"] if trainer["resume"] not in ("off", "auto") else None
     if trainer["resume"] == "auto":
@@ -163,7 +163,7 @@ def resume(cfg: dict, policy, optimizer, scheduler, rank: int, world: int) -> tu
         path = broadcast(newest)  # rank 0's choice, for all: ranks must not resume different steps
     if not path:
         return 1, {}
-    extra = fsdp_train.load_checkpoint(path, policy, optimizer, scheduler, check=lora.check_resume)
+    extra = fsdp_train.load_checkpoint(path, policy, optimizer, scheduler, check=check)
     log0(rank, f"resumed from {path} (step {extra['step']})")
     if extra["saved_world_size"] != world:
         extra.pop("rng", None)

@@ -13,17 +13,9 @@ import math
 import os
 import re
 
-import torch
 import yaml
 
-import dapo
-import fsdp_train
-import grpo_family
-import lora
 import losses
-import moe
-import reward_files
-import rollout_correction
 
 # The schema: section -> key -> default, or (default, accepted). A dict is a sub-section
 # (algorithm.rollout_correction.rollout_is). accepted: a tuple of choices, a type where the default's is not
@@ -109,7 +101,7 @@ SCHEMA = {
         "clip_ratio_low": (0.2, ">= 0 (>= 1: no lower bound; geo_mean: a log-ratio bound)"),
         "clip_ratio_high": (0.28, GE0),
         "clip_ratio_c": (3.0, "> 1 (the dual-clip bound)"),
-        "policy_loss": {"loss_mode": ("vanilla", ("vanilla", *grpo_family.LOSS_MODES))},
+        "policy_loss": {"loss_mode": ("vanilla", ("vanilla", "gspo", "cispo", "sapo", "geo_mean"))},  # grpo_family.py
         "tau_pos": (1.0, "> 0 (sapo's gate temperature where the advantage is > 0)"),
         "tau_neg": (1.05, "> 0 (sapo's gate temperature where the advantage is <= 0)"),
         "loss_agg_mode": ("token-mean", losses.AGG_MODES),
@@ -120,10 +112,10 @@ SCHEMA = {
         "kl_loss_coef": (0.001, GE0),
         "grad_clip": (1.0, POS),
         "kl_loss_type": ("low_var_kl", losses.KL_KINDS + tuple(k + "+" for k in losses.KL_KINDS)),
-        "router_replay": {"mode": ("disabled", moe.MODES)},  # Mixture-of-Experts routing replay (moe.py)
+        "router_replay": {"mode": ("disabled", ("disabled", "R2", "R3"))},  # Mixture-of-Experts routing replay (moe.py)
     },
     "algorithm": {
-        "adv_estimator": ("grpo", ("grpo", *grpo_family.ESTIMATORS)),
+        "adv_estimator": ("grpo", ("grpo", "rloo", "reinforce_plus_plus_baseline", "reinforce_plus_plus")),
         "norm_adv_by_std_in_grpo": True,
         "gamma": (1.0, "0 <= value <= 1 (reinforce_plus_plus's discount)"),
         "use_kl_in_reward": False,
@@ -238,20 +230,7 @@ def _passes(rule: str, value) -> bool:
 
 
 class ConfigError(ValueError):
-    pass
-
-
-# What ends a run with one line `error: ...` and exit status 1 (grpo.main): a bad configuration, data, reward
-# file or LoRA adapter, DAPO's generation batches exhausted, a model whose logits the trainer cannot reproduce.
-ONE_LINE_ERRORS = (
-    ConfigError,
-    yaml.YAMLError,
-    reward_files.RewardFileError,
-    dapo.TooFewGroups,
-    lora.LoraError,
-    fsdp_train.UnsupportedModel,
-    moe.ReplayError,
-)
+    """A key, value or combination flatgrpo cannot run; the message is one line (grpo.main prints it)."""
 
 
 class _Loader(yaml.SafeLoader):
@@ -369,9 +348,9 @@ def loss_scale_factor(cfg: dict) -> float:
 
 
 def check_config(cfg: dict) -> dict:
-    """Cross-key rules (world-size ones are checked in grpo.setup)."""
+    """Cross-key rules of the core's keys (world-size ones are checked in grpo.setup; an optional feature's own, by
+    its file: grpo.choose_parts)."""
     d, a, tr, ro = cfg["data"], cfg["actor"], cfg["trainer"], cfg["rollout"]
-    rc, ob = cfg["algorithm"]["rollout_correction"], cfg["reward"]["overlong_buffer"]
     if d["train_batch_size"] % a["ppo_mini_batch_size"]:
         raise ConfigError(
             f"config: data.train_batch_size ({d['train_batch_size']}) must be a multiple of "
@@ -399,137 +378,13 @@ def check_config(cfg: dict) -> dict:
             "and top_k -1 (vLLM returns the log-probs of the truncated, renormalised distribution it samples from, "
             "which the trainer's whole softmax does not reproduce; rollout.val_top_p / val_top_k may truncate)"
         )
-    if ob["enable"] and not 0 < ob["len"] <= d["max_response_length"]:
-        raise ConfigError(
-            f"config: reward.overlong_buffer.len = {ob['len']}; accepted: 0 < value <= "
-            f"data.max_response_length ({d['max_response_length']}) when the buffer is enabled"
-        )
-    if rc["bypass_mode"] and rc["rollout_is"]:
-        raise ConfigError(
-            f"config: algorithm.rollout_correction.rollout_is = {rc['rollout_is']!r} with bypass_mode=true; "
-            "accepted: null (the PPO ratio is then pi / pi_rollout: veRL's bypass applies no weights)"
-        )
-    check_lora(cfg["model"])
-    one = torch.zeros(1, 1), torch.zeros(1, 1), torch.ones(1, 1)  # the specs, parsed by the code that uses them
-    try:
-        if rc["rollout_is"]:
-            rollout_correction.rollout_is_weights(*one, level=rc["rollout_is"], threshold=rc["rollout_is_threshold"])
-        if rc["rollout_rs"]:
-            rollout_correction.rollout_rejection_mask(
-                *one, modes=rc["rollout_rs"], thresholds=rc["rollout_rs_threshold"]
-            )
-    except ValueError as e:
-        specs = ", ".join(f"{k} = {rc[k]!r}" for k in rc if k.startswith("rollout_"))
-        raise ConfigError(f"config: algorithm.rollout_correction.{specs}: {e}") from None
-    check_family(cfg)
-    check_router_replay(cfg)
-    return cfg
-
-
-def check_router_replay(cfg: dict) -> None:
-    """Routing replay's combinations refused: R3 without the rollout's routing; R2 with it, or with the rollout
-    correction's bypass (veRL 0.9.1 refuses both: R2 records the old-log-prob pass, which bypass skips); the
-    rollout's routing in a multi-turn run or a replay of dumps (neither carries it)."""
-    mode, returned = cfg["actor"]["router_replay"]["mode"], cfg["rollout"]["enable_rollout_routing_replay"]
-    if mode == "R3" and not returned:
-        raise ConfigError(
-            "config: actor.router_replay.mode = R3 replays the rollout's routing: set "
-            "rollout.enable_rollout_routing_replay=true (or mode R2: the old-log-prob pass's routing)"
-        )
-    if mode == "R2" and (returned or cfg["algorithm"]["rollout_correction"]["bypass_mode"]):
-        key = "rollout.enable_rollout_routing_replay" if returned else "algorithm.rollout_correction.bypass_mode"
-        raise ConfigError(
-            f"config: actor.router_replay.mode = R2 with {key}=true; R2 replays the old-log-prob pass's routing "
-            "(accepted: R3 with the rollout's routing, or R2 without it and without bypass_mode)"
-        )
-    if returned and (cfg["rollout"]["multi_turn"]["enable"] or cfg["trainer"]["replay_batches"]):
-        key = "rollout.multi_turn.enable" if cfg["rollout"]["multi_turn"]["enable"] else "trainer.replay_batches"
-        raise ConfigError(
-            f"config: rollout.enable_rollout_routing_replay=true with {key}: its samples carry no routing "
-            "(accepted: enable_rollout_routing_replay=false)"
-        )
-
-
-def check_lora(m: dict) -> None:
-    """The LoRA keys: names are strings; targets only with LoRA on; an adapter directory is a PEFT LoRA adapter
-    flatgrpo can train (lora.read_adapter_config) of the rank asked for (0: the adapter's)."""
+    m = cfg["model"]
     for key in ("target_modules", "exclude_modules"):
         if isinstance(m[key], list) and not all(isinstance(x, str) and x for x in m[key]):
             raise ConfigError(f"config: model.{key} = {m[key]!r}; accepted: all-linear, a regex, or a list of names")
-    lora_on = m["lora_rank"] > 0 or m["lora_adapter_path"]
-    if not lora_on and (m["target_modules"] != "all-linear" or m["exclude_modules"]):
+    if not (m["lora_rank"] or m["lora_adapter_path"]) and (m["target_modules"] != "all-linear" or m["exclude_modules"]):
         raise ConfigError(
             f"config: model.target_modules = {m['target_modules']!r}, model.exclude_modules = "
             f"{m['exclude_modules']!r} with LoRA off; set model.lora_rank > 0 (or model.lora_adapter_path)"
         )
-    if not m["lora_adapter_path"]:
-        return
-    try:
-        adapter = lora.read_adapter_config(m["lora_adapter_path"])
-    except lora.LoraError as e:
-        raise ConfigError(str(e)) from None
-    if m["lora_rank"] and m["lora_rank"] != adapter["r"]:
-        raise ConfigError(
-            f"config: model.lora_rank = {m['lora_rank']}, but the adapter in model.lora_adapter_path = "
-            f"{m['lora_adapter_path']!r} has rank {adapter['r']}; accepted: {adapter['r']}, or 0 (the adapter's)"
-        )
-
-
-def lora_adapter(cfg: dict, model_path: str):
-    """fsdp_train.load_model's `adapt` for LoRA (lora.adapter of lora_settings) when model.lora_rank > 0 or
-    model.lora_adapter_path is set; None (full fine-tuning) otherwise."""
-    model = cfg["model"]
-    return lora.adapter(lora_settings(cfg, model_path)) if model["lora_rank"] or model["lora_adapter_path"] else None
-
-
-def lora_settings(cfg: dict, model_path: str) -> dict:
-    """lora.adapter's settings from the model.lora_* keys (LoRA on: model.lora_rank > 0 or an adapter directory);
-    the adapters' initialisation is seeded by trainer.seed. An adapter directory must belong to model.path's
-    model (check_adapter_base)."""
-    m = cfg["model"]
-    if m["lora_adapter_path"]:
-        check_adapter_base(m, model_path)
-    return {
-        "rank": m["lora_rank"],
-        "alpha": m["lora_alpha"],
-        "target_modules": m["target_modules"],
-        "exclude_modules": m["exclude_modules"],
-        "adapter_path": m["lora_adapter_path"],
-        "seed": cfg["trainer"]["seed"],
-    }
-
-
-def check_adapter_base(m: dict, model_path: str) -> None:
-    """model.lora_adapter_path was trained on model.path: its base_model_name_or_path names the same model, as
-    written (a hub id), as the same directory, or by its last path component ("Qwen/Qwen2.5-0.5B-Instruct" and
-    "/models/Qwen2.5-0.5B-Instruct"). Another base with the same shapes would load and train without error."""
-    base = lora.read_adapter_config(m["lora_adapter_path"]).get("base_model_name_or_path")
-    if not base:
-        return
-    names = {m["path"], os.path.realpath(model_path), os.path.basename(m["path"].rstrip("/"))}
-    if not names & {base, os.path.realpath(base), os.path.basename(base.rstrip("/"))}:
-        raise ConfigError(
-            f"config: model.lora_adapter_path = {m['lora_adapter_path']!r} was trained on {base!r}, not on "
-            f"model.path = {m['path']!r} ({model_path}); accepted: an adapter of model.path's model"
-        )
-
-
-def check_family(cfg: dict) -> None:
-    """The loss mode and estimator combinations refused (veRL runs them, silently degenerate):
-    rloo / reinforce_plus_plus_baseline with rollout.n = 1: no other sample to form the baseline (veRL then
-    keeps A = r: plain REINFORCE); geo_mean with advantages that vary along the response (reinforce_plus_plus
-    with the KL in the reward or gamma < 1): GMPO averages them per response, veRL supports only one per
-    response."""
-    al, n = cfg["algorithm"], cfg["rollout"]["n"]
-    if al["adv_estimator"] in ("rloo", "reinforce_plus_plus_baseline") and n == 1:
-        raise ConfigError(
-            f"config: algorithm.adv_estimator = {al['adv_estimator']} needs rollout.n > 1 (its baseline comes from "
-            "the other samples of the same prompt); with rollout.n = 1 use reinforce_plus_plus"
-        )
-    per_token = al["adv_estimator"] == "reinforce_plus_plus" and (al["use_kl_in_reward"] or al["gamma"] != 1)
-    if cfg["actor"]["policy_loss"]["loss_mode"] == "geo_mean" and per_token:
-        raise ConfigError(
-            "config: actor.policy_loss.loss_mode = geo_mean takes one advantage per response, but "
-            "algorithm.adv_estimator = reinforce_plus_plus with algorithm.use_kl_in_reward=true or algorithm.gamma "
-            "< 1 gives each token its own; use another estimator or loss mode"
-        )
+    return cfg

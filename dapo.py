@@ -2,14 +2,17 @@
 (algorithm.filter_groups: keep sampling until enough groups carry a learning signal) and the soft overlong
 punishment (reward.overlong_buffer). Standard library and torch only: copy it anywhere.
 
-Entry points, each grpo.py's one call for its part:
-  dynamic_sampling   generation batches until train_batch_size groups have rewards that differ (grpo.sample_batch)
-  overlong_penalty   the reward shaping of one response's length (grpo.score_samples)
+Entry points, each a part grpo.choose_parts chooses when its key is set:
+  check_settings     reward.overlong_buffer's length within the response budget (DapoError, one line)
+  reward_shaper      overlong_shaping, after check_settings (the rewards shaped by the responses' lengths)
+  group_picker       dynamic_sampling: generation batches until train_batch_size groups have rewards that differ
+                     (the groups a step trains on)
 
   nonzero_std_groups  trainer/ppo/v1/replay_buffer.py: _dapo_filtered_keys (numpy's float64 std, bit for bit)
   overlong_penalty    experimental/reward_loop/reward_manager/dapo.py: run_single
 """
 
+import functools
 import math
 import struct
 from functools import reduce
@@ -23,14 +26,42 @@ class TooFewGroups(ValueError):
     """algorithm.filter_groups.max_num_gen_batches generation batches did not give enough groups; one line."""
 
 
-def dynamic_sampling(next_prompts, sample, n: int, train_batch_size: int, max_num_gen_batches: int, positions):
+class DapoError(ValueError):
+    """DAPO settings this file cannot use; the message is one line."""
+
+
+def check_settings(cfg: dict) -> None:
+    """reward.overlong_buffer, when enabled: its length within the response budget, 0 < len <=
+    data.max_response_length (DapoError, one line)."""
+    buffer, budget = cfg["reward"]["overlong_buffer"], cfg["data"]["max_response_length"]
+    if buffer["enable"] and not 0 < buffer["len"] <= budget:
+        raise DapoError(
+            f"config: reward.overlong_buffer.len = {buffer['len']}; accepted: 0 < value <= "
+            f"data.max_response_length ({budget}) when the buffer is enabled"
+        )
+
+
+def group_picker(cfg: dict, next_prompts, sample):
+    """The loop's part that picks a step's groups (grpo.choose_parts): dynamic_sampling with the run's rollout.n,
+    data.train_batch_size and algorithm.filter_groups.max_num_gen_batches; picker(run, t) -> (groups, metrics)."""
+    return functools.partial(
+        dynamic_sampling,
+        next_prompts=next_prompts,
+        sample=sample,
+        n=cfg["rollout"]["n"],
+        train_batch_size=cfg["data"]["train_batch_size"],
+        max_num_gen_batches=cfg["algorithm"]["filter_groups"]["max_num_gen_batches"],
+    )
+
+
+def dynamic_sampling(run, t: dict, *, next_prompts, sample, n: int, train_batch_size: int, max_num_gen_batches: int):
     """DAPO's dynamic sampling as veRL's trainer runs it: generation batches are sampled and scored until
     train_batch_size groups with a reward signal (nonzero_std_groups) are kept, the first ones in generation
-    order; each rank then takes its own positions of them. next_prompts() -> the next generation batch's prompts
-    (data.gen_batch_size of them); sample(prompts) -> their scored groups ({"rewards" [n], ...} each). Rank r
-    samples prompts r, r + world, ...; every rank sees every group, in generation order. Returns (this rank's
-    groups, {"train/num_gen_batches": generation batches used}); TooFewGroups after max_num_gen_batches (0: no
-    limit) batches."""
+    order; each rank then takes its own positions of them (run.positions). next_prompts(run) -> the next generation
+    batch's prompts (data.gen_batch_size of them); sample(run, prompts, t) -> their scored groups ({"rewards" [n],
+    ...} each). Rank r samples prompts r, r + world, ...; every rank sees every group, in generation order. Returns
+    (this rank's groups, {"train/num_gen_batches": generation batches used}); TooFewGroups after
+    max_num_gen_batches (0: no limit) batches."""
     rank, world = dist.get_rank(), dist.get_world_size()
     kept, gen_batches = [], 0  # kept: groups of n scored samples, in generation order
     while len(kept) < train_batch_size:
@@ -40,15 +71,15 @@ def dynamic_sampling(next_prompts, sample, n: int, train_batch_size: int, max_nu
                 f"{len(kept)} of {train_batch_size} prompts whose rewards differ; raise it (0: no "
                 "limit), or use data the policy neither always solves nor always fails"
             )
-        prompts = next_prompts()
+        prompts = next_prompts(run)
         gen_batches += 1
-        groups = sample(prompts[rank::world])
+        groups = sample(run, prompts[rank::world], t)
         parts = [None] * world
         dist.all_gather_object(parts, groups)
         ordered = [parts[i % world][i // world] for i in range(len(prompts))]
         keep = nonzero_std_groups(torch.cat([g["rewards"] for g in ordered]), n)  # [gen_batch_size]
         kept += [group for group, k in zip(ordered, keep, strict=True) if k]
-    return [kept[p] for p in positions], {"train/num_gen_batches": gen_batches}
+    return [kept[p] for p in run.positions], {"train/num_gen_batches": gen_batches}
 
 
 def _np_pairwise_sum(xs: list[float]) -> float:
@@ -95,12 +126,21 @@ def _f32(x: float) -> float:
     return struct.unpack("f", struct.pack("f", x))[0]
 
 
-def overlong_penalties(lengths: list[int], cfg: dict) -> torch.Tensor:
-    """overlong_penalty of each response length (EOS included) with the run's data.max_response_length and
-    reward.overlong_buffer (len, penalty_factor): a float32 tensor, added to the float32 rewards as veRL adds it."""
+def reward_shaper(cfg: dict):
+    """The loop's part that shapes the rewards (grpo.choose_parts), its settings checked first (check_settings):
+    shape(rewards [N], samples) -> rewards [N], overlong_shaping with the run's settings."""
+    check_settings(cfg)
+    return functools.partial(overlong_shaping, cfg=cfg)
+
+
+def overlong_shaping(rewards: torch.Tensor, samples: list, cfg: dict) -> torch.Tensor:
+    """rewards [N] (float32) plus the overlong_penalty of each sample's response length (its response_ids, EOS
+    included) with the run's data.max_response_length and reward.overlong_buffer (len, penalty_factor), added in
+    float32 as veRL adds it."""
     budget, buffer = cfg["data"]["max_response_length"], cfg["reward"]["overlong_buffer"]
+    lengths = [len(s.response_ids) for s in samples]
     penalties = [overlong_penalty(k, budget, buffer["len"], buffer["penalty_factor"]) for k in lengths]
-    return torch.tensor(penalties, dtype=torch.float32)
+    return rewards + torch.tensor(penalties, dtype=torch.float32)
 
 
 def overlong_penalty(

@@ -4,7 +4,7 @@ directory, and the dumped batches of the seed's Experiment 1. Plumbing for grpo.
 
     rows = load_rows("~/data/gsm8k/train.parquet", "train", None)   # [{"prompt", "ground_truth", ...}]
     prompts = step_prompts(rows, 3, batch=96, shuffle=False, seed=0)   # the 3rd batch, epoch-wise order
-    score = make_scorer(cfg)          # score(row, response_text) -> (reward, extras)
+    score = gsm8k_scorer(cfg["reward"])   # score(row, response_text) -> (reward, extras)
 """
 
 import glob
@@ -16,9 +16,8 @@ import torch
 import torch.distributed as dist
 
 import fsdp_train
-import grpo_family
+import losses
 import reward
-import reward_files
 import rollout
 from config import ConfigError
 
@@ -156,13 +155,10 @@ def local_positions(batch: int, mini: int, world: int, rank: int) -> list[int]:
 
 
 # ------------------------------------------------------------------------------------- the scorer
-def make_scorer(cfg: dict):
+def gsm8k_scorer(settings: dict):
     """score(row, text) -> (reward: float, extras: dict) for a response decoded with skip_special_tokens: veRL's
-    GSM8K rule (reward.compute_score, reward.* keys), with the extracted answer as "pred" (majority voting in
-    validation); with custom_reward_function.path, that file's function (reward_files.py)."""
-    if cfg["custom_reward_function"]["path"] is not None:  # a user's reward file
-        return reward_files.load_scorer(cfg["custom_reward_function"]["path"], cfg["custom_reward_function"]["name"])
-    settings = cfg["reward"]
+    GSM8K rule (reward.compute_score with the reward.* keys, settings), with the extracted answer as "pred"
+    (majority voting in validation). A reward file's function is the other scorer (reward_files.py)."""
 
     def gsm8k(row, text):
         pred = reward.extract_solution(text, method=settings["method"], clip_chars=settings["clip_chars"])
@@ -220,76 +216,75 @@ def resolve_model(path: str, download: bool) -> str:
 
 
 # ------------------------------------------------------------------------------- dump / replay
-DUMPED = (
-    "old_logprobs",
-    "ref_logprobs",
-    "advantages",
-    "returns",
-    "token_level_rewards",
-    "rollout_logprobs",
-    "is_weights",
-    "response_mask",
-)
-# A multi-turn run's (multi_turn.batch_fields): turn_ids [B, R] (2k - 1 on assistant turn k, 2k on the tool
-# responses after it, 0 past the end), num_turns / num_tool_calls / num_tool_errors / num_tool_timeouts [B],
-# tool_calls (B lists of {"turn", "name", "arguments", "response", "error", "timeout"}; a malformed call has no
-# name or arguments).
-MULTI_TURN = ("turn_ids", "num_turns", "num_tool_calls", "num_tool_errors", "num_tool_timeouts", "tool_calls")
-
-
 def dump_batch(run, step: int, batch: dict):
     """Save the step's GLOBAL training batch (all ranks, in global prompt order) to
-    <trainer.dump_batches>/step_<N>.pt: token ids, the attention mask (every sampled token), the response
-    mask the loss uses (after rejection sampling), rewards (the scores) and the per-token rewards (veRL's
-    token_level_rewards: the score at the last token, minus the KL in the reward), advantages and returns,
-    old, reference and vLLM log-probs, and the IS weights (the seed's Experiment 1: replay them elsewhere
-    with trainer.replay_batches); in a multi-turn run also its turns and tool calls (MULTI_TURN)."""
+    <trainer.dump_batches>/step_<N>.pt: every entry of the batch, re-padded by its layout (fsdp_train.layout_of):
+    token ids, the attention mask (every sampled token), the response mask the loss uses (after rejection
+    sampling), rewards (the scores) and the per-token rewards (veRL's token_level_rewards: the score at the last
+    token, minus the KL in the reward), advantages and returns, old, reference and vLLM log-probs, the IS weights,
+    and the samples' own fields (a multi-turn run's turns and tool calls, a Mixture-of-Experts model's routing).
+    The seed's Experiment 1: replay them elsewhere with trainer.replay_batches."""
     n, root = run.cfg["rollout"]["n"], run.cfg["trainer"]["dump_batches"]
     if "token_level_rewards" not in batch:  # GRPO's: the score at the last sampled token, the returns its advantages
         width = batch["response_mask"].shape[1]
         sampled = batch["attention_mask"][:, -width:].float()  # [B, R]
-        scores = {"token_level_rewards": grpo_family.token_level_scores(batch["rewards"], sampled)}
+        scores = {"token_level_rewards": losses.token_level_scores(batch["rewards"], sampled)}
         batch = {**batch, **scores, "returns": batch["advantages"]}
     rows = []
     for i in range(batch["input_ids"].shape[0]):
-        row = {k: v[i] for k, v in batch.items()}
+        row = {k: v[i] for k, v in batch.items() if k not in SKIPPED}
         row["position"] = run.positions[i // n]  # the prompt's place in the step's prompt list
         rows.append(row)
     gathered = [None] * run.world
-    dist.all_gather_object(gathered, rows)
+    dist.all_gather_object(gathered, (batch.get("layouts", {}), rows))
     if run.rank == 0:
-        everyone = [r for part in gathered for r in part]
-        full = _whole_batch(sorted(everyone, key=lambda r: r["position"]))  # stable: samples stay in order
+        layouts = gathered[0][0]
+        everyone = [r for _, part in gathered for r in part]
+        full = _whole_batch(sorted(everyone, key=lambda r: r["position"]), layouts)  # stable: samples stay in order
         os.makedirs(root, exist_ok=True)
         torch.save(full, os.path.join(root, f"step_{step}.pt.tmp"))
         os.replace(os.path.join(root, f"step_{step}.pt.tmp"), os.path.join(root, f"step_{step}.pt"))
     dist.barrier()
 
 
-def _whole_batch(rows: list[dict]) -> dict:
-    """Rows gathered from all ranks (each rank's rows padded to its own width) -> one batch, re-padded to the
-    widest, with the DUMPED per-token tensors and the rewards."""
+SKIPPED = ("layouts", "update_logprobs")  # not per row / the update's own log-probs (in the metrics already)
+
+
+def _whole_batch(rows: list[dict], layouts: dict) -> dict:
+    """Rows gathered from all ranks (each rank's rows padded to its own widths) -> one batch, every entry re-padded
+    to the widest by its layout: "token" entries from each row's first token (fsdp_train.add_fields), "response"
+    ones on the right, "row" ones stacked (numbers) or listed."""
     prompts, responses = [], []
     for r in rows:
         width = len(r["response_mask"])
         prompts.append(r["input_ids"][:-width][r["attention_mask"][:-width].bool()].tolist())
         responses.append(r["input_ids"][-width:][r["attention_mask"][-width:].bool()].tolist())
     full = fsdp_train.make_batch(prompts, responses, pad_id=0)
-    r_width = full["response_mask"].shape[1]
-    for key in DUMPED:
-        if key in rows[0]:
-            full[key] = _stack_padded(rows, key, r_width)  # [B, R]
-    full["rewards"] = torch.stack([r["rewards"] for r in rows])  # [B]
-    for key in MULTI_TURN:  # a multi-turn run's turns and tool calls (multi_turn.batch_fields)
-        if key in rows[0]:
-            full[key] = [r[key] for r in rows] if key == "tool_calls" else _stack_padded(rows, key, r_width)
+    full["response_mask"] = _stack_padded(rows, "response_mask", full["response_mask"].shape[1])  # after rejection
+    fields = [{} for _ in rows]
+    for key in rows[0]:
+        if key in full or key == "position":
+            continue
+        value = rows[0][key]
+        layout, fill = layouts.get(key) or ("response" if torch.is_tensor(value) and value.dim() else "row", 0)
+        for r, row_fields in zip(rows, fields, strict=True):
+            row_fields[key] = (layout, _own_part(r, key, layout), fill)
+    if fields[0]:
+        fsdp_train.add_fields(full, fields)
     return full
 
 
+def _own_part(row: dict, key: str, layout: str):
+    """One gathered row's value of an entry without its rank's left padding: a "token" entry from the row's first
+    token on; a "response" entry as it is (right-padded, re-padded to the widest); a "row" number as a number."""
+    value = row[key]
+    if layout == "token":
+        return value[int(row["attention_mask"].argmax()) :]  # [P_rank + R_rank - left padding, ...]
+    return value.item() if layout == "row" and torch.is_tensor(value) and value.dim() == 0 else value
+
+
 def _stack_padded(rows: list[dict], key: str, width: int) -> torch.Tensor:
-    """rows' per-token tensors [R_i] (or per-row scalars) -> [B, width] (or [B]), zero-padded."""
-    if rows[0][key].dim() == 0:
-        return torch.stack([r[key] for r in rows])  # [B]
+    """rows' per-token tensors [R_i] -> [B, width], zero-padded or cut to width."""
     return torch.stack([torch.nn.functional.pad(r[key], (0, width - r[key].shape[0]))[:width] for r in rows])
 
 

@@ -55,7 +55,7 @@ from torch.utils.checkpoint import checkpoint
 from transformers import AutoConfig, AutoModelForCausalLM
 from transformers.core_model_loading import revert_weight_conversion
 
-SEQ_KEYS = ("input_ids", "attention_mask", "routed_experts")  # [B, P + R, ...]; every other 2-D one is [B, R]
+CORE_LAYOUTS = {"input_ids": ("token", 0), "attention_mask": ("token", 0)}  # (layout, fill); a field's: add_fields
 
 
 # ------------------------------------------------------------------------------ distributed
@@ -309,9 +309,15 @@ def _cosine(step: int, warmup_steps: int, total_steps: int, min_lr_ratio: float)
 
 
 # ----------------------------------------------------------------------------------- batches
-def make_batch(prompts: list[list[int]], responses: list[list[int]], pad_id: int) -> dict[str, torch.Tensor]:
+def make_batch(
+    prompts: list[list[int]], responses: list[list[int]], pad_id: int, fields: list[dict] | None = None
+) -> dict[str, torch.Tensor]:
     """veRL's layout: prompts left-padded to P, responses right-padded to R.
-    prompts [[5, 6], [7]], responses [[8], [9, 10]] -> input_ids [[5, 6, 8, pad], [pad, 7, 9, 10]]."""
+    prompts [[5, 6], [7]], responses [[8], [9, 10]] -> input_ids [[5, 6, 8, pad], [pad, 7, 9, 10]].
+    Every entry lines up with the rows in one of three layouts (select trims by it, dumps re-pad by it): "token"
+    [B, P + R, ...] with input_ids (input_ids, attention_mask), "response" [B, R, ...] with the response tokens
+    (every other 2-D tensor), "row" [B, ...] or a list of B objects. fields: each row's extra fields (a sample's),
+    added by add_fields, which names their layouts in batch["layouts"] (name -> (layout, padding value))."""
     p_width, r_width = max(map(len, prompts)), max(1, max(map(len, responses)))
     ids, attn, rmask = [], [], []
     for p, r in zip(prompts, responses, strict=True):
@@ -319,25 +325,73 @@ def make_batch(prompts: list[list[int]], responses: list[list[int]], pad_id: int
         ids.append([pad_id] * left + p + r + [pad_id] * right)
         attn.append([0] * left + [1] * (len(p) + len(r)) + [0] * right)
         rmask.append([1] * len(r) + [0] * right)
-    return {
+    batch = {
         "input_ids": torch.tensor(ids),
         "attention_mask": torch.tensor(attn),  # [B, P + R]
-        "response_mask": torch.tensor(rmask, dtype=torch.float32),
-    }  # [B, R]
+        "response_mask": torch.tensor(rmask, dtype=torch.float32),  # [B, R]
+    }
+    if fields and fields[0]:
+        add_fields(batch, fields)
+    return batch
+
+
+def add_fields(batch: dict, fields: list[dict]) -> None:
+    """Each row's extra fields, name -> (layout, value) or (layout, value, fill), into the batch by layout, padded
+    with fill (0 unless given): "token" values [T, ...] for the row's first T tokens, placed after its left padding
+    -> [B, P + R, ...]; "response" values [r, ...] for its first r response tokens -> [B, R, ...]; "row" a number
+    -> [B], anything else -> a list. A field named as an entry the batch has narrows it (times): a multi-turn
+    trajectory's response_mask, 0 on its tool tokens. E.g. a token field [[7, 8]] (fill -1) on the row of prompt
+    [5] and response [6] in a batch with P = 2, R = 1: [[-1, 7, 8]]."""
+    p_width = batch["input_ids"].shape[1] - batch["response_mask"].shape[1]
+    starts = (p_width - batch["attention_mask"][:, :p_width].sum(-1)).tolist()  # [B]: each row's first token
+    for name, (layout, *_) in fields[0].items():
+        values = [row[name][1] for row in fields]
+        fill = fields[0][name][2] if len(fields[0][name]) > 2 else 0
+        if layout == "row":
+            numbers = all(isinstance(v, (int, float)) for v in values)
+            value = torch.tensor(values) if numbers else values  # [B], or B objects
+        else:
+            width = batch["input_ids"].shape[1] if layout == "token" else batch["response_mask"].shape[1]
+            first = torch.as_tensor(values[0])
+            value = torch.full((len(values), width, *first.shape[1:]), fill, dtype=first.dtype)  # [B, width, ...]
+            for row, v in enumerate(values):
+                v, start = torch.as_tensor(v), starts[row] if layout == "token" else 0
+                if start + len(v) > width:
+                    raise ValueError(f"add_fields: row {row}'s {name} has {len(v)} values past its {layout} tokens")
+                value[row, start : start + len(v)] = v
+        batch[name] = batch[name] * value if name in batch else value
+        batch.setdefault("layouts", {})[name] = (layout, fill)
+
+
+def layout_of(batch: dict, key: str) -> str:
+    """How batch[key] lines up with the rows: as batch["layouts"] names it, else "response" for a tensor of 2 or
+    more dimensions, "row" for the rest (make_batch)."""
+    value, declared = batch[key], {**CORE_LAYOUTS, **batch.get("layouts", {})}
+    if key in declared:
+        return declared[key][0]
+    return "response" if torch.is_tensor(value) and value.dim() >= 2 else "row"
 
 
 def select(batch: dict[str, torch.Tensor], rows: list[int]) -> dict[str, torch.Tensor]:
-    """Rows of a batch, with the padding columns that only those rows share trimmed away."""
+    """Rows of a batch, with the padding columns that only those rows share trimmed away: each entry by its layout
+    (layout_of), "token" trimmed on both sides, "response" on the right, "row" (a tensor or a list) rows only."""
     r_width = batch["response_mask"].shape[1]
     p_width = batch["input_ids"].shape[1] - r_width
-    sub = {k: v[rows] if torch.is_tensor(v) else [v[r] for r in rows] for k, v in batch.items()}  # lists: per row
-    p_len = int(sub["attention_mask"][:, :p_width].sum(-1).max())
-    r_len = max(1, int(sub["attention_mask"][:, p_width:].sum(-1).max()))  # not response_mask: it may have holes
-    for k, v in sub.items():
-        if k in SEQ_KEYS:
-            sub[k] = v[:, p_width - p_len : p_width + r_len]
-        elif torch.is_tensor(v) and v.dim() == 2:  # not a list (a multi-turn run's tool calls)
-            sub[k] = v[:, :r_len]
+    attention = batch["attention_mask"][rows]  # [b, P + R]
+    p_len = int(attention[:, :p_width].sum(-1).max())
+    r_len = max(1, int(attention[:, p_width:].sum(-1).max()))  # not response_mask: it may have holes
+    sub = {}
+    for k, v in batch.items():
+        if k == "layouts":
+            sub[k] = v
+            continue
+        v = v[rows] if torch.is_tensor(v) else [v[r] for r in rows]
+        layout = layout_of(batch, k)
+        if layout == "token":
+            v = v[:, p_width - p_len : p_width + r_len]
+        elif layout == "response":
+            v = v[:, :r_len]
+        sub[k] = v
     return sub
 
 
@@ -521,6 +575,7 @@ def check_logits_fn(model) -> None:
     rank gets the same verdict (all-reduced): collective under FSDP2."""
     config = model.config.get_text_config()
     name = f"model {model.config.name_or_path}: {type(model).__name__.removeprefix('FSDP')}"
+    rule_keys = ", ".join(logit_rule_keys(config)) or "none"
     if model.get_output_embeddings() is None:
         raise UnsupportedModel(f"{name}: no output embedding (get_output_embeddings() is None)")
     if not hasattr(model, "trainer_logits"):
@@ -530,7 +585,7 @@ def check_logits_fn(model) -> None:
     if own.shape != ours.shape:
         raise UnsupportedModel(
             f"{name}: its forward returns {own.shape[-1]} logits per position, the output embedding gives "
-            f"{ours.shape[-1]} (config keys that may set it: {_logit_keys(config)})"
+            f"{ours.shape[-1]} (config keys that may set it: {rule_keys})"
         )
     error = all_reduce((own.double() - ours.double()).abs().max(), op=dist.ReduceOp.MAX)
     if error > 8 * torch.finfo(own.dtype).eps * PROBE_LOGIT:
@@ -538,7 +593,7 @@ def check_logits_fn(model) -> None:
             f"{name}: its forward post-processes the logits in a way the log-prob path does not reproduce "
             f"(output-embedding logits scaled to at most {PROBE_LOGIT:g} come out at most "
             f"{own.abs().max().item():.4g}, the log-prob path's {ours.abs().max().item():.4g}; config keys "
-            f"that may set it: {_logit_keys(config)}); training would follow another policy than vLLM samples"
+            f"that may set it: {rule_keys}); training would follow another policy than vLLM samples"
         )
 
 
@@ -566,13 +621,13 @@ def _probe_logits(model, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]
     return own, ours
 
 
-def _logit_keys(config) -> str:
+def logit_rule_keys(config) -> list[str]:
     """The config's numbers (keys, and properties such as MiniCPM3's logits_scaling) whose names suggest a
-    logit rule: soft-caps, scalings, multipliers."""
+    logit rule: soft-caps, scalings, multipliers. ["final_logit_softcapping=30.0", ...]; [] for most families."""
+    config = config.get_text_config()
     properties = [k for k in dir(type(config)) if isinstance(getattr(type(config), k), property)]
     names = sorted(k for k in {*config.to_dict(), *properties} if re.search(r"logit|soft_?cap|scal|multiplier", k))
-    found = [f"{key}={getattr(config, key)}" for key in names if type(getattr(config, key, None)) in (int, float)]
-    return ", ".join(found) or "none"
+    return [f"{key}={getattr(config, key)}" for key in names if type(getattr(config, key, None)) in (int, float)]
 
 
 def _forward(
@@ -824,13 +879,13 @@ def load_checkpoint(path: str, model, optimizer, scheduler, check=None) -> dict:
     """Load a checkpoint written at ANY world size (DCP reshards). Returns this rank's `extra`
     (rank 0's when this rank did not exist in the saving run). check(path, saved, current): called with the
     checkpoint's adapter settings and the model's (load_model's `adapt`; None: full fine-tuning) before anything
-    loads, to refuse a mismatch (lora.check_resume)."""
+    loads, to refuse a mismatch with a message of its own (lora.check_resume); without one, settings that differ
+    stop in one line (CheckpointError)."""
     if not os.path.exists(os.path.join(path, "COMPLETE")):
         raise FileNotFoundError(f"load_checkpoint: {path} is not a complete checkpoint (no COMPLETE marker)")
     own = os.path.join(path, f"state_rank{dist.get_rank()}.pt")
     saved = torch.load(own if os.path.exists(own) else os.path.join(path, "state_rank0.pt"), weights_only=False)
-    if check is not None:
-        check(path, saved.get("lora"), getattr(model, "adapter_settings", None))
+    (check or same_adapter)(path, saved.get("lora"), getattr(model, "adapter_settings", None))
     model_sd, optim_sd = _checkpoint_state(model, optimizer)
     state = {"model": model_sd, "optim": optim_sd}
     dcp.load(state, checkpoint_id=path)
@@ -838,6 +893,19 @@ def load_checkpoint(path: str, model, optimizer, scheduler, check=None) -> dict:
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"], options=options)
     scheduler.load_state_dict(saved["scheduler"])
     return {**saved["extra"], "saved_world_size": saved["world_size"]}
+
+
+class CheckpointError(ValueError):
+    """A checkpoint this model cannot resume from; the message is one line."""
+
+
+def same_adapter(path: str, saved: dict | None, current: dict | None) -> None:
+    """load_checkpoint's default check: the checkpoint's adapter settings (load_model's `adapt`; None: none) are
+    the model's."""
+    if saved != current:
+        raise CheckpointError(
+            f"trainer.resume: {path} was written by a model with adapter settings {saved}, this run's has {current}"
+        )
 
 
 def _checkpoint_state(model, optimizer) -> tuple[dict, dict]:

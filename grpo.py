@@ -16,14 +16,17 @@ One step (grpo_step) on every rank; a rank owns whole prompts (the n samples of 
       -> sync.push_weights into the same engine -> metrics (veRL's names), validation, checkpoint
 
 Only this file wires the components (rollout, reward, losses, fsdp_train, sync), which import nothing of the
-project; config, data, logs, metrics and cluster are its plumbing. Each optional feature is a file of its own
-that enters through one guarded call here: rollout_correction.py, dapo.py, grpo_family.py, lora.py,
-logit_rules.py, reward_files.py (through data.make_scorer). Read train() and grpo_step() first.
+project; config, data, logs, metrics and cluster are its plumbing. The step calls parts (run.parts), chosen once
+by choose_parts: each the default above, or an optional feature's when its key is set. A feature is a file of its
+own (rollout_correction.py, dapo.py, grpo_family.py, multi_turn.py, moe.py, lora.py, logit_rules.py,
+reward_files.py), imported only inside its guard in the set-up; the phases never read a feature's key. Read train()
+and grpo_step() first.
 """
 
 import argparse
 import contextlib
 import functools
+import importlib
 import os
 import random
 import sys
@@ -35,22 +38,17 @@ os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
+import yaml  # noqa: E402
+from transformers import AutoConfig  # noqa: E402
 
 import cluster  # noqa: E402
 import config  # noqa: E402
-import dapo  # noqa: E402
 import data  # noqa: E402
 import fsdp_train  # noqa: E402
-import grpo_family  # noqa: E402
-import logit_rules  # noqa: E402
 import logs  # noqa: E402
-import lora  # noqa: E402
 import losses  # noqa: E402
 import metrics  # noqa: E402
-import moe  # noqa: E402
-import multi_turn  # noqa: E402
 import rollout  # noqa: E402
-import rollout_correction  # noqa: E402
 import sync  # noqa: E402
 import tiny  # noqa: E402
 from config import ConfigError  # noqa: E402
@@ -72,19 +70,33 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     try:  # bad config, data, reward file or world size: one line, no traceback
         cfg = config.load_config(args.config, args.overrides)
+        parts = choose_parts(cfg)  # each optional feature's settings are checked there, before anything loads
         if args.print_config:
             return config.print_config(cfg)
-        return evaluate(cfg) if cfg["trainer"]["val_only"] else train(cfg)
-    except (*config.ONE_LINE_ERRORS, rollout.UnservableModel, multi_turn.ToolSetupError, metrics.OutOfSync) as e:
+        return evaluate(cfg, parts) if cfg["trainer"]["val_only"] else train(cfg, parts)
+    except Exception as e:
+        if not one_line(e):
+            raise
         print(f"error: {e}", file=sys.stderr)
         return 1
 
 
-def train(cfg: dict):
+def one_line(error: Exception) -> bool:
+    """Does `error` end a run with its one line (main)? Every error class a flatgrpo file defines does (config's
+    ConfigError, fsdp_train's UnsupportedModel, a feature's own: LoraError, ReplayError, ...), and a YAML syntax
+    error; anything else is a bug, with its traceback."""
+    module = sys.modules.get(type(error).__module__)
+    ours = os.path.dirname(os.path.abspath(getattr(module, "__file__", None) or "/")) == os.path.dirname(
+        os.path.abspath(__file__)
+    )
+    return ours or isinstance(error, yaml.YAMLError)
+
+
+def train(cfg: dict, parts=None):
     """The whole run: build everything once, then one GRPO step per global step. A stop signal (SIGTERM
     from a scheduler or torchrun, Ctrl-C) ends the run after the current step, with a checkpoint of it.
     Returns the exit status: 0, or 128 + the signal after a stop."""
-    run = setup(cfg)
+    run = setup(cfg, parts)
     progress = logs.Progress(run.rank, run.start, run.total_steps)
     for step in range(run.start, run.total_steps + 1):
         step_metrics = grpo_step(run, step)
@@ -101,19 +113,15 @@ def train(cfg: dict):
 def grpo_step(run: "Run", step: int) -> dict:
     """One global step, in veRL's order (its timing_s/* names): gen + reward -> old_log_prob + ref ->
     rollout correction -> adv -> update_actor -> update_weights -> testing / save_checkpoint. Each phase
-    fills in what the batch lacks: a replayed batch (trainer.replay_batches) arrives with rewards, old and
-    reference log-probs, advantages (and IS weights), a sampled one with rewards and vLLM's log-probs.
-    By default the old log-probs come from the update's own forward (run.capture: the on-policy shortcut)."""
-    t = {}
+    fills in what the batch lacks: a replayed batch (a dump's) arrives with rewards, old and reference log-probs,
+    advantages (and IS weights), a sampled one with rewards and vLLM's log-probs. By default the old log-probs
+    come from the update's own forward (run.capture: the on-policy shortcut)."""
+    t, parts = {}, run.parts
     with timed(t, "step"):
-        if run.cfg["trainer"]["replay_batches"]:  # a dumped batch, replayed
-            batch, m = data.load_replay(run, step), {}
-        else:
-            batch, m = sample_batch(run, t)
+        batch, m = parts.next_batch(run, step, t)  # sample_batch, or a dumped batch replayed
         if torch.cuda.is_available():  # perf/max_memory_allocated_gb: the trainer's peak from here (vLLM sleeps)
             torch.cuda.reset_peak_memory_stats()
-        if run.cfg["algorithm"]["rollout_correction"]["bypass_mode"]:  # the rollout correction's bypass
-            batch.setdefault("old_logprobs", batch["rollout_logprobs"])  # the old log-probs are vLLM's
+        parts.given_old(batch)  # old log-probs given, not computed: none, or bypass mode's (vLLM's)
         if run.capture:  # the on-policy shortcut (or bypass_mode): no old-log-prob pass
             t["old_log_prob"] = 0.0
             reference_logprobs(run, batch, t)
@@ -121,9 +129,8 @@ def grpo_step(run: "Run", step: int) -> dict:
             m.update(old_logprob_pass(run, batch, t))
         if "advantages" not in batch:
             with timed(t, "adv"):
-                m.update(compute_advantages(run, batch))
-        if run.cfg["trainer"]["dump_batches"]:
-            data.dump_batch(run, step, batch)
+                m.update(parts.advantages(run, batch))
+        parts.dump(run, step, batch)  # none, or trainer.dump_batches' (data.dump_batch)
         m.update(update_actor(run, batch, t))
         if run.capture:  # the update's own forward stood in for the old pass: the diagnostics come from it
             m.update(correct_rollout(run, batch, batch["update_logprobs"], apply=False))
@@ -131,7 +138,7 @@ def grpo_step(run: "Run", step: int) -> dict:
             m.update(update_weights(run, step, t))
         m.update(validate_and_save(run, step, t))
         with timed(t, "logging"):  # the metrics' all-gathers; the file write after is ~0.1 ms
-            m.update(metrics.batch_metrics(batch, run.cfg["data"], t, run.world))
+            m.update(metrics.batch_metrics(batch, run.cfg["data"], t, run.world, parts.field_metrics))
     m.update({f"timing_s/{k}": v for k, v in t.items()})
     m["perf/time_per_step"] = t["step"]
     m["perf/throughput"] = m["perf/total_num_tokens"] / (t["step"] * run.world)
@@ -141,24 +148,19 @@ def grpo_step(run: "Run", step: int) -> dict:
 
 
 # ------------------------------------------------------------------------------------- the phases
-def sample_batch(run: "Run", t: dict) -> tuple[dict, dict]:
+def sample_batch(run: "Run", step: int, t: dict) -> tuple[dict, dict]:
     """gen + reward: n samples of each of this rank's prompts of the next batch, scored. Returns the batch
-    (fsdp_train's layout; rewards [B], vLLM's log-probs [B, R]) and its metrics. With algorithm.filter_groups,
-    DAPO's dynamic sampling picks the groups instead (dapo.py)."""
-    if run.cfg["algorithm"]["filter_groups"]["enable"]:  # DAPO's dynamic sampling
-        groups, out = dapo.dynamic_sampling(
-            functools.partial(next_prompts, run),
-            functools.partial(sample_groups, run, t=t),
-            n=run.cfg["rollout"]["n"],
-            train_batch_size=run.cfg["data"]["train_batch_size"],
-            max_num_gen_batches=run.cfg["algorithm"]["filter_groups"]["max_num_gen_batches"],
-            positions=run.positions,
-        )
-    else:
-        prompts = next_prompts(run)
-        groups, out = sample_groups(run, [prompts[i] for i in run.positions], t), {}
+    (fsdp_train's layout; rewards [B], vLLM's log-probs [B, R], the samples' own fields) and its metrics. The groups
+    come from run.parts.pick_groups: the next generation batch's (next_groups), or DAPO's dynamic sampling."""
+    groups, out = run.parts.pick_groups(run, t)
     rollout.sleep(run.llm, run.cfg["rollout"]["sleep_level"])
     return groups_to_batch(groups, run.pad_id), out
+
+
+def next_groups(run: "Run", t: dict) -> tuple[list[dict], dict]:
+    """The groups of the next generation batch's prompts at this rank's positions, sampled and scored; no metrics."""
+    prompts = next_prompts(run)
+    return sample_groups(run, [prompts[i] for i in run.positions], t), {}
 
 
 def next_prompts(run: "Run") -> list[dict]:
@@ -171,38 +173,36 @@ def next_prompts(run: "Run") -> list[dict]:
 
 def groups_to_batch(groups: list[dict], pad_id: int) -> dict:
     """Scored groups -> one batch in fsdp_train's layout, with rewards [B], vLLM's log-probs [B, R] (0 past a
-    response's end) and a reward file's numeric extra outputs (extra/<key> [B]); a multi-turn run's turns and tool
-    calls (multi_turn.batch_fields), its tool tokens out of the response mask."""
+    response's end), each sample's own fields (fsdp_train.add_fields: a multi-turn trajectory's loss mask, turns and
+    tool calls, a Mixture-of-Experts engine's routing) and a scorer's numeric extra outputs (extra/<key> [B])."""
     samples = [s for g in groups for s in g["samples"]]
-    batch = fsdp_train.make_batch([s.prompt_ids for s in samples], [s.response_ids for s in samples], pad_id)
+    extras = [e for g in groups for e in g["extras"]]
+    numeric_keys = [key for key, value in extras[0].items() if isinstance(value, (int, float))]
+    scores = [{f"extra/{k}": ("row", float(e[k])) for k in numeric_keys} for e in extras]  # a scorer's numbers
+    fields = [{**s.fields, **score} for s, score in zip(samples, scores, strict=True)]
+    batch = fsdp_train.make_batch([s.prompt_ids for s in samples], [s.response_ids for s in samples], pad_id, fields)
     batch["rewards"] = torch.cat([g["rewards"] for g in groups])  # [B]
     batch["rollout_logprobs"] = torch.zeros_like(batch["response_mask"])  # [B, R]
     for k, s in enumerate(samples):
         batch["rollout_logprobs"][k, : len(s.logprobs)] = torch.tensor(s.logprobs)
-    if isinstance(samples[0], multi_turn.Trajectory):  # multi-turn: the tool responses' tokens out of the mask
-        batch.update(multi_turn.batch_fields(samples, batch["response_mask"]))
-    elif samples[0].routed_experts is not None:  # a MoE model's routing, returned by vLLM (R3: moe.py)
-        batch["routed_experts"] = moe.batch_routing([s.routed_experts for s in samples], batch)  # [B, P + R, L, k]
-    extras = [e for g in groups for e in g["extras"]]
-    numeric_keys = [key for key, value in extras[0].items() if isinstance(value, (int, float))]
-    for key in numeric_keys:
-        batch[f"extra/{key}"] = torch.tensor([float(e[key]) for e in extras])  # [B]
     return batch
 
 
 def sample_groups(run: "Run", prompts: list[dict], t: dict) -> list[dict]:
-    """n samples of each prompt from vLLM, scored: one group {"samples", "rewards" [n], "extras"} per prompt.
-    Seeded per (generation batch, rank): a resumed run resamples the same (on CPU; docs/running.md)."""
+    """n samples of each prompt from vLLM (run.parts.sample: rollout.generate, or a multi-turn rollout), scored: one
+    group {"samples", "rewards" [n], "extras"} per prompt. Seeded per (generation batch, rank): a resumed run
+    resamples the same (on CPU; docs/running.md)."""
     sampling, n = run.cfg["rollout"], run.cfg["rollout"]["n"]
     with timed(t, "gen"):
         seed = sample_seed(run.cfg["trainer"]["seed"], run.gen_cursor, run.rank) if sampling["seed_samples"] else None
-        samples = generate(
-            run,
+        samples = run.parts.sample(
+            run.llm,
             [p["prompt"] for p in prompts],
             n=n,
             temperature=sampling["temperature"],
             top_p=sampling["top_p"],
             top_k=sampling["top_k"],
+            max_tokens=run.cfg["data"]["max_response_length"],
             seed=seed,
         )
     with timed(t, "reward"):
@@ -217,70 +217,30 @@ def sample_groups(run: "Run", prompts: list[dict], t: dict) -> list[dict]:
     ]
 
 
-def generate(run: "Run", prompts: list[list[dict]], *, n: int, temperature: float, top_p: float, top_k: int, seed):
-    """n samples of each chat prompt: rollout.generate, or in a multi-turn run multi_turn.generate (the model's
-    turns with the tools' responses between them; samples are then multi_turn.Trajectory)."""
-    max_tokens = run.cfg["data"]["max_response_length"]
-    template_kwargs = chat_template_kwargs(run.cfg)  # the tools' schemas too, in a multi-turn run
-    if run.tools is not None:  # multi-turn with tools (multi_turn.py)
-        return multi_turn.generate(
-            run.llm,
-            [rollout.render_prompt(run.tokenizer, p, template_kwargs) for p in prompts],
-            n=n,
-            temperature=temperature,
-            max_tokens=max_tokens,
-            seed=seed,
-            pool=run.tools,
-            settings=run.cfg["rollout"]["multi_turn"],
-            top_p=top_p,
-            top_k=top_k,
-            template_kwargs=run.cfg["data"]["apply_chat_template_kwargs"],
-        )
-    return rollout.generate(
-        run.llm,
-        prompts,
-        n=n,
-        temperature=temperature,
-        top_p=top_p,
-        top_k=top_k,
-        max_tokens=max_tokens,
-        seed=seed,
-        template_kwargs=template_kwargs,
-    )
-
-
 def score_samples(run: "Run", samples: list, prompts: list[dict]) -> tuple[torch.Tensor, list[dict]]:
     """reward: rewards [len(samples)] in float32 (sample k answers prompt k // n), and each sample's extra outputs
-    of the scorer (run.score: data.make_scorer). With reward.overlong_buffer, DAPO's overlong penalty on the
-    response length (EOS included) is added, in float32 as veRL adds it."""
+    of the scorer (run.parts.score: veRL's GSM8K rule or a reward file's), then run.parts.shape_rewards (none, or
+    DAPO's overlong penalty on the response lengths)."""
     n = len(samples) // max(1, len(prompts))
-    scored = [run.score(prompts[k // n], s.text) for k, s in enumerate(samples)]
+    scored = [run.parts.score(prompts[k // n], s.text) for k, s in enumerate(samples)]
     rewards = torch.tensor([r for r, _ in scored], dtype=torch.float32)  # [N]
-    if run.cfg["reward"]["overlong_buffer"]["enable"]:  # DAPO's overlong shaping
-        rewards += dapo.overlong_penalties([len(s.response_ids) for s in samples], run.cfg)
-    return rewards, [e for _, e in scored]
+    return run.parts.shape_rewards(rewards, samples), [e for _, e in scored]
 
 
 def old_logprob_pass(run: "Run", batch: dict, t: dict) -> dict:
     """old_log_prob, when the update cannot give them (several mini-batches or epochs, a feature that needs them
     before the update, a dump): the sampling policy's log-probs (the PPO ratio's denominator), with actor/entropy
     and the sync proof; then the reference's (ref), and rollout_corr (correct_rollout) against vLLM's, whose
-    rejection must not reach the reference's log-probs (the KL in the reward reads every sampled token). MoE with R2:
-    the routing this pass used (batch["routed_experts"], for the update), taken before the reference's pass, which
-    routes by its own (with LoRA the reference is the same model, its adapters off)."""
-    recording = run.cfg["actor"]["router_replay"]["mode"] == "R2"  # MoE: record this pass's routing (moe.py)
-    if recording:
-        moe.start_recording(run.policy, batch)
-    with timed(t, "old_log_prob"):
+    rejection must not reach the reference's log-probs (the KL in the reward reads every sampled token).
+    run.parts.recording: none, or R2's (moe.recording): this pass's routing, which the update replays, put in the
+    batch after the reference's pass (the reference routes by its own)."""
+    with timed(t, "old_log_prob"), run.parts.recording(run.policy, batch) as routing:
         old, entropy = compute_logprobs(run, run.policy, batch, entropy_fn=losses.entropy_from_logits)
-    out = metrics.old_logprob_metrics(batch, old, entropy, run.cfg) | moe.routing_metrics(run.policy, "old_log_prob")
+    out = metrics.old_logprob_metrics(batch, old, entropy, run.cfg)
+    out.update(run.parts.routing_metrics(run.policy, "old_log_prob"))
     batch.setdefault("old_logprobs", old)  # a replayed batch keeps its dumped ones
-    if recording:  # taken before the reference's pass: with LoRA that is the same model (its adapters off)
-        routing = moe.recorded(run.policy, batch)  # [B, P + R, L, k]
-        batch.pop("routed_experts", None)  # a replayed dump's: the reference routes by its own, as veRL's
     reference_logprobs(run, batch, t)
-    if recording:  # the update replays it (R2)
-        batch["routed_experts"] = routing
+    batch.update(routing)  # R2: the old pass's routing, for the update
     if "rollout_logprobs" in batch:  # all but a replay of a dump without vLLM's log-probs
         with timed(t, "rollout_corr"):
             out.update(correct_rollout(run, batch, batch["old_logprobs"]))
@@ -310,30 +270,24 @@ def compute_logprobs(run: "Run", model, batch: dict, entropy_fn=None) -> tuple:
 def correct_rollout(run: "Run", batch: dict, old: torch.Tensor, apply: bool = True) -> dict:
     """rollout_corr/*: how far the trainer's old log-probs are from vLLM's (losses.offpolicy_metrics: veRL's
     training/rollout mismatch diagnostics, logged every step), over the WHOLE batch of all ranks, so that nothing
-    depends on the world size. With algorithm.rollout_correction set, the rollout correction too
-    (rollout_correction.correct): IS weights (batch["is_weights"], used by the policy loss) and a rejection mask
-    that REPLACES batch["response_mask"]; a replayed batch keeps its dumped ones. Statistics are over every
-    sampled token (the attention mask), as veRL's."""
+    depends on the world size. Then run.parts.correct: none, or the rollout correction (rollout_correction.correct):
+    IS weights (batch["is_weights"], used by the policy loss) and a rejection mask that REPLACES
+    batch["response_mask"] (apply=False: their metrics only). Statistics are over every sampled token (the
+    attention mask), as veRL's."""
     width = batch["response_mask"].shape[1]
     sampled = batch["attention_mask"][:, -width:].float()  # [B, R]: every sampled token, before rejection
     local = [old, batch["rollout_logprobs"], sampled, batch["response_mask"]]
     (g_old, g_roll, g_sampled, g_mask), mine = cluster.global_rows(local, run.positions, run.cfg["rollout"]["n"])
     out = losses.offpolicy_metrics(g_old, g_roll, g_sampled)
-    settings = run.cfg["algorithm"]["rollout_correction"]
-    apply = apply and not run.cfg["trainer"]["replay_batches"]  # a replay keeps its dumped weights and mask
-    if rollout_correction.enabled(settings):  # the rollout correction: batch["is_weights"], ["response_mask"]
-        out.update(rollout_correction.correct(batch, g_old, g_roll, g_sampled, g_mask, mine, settings, apply))
+    out.update(run.parts.correct(batch, g_old, g_roll, g_sampled, g_mask, mine, apply=apply))
     return {f"rollout_corr/{k}": v for k, v in out.items()}
 
 
-def compute_advantages(run: "Run", batch: dict) -> dict:
+def grpo_advantages(run: "Run", batch: dict) -> dict:
     """adv: GRPO's advantage of each response, its reward normalised within its group (losses.grpo_advantages),
     broadcast over its tokens of the response mask: batch["advantages"] [B, R]. A rank owns whole groups, so
-    this needs no other rank's rows. The GRPO family's estimators and the KL in the reward
-    (algorithm.adv_estimator, algorithm.use_kl_in_reward) work on the whole batch: grpo_family.py."""
+    this needs no other rank's rows. (The GRPO family's estimators and the KL in the reward: grpo_family.py.)"""
     algorithm, n = run.cfg["algorithm"], run.cfg["rollout"]["n"]
-    if algorithm["adv_estimator"] != "grpo" or algorithm["use_kl_in_reward"]:  # the GRPO family
-        return grpo_family.compute_advantages(run, batch, functools.partial(cluster.global_rows, n=n), losses)
     groups = [k // n for k in range(len(batch["rewards"]))]  # row k answers this rank's prompt k // n
     per_response = losses.grpo_advantages(batch["rewards"], groups, norm_by_std=algorithm["norm_adv_by_std_in_grpo"])
     batch["advantages"] = per_response[:, None] * batch["response_mask"]  # [B, R]
@@ -347,7 +301,7 @@ def update_actor(run: "Run", batch: dict, t: dict) -> dict:
     (update_logprobs) and logged as that pass would have logged them."""
     actor, sampling = run.cfg["actor"], run.cfg["rollout"]
     rows = actor["ppo_mini_batch_size"] // run.world * sampling["n"]  # this rank's rows of one mini-batch
-    loss_fn = grpo_loss_fn(run.cfg)
+    loss_fn = grpo_loss_fn(run.cfg, run.parts.policy_term)
     need_entropy = actor["entropy_coeff"] or run.capture  # in the loss, or logged in place of the old pass's
     update_logprobs, update_entropy = torch.zeros_like(batch["response_mask"]), torch.zeros_like(batch["response_mask"])
     with timed(t, "update_actor"):
@@ -380,7 +334,7 @@ def update_actor(run: "Run", batch: dict, t: dict) -> dict:
     if torch.cuda.is_available():
         out.update(metrics.gpu_memory_metrics(results))
     out["actor/kl_coef"] = actor["kl_loss_coef"] if kl_loss_on(actor) else 0.0
-    out.update(moe.routing_metrics(run.policy, "update_actor"))  # a MoE model's routing replay
+    out.update(run.parts.routing_metrics(run.policy, "update_actor"))  # none, or a MoE model's routing replay
     if run.capture:
         batch["update_logprobs"] = update_logprobs  # [B, R]
         out.update(metrics.old_logprob_metrics(batch, update_logprobs, update_entropy, run.cfg))
@@ -432,20 +386,16 @@ def validate_and_save(run: "Run", step: int, t: dict) -> dict:
 
 
 # ----------------------------------------------------------------------------- loss and validation
-def grpo_loss_fn(cfg: dict):
+def grpo_loss_fn(cfg: dict, term=None):
     """veRL's actor loss for one micro-batch: pg_loss - entropy_coeff * entropy + kl_coef * kl_loss, each term
     aggregated once (losses.agg_loss in actor.loss_agg_mode, over the GLOBAL mini-batch counts that train_step
     hands in), so that the micro-batch losses sum to the mini-batch's; returns the loss and summable metric
-    shares. The policy term is policy_term (vanilla PPO-clip), or a GRPO-family loss mode's (grpo_family.py);
-    with the rollout correction's bypass_mode and rejection, that term rejects tokens against the current policy
-    (rollout_correction.py)."""
-    actor, correction = cfg["actor"], cfg["algorithm"]["rollout_correction"]
+    shares. The policy term is the run's (run.parts.policy_term): policy_term (vanilla PPO-clip), a GRPO-family
+    loss mode's (grpo_family.py), or with the rollout correction's bypass_mode and rejection, one that rejects
+    tokens against the current policy (rollout_correction.py); term=None: choose_parts' for cfg."""
+    actor = cfg["actor"]
     scale_factor = config.loss_scale_factor(cfg)  # seq-mean-token-sum-norm's: the generation budget by default
-    term = functools.partial(policy_term, actor)
-    if actor["policy_loss"]["loss_mode"] != "vanilla":  # the GRPO family's loss modes
-        term = functools.partial(grpo_family.policy_term, actor)
-    if correction["bypass_mode"] and correction["rollout_rs"]:  # the rollout correction's bypass rejection
-        term = rollout_correction.bypass_rejection(term, correction)
+    term = term or choose_parts(cfg).policy_term
 
     def loss_fn(logp, entropy, mb, counts):
         mask = mb["response_mask"]
@@ -502,13 +452,14 @@ def validate(run: "Run", step: int) -> dict:
     mine = rows[lo:hi]
     samples = []
     if mine:
-        samples = generate(
-            run,
+        samples = run.parts.sample(
+            run.llm,
             [r["prompt"] for r in mine],
             n=n,
             temperature=sampling["val_temperature"],
             top_p=sampling["val_top_p"],
             top_k=sampling["val_top_k"],
+            max_tokens=run.cfg["data"]["max_response_length"],
             seed=run.cfg["trainer"]["seed"] + lo * n if sampling["val_temperature"] > 0 else None,
         )
     rewards, extras = score_samples(run, samples, mine)
@@ -527,27 +478,138 @@ def validate(run: "Run", step: int) -> dict:
 
 
 # ------------------------------------------------------------------------------------ set-up and end
+# The parts a step calls (run.parts), chosen once by choose_parts: each the default, or an optional feature's part
+# when its key is set, the feature's file imported there, inside its guard, after its own check of its keys:
+#
+#   part             what it does                               default                 feature's
+#   next_batch       the step's batch and its metrics           sample_batch            a dump replayed (data.py)
+#   pick_groups      this rank's scored groups of the step      next_groups             DAPO's dynamic sampling
+#   sample           n samples of each chat prompt              rollout.generate        multi-turn with tools
+#   score            (row, response text) -> (reward, extras)   GSM8K's (data.py)       a reward file's
+#   shape_rewards    rewards [N], samples -> rewards [N]        as they are             DAPO's overlong penalty
+#   field_metrics    metrics of the samples' own fields         none                    multi-turn's turns, tools
+#   dump             the step's batch, saved                    none                    data.dump_batch
+#   given_old        old log-probs given, not computed          none                    bypass mode's (vLLM's)
+#   recording        the old pass's routing, for the update     none                    MoE's R2
+#   routing_metrics  router_replay/<phase>/*                    none                    MoE's routing replay
+#   advantages       batch["advantages"] [B, R]                 grpo_advantages         RLOO, REINFORCE++, KL
+#   policy_term      the policy loss of a micro-batch           policy_term (PPO-clip)  GSPO, ...; bypass rejection
+#   correct          IS weights, rejection, their metrics       none                    the rollout correction
+#
+# No phase reads a feature's key: delete a feature's file and, with its key off, nothing else changes. Three
+# features enter the set-up instead, beside the models they change (load_models: LoRA's layers, a model family's
+# logit rule, a Mixture-of-Experts model's routers), and LoRA the end (finish: its export).
+def choose_parts(cfg: dict) -> types.SimpleNamespace:
+    """The step's parts (the table above), each line the default or, when its key is set, the feature's: its file
+    imported there and then (feature), the feature checking its own keys as it builds the part (a one-line error,
+    before anything loads)."""
+    algorithm, actor, rollout_cfg, trainer = cfg["algorithm"], cfg["actor"], cfg["rollout"], cfg["trainer"]
+    correction, multi_turn, reward_file = (
+        algorithm["rollout_correction"],
+        rollout_cfg["multi_turn"],
+        cfg["custom_reward_function"],
+    )
+    dynamic_sampling, overlong = algorithm["filter_groups"]["enable"], cfg["reward"]["overlong_buffer"]["enable"]
+    family_advantages = algorithm["adv_estimator"] != "grpo" or algorithm["use_kl_in_reward"]
+    family_loss = actor["policy_loss"]["loss_mode"] != "vanilla"
+    corrected = correction["rollout_is"] or correction["rollout_rs"]
+    replay = actor["router_replay"]["mode"]
+    routed = replay != "disabled" or rollout_cfg["enable_rollout_routing_replay"]
+    term = feature("grpo_family").loss_part(cfg) if family_loss else functools.partial(policy_term, actor)
+    gather = functools.partial(cluster.global_rows, n=rollout_cfg["n"])
+    return types.SimpleNamespace(
+        next_batch=replayed_batch if trainer["replay_batches"] else sample_batch,
+        pick_groups=feature("dapo").group_picker(cfg, next_prompts, sample_groups) if dynamic_sampling else next_groups,
+        sample=feature("multi_turn").sampler(cfg, rollout.render_prompt)
+        if multi_turn["enable"]
+        else rollout_samples(cfg),
+        score=feature("reward_files").scorer(reward_file) if reward_file["path"] else data.gsm8k_scorer(cfg["reward"]),
+        shape_rewards=feature("dapo").reward_shaper(cfg) if overlong else keep_rewards,
+        field_metrics=feature("multi_turn").field_metrics if multi_turn["enable"] else None,
+        dump=data.dump_batch if trainer["dump_batches"] else no_dump,
+        given_old=feature("rollout_correction").bypass_old if correction["bypass_mode"] else no_given_old,
+        recording=feature("moe").recording if replay == "R2" else no_recording,
+        routing_metrics=feature("moe").metrics_part(cfg) if routed else no_routing_metrics,
+        advantages=feature("grpo_family").advantages_part(cfg, gather) if family_advantages else grpo_advantages,
+        policy_term=feature("rollout_correction").bypass_part(term, correction) if correction["bypass_mode"] else term,
+        correct=feature("rollout_correction").corrector(correction, trainer["replay_batches"])
+        if corrected
+        else no_correction,
+        adapter=feature("lora").adapter_part(cfg) if lora_on(cfg["model"]) else no_adapter,
+    )
+
+
+def feature(name: str) -> types.ModuleType:
+    """An optional feature's file, imported when choose_parts (or the set-up) chooses a part of it: the only way one
+    enters the loop. feature("dapo") is the dapo module."""
+    return importlib.import_module(name)
+
+
+def lora_on(model: dict) -> bool:
+    """Does the run train LoRA adapters (model.lora_rank > 0, or an adapter directory, model.lora_adapter_path)?"""
+    return bool(model["lora_rank"] or model["lora_adapter_path"])
+
+
+# The defaults of the parts a feature replaces: the plain step.
+def rollout_samples(cfg: dict):
+    """rollout.generate with the prompts rendered with data.apply_chat_template_kwargs."""
+    return functools.partial(rollout.generate, template_kwargs=cfg["data"]["apply_chat_template_kwargs"])
+
+
+def replayed_batch(run: "Run", step: int, t: dict) -> tuple[dict, dict]:
+    """The step's dumped batch (trainer.replay_batches, data.load_replay): the seed's Experiment 1."""
+    return data.load_replay(run, step), {}
+
+
+def keep_rewards(rewards: torch.Tensor, samples: list) -> torch.Tensor:
+    return rewards
+
+
+def no_dump(run: "Run", step: int, batch: dict) -> None:
+    pass
+
+
+def no_given_old(batch: dict) -> None:
+    pass
+
+
+def no_recording(model, batch: dict):
+    return contextlib.nullcontext({})
+
+
+def no_routing_metrics(model, phase: str) -> dict:
+    return {}
+
+
+def no_correction(batch: dict, *whole_batch, apply: bool) -> dict:
+    return {}
+
+
+def no_adapter(model_path: str):
+    """fsdp_train.load_model's adapt for full fine-tuning: none."""
+    return None
+
+
 class Run(types.SimpleNamespace):
     """What every step needs, built once by setup(): a plain bag of state, no framework.
-    cfg, rank, world; score (data.make_scorer: (row, text) -> (reward, extras)); train_rows, val_rows;
-    llm (the vLLM engine; None when replaying dumped batches); positions (this rank's positions in every step's
-    prompt list: data.local_positions); pad_id, tokenizer; total_steps, start (the first step: > 1 after a
-    resume); policy, ref (the reference model, None without a KL loss or KL in the reward), reference (the
-    context the reference's pass runs in: LoRA's lora.adapters_off, else none), optimizer, scheduler;
-    kl_coef (the KL-in-the-reward beta: algorithm.kl_ctrl's, moved by the adaptive controller); logger
-    (logs.MetricsLogger); gen_batch_size (prompts per generation batch), gen_cursor (generation batches
-    consumed: the steps, without dynamic sampling); capture (the update's own forward gives the old log-probs:
-    on-policy shortcut, bypass); tools (a multi-turn run's tool workers, multi_turn.ToolPool, or None); exact
-    (fp32 engine and trainer, sampling from the whole softmax: then vLLM's log-probs must be the trainer's to fp32
-    noise, metrics.judge_sync); saved (the step of the newest checkpoint this run wrote)."""
+    cfg, rank, world; parts (the step's parts: choose_parts); train_rows, val_rows; llm (the vLLM engine; None when
+    replaying dumped batches); positions (this rank's positions in every step's prompt list: data.local_positions);
+    pad_id, tokenizer; total_steps, start (the first step: > 1 after a resume); policy, ref (the reference model,
+    None without a KL loss or KL in the reward), reference (the context the reference's pass runs in: LoRA's
+    lora.adapters_off, else none), optimizer, scheduler; kl_coef (the KL-in-the-reward beta: algorithm.kl_ctrl's,
+    moved by the adaptive controller); logger (logs.MetricsLogger); gen_batch_size (prompts per generation batch),
+    gen_cursor (generation batches consumed: the steps, without dynamic sampling); capture (the update's own
+    forward gives the old log-probs: on-policy shortcut, bypass); exact (fp32 engine and trainer, sampling from the
+    whole softmax: then vLLM's log-probs must be the trainer's to fp32 noise, metrics.judge_sync); saved (the step
+    of the newest checkpoint this run wrote)."""
 
 
-def setup(cfg: dict) -> Run:
-    """Distributed, output directory, data, models, optimizer, resume, engine, in that order; validation at
-    step 0; stop signals caught from here on."""
+def setup(cfg: dict, parts=None) -> Run:
+    """The parts (choose_parts, unless given), distributed, output directory, data, models, optimizer, resume,
+    engine, in that order; validation at step 0; stop signals caught from here on."""
+    parts = parts or choose_parts(cfg)  # a bad setting of an optional feature stops here, before anything loads
     rank, world, device = fsdp_train.init_distributed()
     trainer, mini_batch_size = cfg["trainer"], cfg["actor"]["ppo_mini_batch_size"]
-    score = data.make_scorer(cfg)  # a bad reward file stops here, before anything loads
     cluster.check_shared_dir(trainer["output_dir"])  # every rank writes checkpoint shards there
     engine_log = logs.route_library_logs(trainer["output_dir"], rank, trainer["verbose"])
     log0(
@@ -561,14 +623,15 @@ def setup(cfg: dict) -> Run:
         )
     cluster.seed_everything(trainer["seed"] + rank)
     model_path, tokenizer, train_rows, val_rows, total_steps = load_data(cfg, rank, world)
-    policy, ref = load_models(cfg, model_path, device)
+    policy, ref = load_models(cfg, model_path, device, parts)
     optimizer, scheduler = build_optimizer(cfg, policy, total_steps)
-    start, extra = cluster.resume(cfg, policy, optimizer, scheduler, rank, world)
+    check = feature("lora").check_resume if policy.adapter_settings else None  # LoRA's; else fsdp_train's own
+    start, extra = cluster.resume(cfg, policy, optimizer, scheduler, rank, world, check)
     run = Run(
         cfg=cfg,
         rank=rank,
         world=world,
-        score=score,
+        parts=parts,
         train_rows=train_rows,
         val_rows=val_rows,
         llm=None,
@@ -579,7 +642,7 @@ def setup(cfg: dict) -> Run:
         start=start,
         policy=policy,
         ref=ref,
-        reference=lora.adapters_off if policy.adapter_settings else contextlib.nullcontext,
+        reference=feature("lora").adapters_off if policy.adapter_settings else contextlib.nullcontext,  # LoRA's
         optimizer=optimizer,
         scheduler=scheduler,
         logger=logs.MetricsLogger(cfg, rank, resume_step=start - 1),
@@ -587,7 +650,6 @@ def setup(cfg: dict) -> Run:
         gen_batch_size=cfg["data"]["gen_batch_size"] or cfg["data"]["train_batch_size"],
         gen_cursor=extra.get("gen_batches", start - 1),
         kl_coef=cfg["algorithm"]["kl_ctrl"]["kl_coef"],  # as veRL's, the adaptive one restarts on resume
-        tools=tool_pool(cfg),
     )
     run.capture = cfg["algorithm"]["rollout_correction"]["bypass_mode"] or on_policy_shortcut(cfg)
     if not trainer["replay_batches"]:  # the engine, one per rank, AFTER torch.distributed (replay needs none)
@@ -622,7 +684,8 @@ def on_policy_shortcut(cfg: dict) -> bool:
     pg_clipfrac and ppo_kl exactly 0) and the separate old-log-prob pass is skipped. With several mini-batches
     the later ones would take an already-updated policy as "old": never. veRL 0.9.1 always runs that pass
     (actor.recompute_old_log_prob=true); so do a rollout correction and the KL in the reward (they need the old
-    log-probs before the update); dumps carry explicit old log-probs, replays bring them."""
+    log-probs before the update) and R2 (it replays that pass's routing); dumps carry explicit old log-probs,
+    replays bring them."""
     actor, trainer, correction = cfg["actor"], cfg["trainer"], cfg["algorithm"]["rollout_correction"]
     one_update = actor["ppo_epochs"] == 1 and actor["ppo_mini_batch_size"] == cfg["data"]["train_batch_size"]
     needs_old_pass = actor["recompute_old_log_prob"] or correction["rollout_is"] or correction["rollout_rs"]
@@ -648,7 +711,7 @@ def load_data(cfg: dict, rank: int, world: int, train: bool = True) -> tuple:
     else:  # a local directory, or a hub id fetched by each node's first rank
         model_path = cluster.node_first(lambda first: data.resolve_model(cfg["model"]["path"], download=first))
     rollout.check_servable(model_path)  # a model vLLM cannot serve stops here, before anything loads
-    from transformers import AutoConfig, AutoTokenizer
+    from transformers import AutoTokenizer
 
     positions = getattr(AutoConfig.from_pretrained(model_path), "max_position_embeddings", None)
     length = data_cfg["max_prompt_length"] + data_cfg["max_response_length"]
@@ -658,9 +721,11 @@ def load_data(cfg: dict, rank: int, world: int, train: bool = True) -> tuple:
             f"max_position_embeddings ({positions}) in {model_path}"
         )
     tokenizer = AutoTokenizer.from_pretrained(model_path)
-    if cfg["rollout"]["multi_turn"]["enable"]:  # multi-turn: a template that cannot render tools stops here
-        multi_turn.check_template(tokenizer, run_tools(cfg), data_cfg["apply_chat_template_kwargs"])
-    data_cfg = {**data_cfg, "apply_chat_template_kwargs": chat_template_kwargs(cfg)}  # the prompts as rendered
+    multi_turn = cfg["rollout"]["multi_turn"]["enable"]  # its tools' schemas in every prompt; its template checked
+    kwargs = (
+        feature("multi_turn").prompt_kwargs(tokenizer, cfg) if multi_turn else data_cfg["apply_chat_template_kwargs"]
+    )
+    data_cfg = {**data_cfg, "apply_chat_template_kwargs": kwargs}  # the prompts as rendered
     train_rows, n_dropped = [], 0
     if train:
         train_rows, n_dropped = read_split(data_cfg["train"], "train", tiny_paths, tokenizer, data_cfg)
@@ -682,34 +747,6 @@ def load_data(cfg: dict, rank: int, world: int, train: bool = True) -> tuple:
     return model_path, tokenizer, train_rows, val_rows, total_steps
 
 
-def run_tools(cfg: dict) -> dict | None:
-    """A multi-turn run's tools by name (rollout.multi_turn: the calculator or function_tool_path's); else None."""
-    settings = cfg["rollout"]["multi_turn"]
-    return multi_turn.load_tools(settings["function_tool_path"]) if settings["enable"] else None
-
-
-def tool_pool(cfg: dict):
-    """A multi-turn run's tool calls' worker processes (multi_turn.ToolPool: rollout.multi_turn's tools, workers,
-    time limit and response cut); None without multi-turn."""
-    settings = cfg["rollout"]["multi_turn"]
-    if not settings["enable"]:
-        return None
-    return multi_turn.ToolPool(
-        settings["function_tool_path"],
-        workers=settings["tool_workers"],
-        timeout=settings["tool_timeout"],
-        max_chars=settings["max_tool_response_length"],
-        side=settings["tool_response_truncate_side"],
-    )
-
-
-def chat_template_kwargs(cfg: dict) -> dict | None:
-    """The chat template's keyword arguments for every prompt: data.apply_chat_template_kwargs, plus the tools'
-    schemas (tools=) in a multi-turn run."""
-    tools, kwargs = run_tools(cfg), cfg["data"]["apply_chat_template_kwargs"]
-    return kwargs if tools is None else {**(kwargs or {}), "tools": multi_turn.tool_schemas(tools)}
-
-
 def read_split(source: str, split: str, tiny_paths: dict | None, tokenizer, data_cfg: dict) -> tuple[list[dict], int]:
     """(rows, how many were filtered out as overlong) of one split; each node's first rank reads first (it may
     download), the node's other ranks then read the same files."""
@@ -723,32 +760,41 @@ def read_split(source: str, split: str, tiny_paths: dict | None, tokenizer, data
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def load_models(cfg: dict, model_path: str, device) -> tuple:
+def load_models(cfg: dict, model_path: str, device, parts=None) -> tuple:
     """(policy, reference or None): FSDP2-sharded; the reference only when the KL loss or the KL in the reward
-    (algorithm.use_kl_in_reward) is on. A model family's rule for its logits is handed over
-    (logit_rules.logits_head). With LoRA (lora.py) the policy's base is frozen and the reference is the policy
-    itself, run with its adapters off (veRL's ref_in_actor): no second model. A Mixture-of-Experts model's routers
-    are hooked (moe.attach_for_run: activation checkpointing's recomputation, the routing replay R2 / R3)."""
-    model_cfg = cfg["model"]
+    (algorithm.use_kl_in_reward) is on. Three optional features change the models: LoRA (parts.adapter: lora.py's
+    layers; the policy's base frozen, the reference the policy itself with its adapters off, veRL's ref_in_actor:
+    no second model); a model family's rule for its logits (logit_rules.py, for a config that holds a number such
+    a rule reads: fsdp_train.logit_rule_keys); a Mixture-of-Experts model's routers hooked (moe.py: activation
+    checkpointing's recomputation, the routing replay R2 / R3). parts: choose_parts' (None: chosen here)."""
+    model_cfg, parts = cfg["model"], parts or choose_parts(cfg)
     compute_dtype = DTYPES[model_cfg["compute_dtype"]]
+    model_config, head = AutoConfig.from_pretrained(model_path).get_text_config(), model_head(model_path)
     policy = fsdp_train.load_model(
         model_path,
         device=device,
         param_dtype=DTYPES[model_cfg["param_dtype"]],
         compute_dtype=compute_dtype,
         activation_checkpointing=model_cfg["activation_checkpointing"],
-        adapt=config.lora_adapter(cfg, model_path),  # LoRA's layers (lora.py), or None
-        head=logit_rules.logits_head,  # a model family's rule for its logits, or the plain head
+        adapt=parts.adapter(model_path),  # LoRA's layers, or none
+        head=head,  # a model family's rule for its logits, or the plain output embedding
     )
     use_ref = kl_loss_on(cfg["actor"]) or cfg["algorithm"]["use_kl_in_reward"]
     ref = policy if use_ref and policy.adapter_settings else None  # LoRA: the policy with its adapters off
     if use_ref and ref is None:  # never trained: held in the compute dtype (bf16 on GPU, as veRL), no fp32 copy
-        ref = fsdp_train.load_model(
-            model_path, trainable=False, device=device, param_dtype=compute_dtype, head=logit_rules.logits_head
-        )
-    replay, returned = cfg["actor"]["router_replay"], cfg["rollout"]["enable_rollout_routing_replay"]
-    moe.attach_for_run(policy, ref, replay["mode"], returned, not rollout.is_cpu())  # a MoE model's routers (moe.py)
+        ref = fsdp_train.load_model(model_path, trainable=False, device=device, param_dtype=compute_dtype, head=head)
+    replay, returned = cfg["actor"]["router_replay"]["mode"], cfg["rollout"]["enable_rollout_routing_replay"]
+    if replay != "disabled" or returned or getattr(model_config, "num_experts_per_tok", None):  # Mixture-of-Experts
+        feature("moe").attach_for_run(policy, ref, replay, returned, not rollout.is_cpu())
     return policy, ref
+
+
+def model_head(model_path: str):
+    """load_model's `head` for the model at model_path: logit_rules.logits_head when its config holds a number a
+    family's logit rule reads (fsdp_train.logit_rule_keys: a soft-cap, a scale), else None (the plain output
+    embedding; fsdp_train.check_logits_fn would stop a family whose forward does more)."""
+    rule_keys = fsdp_train.logit_rule_keys(AutoConfig.from_pretrained(model_path))
+    return feature("logit_rules").logits_head if rule_keys else None
 
 
 def build_optimizer(cfg: dict, policy, total_steps: int) -> tuple:
@@ -802,32 +848,29 @@ def save(run: Run, step: int) -> str:
 
 
 def finish(run: Run):
-    """The HF export (with LoRA: the merged model and the adapter, lora.export), the curves, then the engine
+    """The HF export (with LoRA: the merged model and the adapter, lora.exporter), the curves, then the engine
     and the process group closed."""
     if run.cfg["trainer"]["export_hf"]:
-        convert = None
-        if run.policy.adapter_settings:  # LoRA: the merged model, and the adapter in PEFT's format
-            convert = lora.exporter(run.policy.adapter_settings, run.policy.config.name_or_path)
-        out_dir = os.path.join(run.cfg["trainer"]["output_dir"], "hf")
+        settings, out_dir = run.policy.adapter_settings, os.path.join(run.cfg["trainer"]["output_dir"], "hf")
+        convert = feature("lora").exporter(settings, run.policy.config.name_or_path) if settings else None  # LoRA's
         fsdp_train.export_hf(run.policy, out_dir, run.tokenizer, convert)
     run.logger.close()
     cluster.close(run)
 
 
-def evaluate(cfg: dict):
+def evaluate(cfg: dict, parts=None):
     """trainer.val_only: the model (model.path: a local directory, a hub id or a run's hf/ export) is loaded
     into vLLM only, validated, and the metrics printed and written to <output_dir>/val_metrics.jsonl (step 0).
     No trainer, optimizer, reference model, checkpoint or export. With model.lora_adapter_path: model.path plus
     that adapter, merged into the engine as a training step pushes it. Returns the exit status (0)."""
+    parts = parts or choose_parts(cfg)
     rank, world, device = fsdp_train.init_distributed()
-    score = data.make_scorer(cfg)
     logs.route_library_logs(cfg["trainer"]["output_dir"], rank, cfg["trainer"]["verbose"])
     model_path, tokenizer, _, val_rows, _ = load_data(cfg, rank, world, train=False)
     llm = start_engine(cfg, model_path, rank)
-    run = Run(cfg=cfg, rank=rank, world=world, val_rows=val_rows, score=score, llm=llm, tokenizer=tokenizer)
-    run.tools = tool_pool(cfg)
+    run = Run(cfg=cfg, rank=rank, world=world, val_rows=val_rows, parts=parts, llm=llm, tokenizer=tokenizer)
     if cfg["model"]["lora_adapter_path"]:  # LoRA: the base with the adapter, pushed merged into the engine
-        adapt, head = config.lora_adapter(cfg, model_path), logit_rules.logits_head
+        adapt, head = parts.adapter(model_path), model_head(model_path)
         model = fsdp_train.load_model(model_path, device=device, trainable=False, adapt=adapt, head=head)
         push(run.llm, model)
     logger = logs.MetricsLogger(cfg, rank, resume_step=0, file="val_metrics.jsonl")

@@ -1,11 +1,12 @@
 """The GRPO family beside GRPO, exactly as veRL 0.9.1 computes it: the policy losses GSPO, CISPO, SAPO and GMPO
 (actor.policy_loss.loss_mode), the advantage estimators RLOO, REINFORCE++ and REINFORCE++ with a baseline
 (algorithm.adv_estimator), and the KL penalty in the reward (algorithm.use_kl_in_reward, fixed or adaptive).
-Torch only; it extends losses.py, which its two entry points are handed (no import): copy both files.
+Torch and losses.py only, the component it extends: copy both files.
 
-Entry points, each grpo.py's one call for its part:
-  policy_term          the policy-gradient term of a family loss mode, aggregated (grpo.grpo_loss_fn)
-  compute_advantages   the estimator's advantages and returns, after the KL in the reward (grpo.compute_advantages)
+Entry points, each a part grpo.choose_parts chooses when its key is set:
+  check_settings       the combinations veRL runs silently degenerate, refused (FamilyError, one line)
+  loss_part            policy_term: the policy-gradient term of a family loss mode, aggregated
+  advantages_part      compute_advantages: the estimator's advantages and returns, after the KL in the reward
 
   gspo_loss                         core_algos.compute_policy_loss_gspo     (arXiv 2507.18071)
   cispo_loss                        core_algos.compute_policy_loss_cispo    (arXiv 2506.13585)
@@ -19,9 +20,12 @@ Entry points, each grpo.py's one call for its part:
 Shapes as in losses.py: B responses, T response tokens, `mask` the response mask [B, T].
 """
 
+import functools
 from collections import defaultdict
 
 import torch
+
+import losses
 
 LOSS_MODES = ("gspo", "cispo", "sapo", "geo_mean")  # actor.policy_loss.loss_mode, beside vanilla (losses.py)
 ESTIMATORS = ("rloo", "reinforce_plus_plus_baseline", "reinforce_plus_plus")  # algorithm.adv_estimator, beside grpo
@@ -32,14 +36,6 @@ def _check_same_shape(where: str, **tensors: torch.Tensor) -> None:
     shapes = {name: tuple(t.shape) for name, t in tensors.items()}
     if len(set(shapes.values())) > 1:
         raise ValueError(f"{where}: shapes must match, got {shapes}")
-
-
-def _masked_mean(x: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> torch.Tensor:
-    """losses.masked_mean: sum(x * mask) / (sum(mask) + 1e-8) (veRL masked_mean)."""
-    total = torch.where(mask.bool(), x, 0.0) * mask  # [B, T]
-    if dim is None:
-        return total.sum() / (mask.sum() + 1e-8)
-    return total.sum(dim) / (mask.sum(dim) + 1e-8)
 
 
 def _grouped(where: str, rewards, group_ids) -> tuple[torch.Tensor, list[list[int]]]:
@@ -56,6 +52,44 @@ def _grouped(where: str, rewards, group_ids) -> tuple[torch.Tensor, list[list[in
     for i, gid in enumerate(group_ids):
         members[gid].append(i)
     return rewards, list(members.values())
+
+
+class FamilyError(ValueError):
+    """A loss mode or estimator combination refused; the message is one line."""
+
+
+def check_settings(cfg: dict) -> None:
+    """The loss mode and estimator combinations refused (veRL runs them, silently degenerate): rloo /
+    reinforce_plus_plus_baseline with rollout.n = 1: no other sample to form the baseline (veRL then keeps A = r:
+    plain REINFORCE); geo_mean with advantages that vary along the response (reinforce_plus_plus with the KL in the
+    reward or gamma < 1): GMPO averages them per response, veRL supports only one per response."""
+    al, n = cfg["algorithm"], cfg["rollout"]["n"]
+    if al["adv_estimator"] in ("rloo", "reinforce_plus_plus_baseline") and n == 1:
+        raise FamilyError(
+            f"config: algorithm.adv_estimator = {al['adv_estimator']} needs rollout.n > 1 (its baseline comes from "
+            "the other samples of the same prompt); with rollout.n = 1 use reinforce_plus_plus"
+        )
+    per_token = al["adv_estimator"] == "reinforce_plus_plus" and (al["use_kl_in_reward"] or al["gamma"] != 1)
+    if cfg["actor"]["policy_loss"]["loss_mode"] == "geo_mean" and per_token:
+        raise FamilyError(
+            "config: actor.policy_loss.loss_mode = geo_mean takes one advantage per response, but "
+            "algorithm.adv_estimator = reinforce_plus_plus with algorithm.use_kl_in_reward=true or algorithm.gamma "
+            "< 1 gives each token its own; use another estimator or loss mode"
+        )
+
+
+def loss_part(cfg: dict):
+    """The loop's policy term for actor.policy_loss.loss_mode (grpo.choose_parts), its settings checked first:
+    term(logp, old_logp, mb, aggregate) -> (loss, metrics), policy_term with the run's actor keys."""
+    check_settings(cfg)
+    return functools.partial(policy_term, cfg["actor"])
+
+
+def advantages_part(cfg: dict, gather):
+    """The loop's advantages for algorithm.adv_estimator and the KL in the reward (grpo.choose_parts), its settings
+    checked first: advantages(run, batch) -> metrics, compute_advantages with gather (cluster.global_rows)."""
+    check_settings(cfg)
+    return functools.partial(compute_advantages, gather=gather)
 
 
 # ------------------------------------------------------------------------------------- policy losses
@@ -83,7 +117,7 @@ def policy_term(actor: dict, logp, old_logp, mb: dict, aggregate) -> tuple[torch
         if weights is not None:
             per_token = per_token * weights  # [b, R]
         loss = aggregate(per_token, mask, mode="seq-mean-token-mean") if mode == "sapo" else aggregate(per_token, mask)
-    return loss, {key: _masked_mean(part, mask).item() for key, part in parts.items()}
+    return loss, {key: losses.masked_mean(part, mask).item() for key, part in parts.items()}
 
 
 def gspo_loss(logp, old_logp, advantages, mask, clip_low: float = 0.2, clip_high: float = 0.2) -> tuple:
@@ -212,19 +246,19 @@ def geo_mean_loss(
 
 
 # ------------------------------------------------------------------------ advantages and the KL in the reward
-def compute_advantages(run, batch: dict, gather, losses) -> dict:
+def compute_advantages(run, batch: dict, gather) -> dict:
     """veRL's apply_kl_penalty and compute_advantage on the WHOLE batch of all ranks (so nothing depends on the
     world size): the per-token rewards (each score at its response's last token; with algorithm.use_kl_in_reward,
     minus run.kl_coef times the old policy's KL to the reference on every sampled token, before rejection), then
     algorithm.adv_estimator's advantages and returns over the response mask (after rejection). run: cfg,
     positions (this rank's prompts), kl_coef (moved by algorithm.kl_ctrl's adaptive controller, after the
     penalty). gather(tensors, positions) -> (the whole batch's tensors, this rank's rows in them)
-    (cluster.global_rows); losses: the losses module (grpo_advantages, kl_penalty). Fills
+    (cluster.global_rows). Fills
     batch["token_level_rewards"], ["advantages"], ["returns"] [B, R]; returns the KL metrics."""
     algorithm, n, kl_coef = run.cfg["algorithm"], run.cfg["rollout"]["n"], run.kl_coef
     width = batch["response_mask"].shape[1]
     sampled = batch["attention_mask"][:, -width:].float()  # [B, R]: every sampled token, before rejection
-    local = [token_level_scores(batch["rewards"], sampled), sampled, batch["response_mask"]]
+    local = [losses.token_level_scores(batch["rewards"], sampled), sampled, batch["response_mask"]]
     if algorithm["use_kl_in_reward"]:
         local += [batch["old_logprobs"], batch["ref_logprobs"]]
     everything, mine = gather(local, run.positions)
@@ -240,13 +274,13 @@ def compute_advantages(run, batch: dict, gather, losses) -> dict:
             run.kl_coef = adaptive_kl_coef(
                 kl_coef, current, controller["target_kl"], controller["horizon"], len(row_kl)
             )
-    advantages, returns = estimate_advantages(algorithm, rewards, everything[2], n, losses)
+    advantages, returns = estimate_advantages(algorithm, rewards, everything[2], n)
     for key, value in (("token_level_rewards", rewards), ("advantages", advantages), ("returns", returns)):
         batch[key] = value[mine, :width]  # [B, R]: this rank's rows
     return out
 
 
-def estimate_advantages(algorithm: dict, token_rewards, mask, n: int, losses) -> tuple:
+def estimate_advantages(algorithm: dict, token_rewards, mask, n: int) -> tuple:
     """(advantages, returns) [B, R] of algorithm.adv_estimator (veRL's compute_advantage): the ONE place that
     chooses. token_rewards, mask [B, R]: the whole batch, row k answering prompt k // n. grpo and rloo see each
     response's summed reward, broadcast back over its tokens; the REINFORCE++ pair whiten over all tokens."""
@@ -278,7 +312,7 @@ def kl_in_reward(token_scores, kl, mask, beta: float) -> tuple[torch.Tensor, tor
     Example: score 1 at the last of 2 tokens, kl (kind "kl": old - ref) = [0.5, 0.1], beta 0.1 ->
     rewards [-0.05, 0.99], row_kl 0.3.
     """
-    return token_scores - beta * kl, _masked_mean(kl, mask, dim=-1)
+    return token_scores - beta * kl, losses.masked_mean(kl, mask, dim=-1)
 
 
 def rloo_advantages(rewards, group_ids) -> torch.Tensor:
@@ -313,8 +347,8 @@ def masked_whiten(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     count = mask.sum()
     if count <= 1:
         raise ValueError(f"masked_whiten: {int(count)} masked entries; at least 2 are needed for the variance")
-    mean = _masked_mean(values, mask)
-    variance = _masked_mean((values - mean) ** 2, mask) * (count / (count - 1))
+    mean = losses.masked_mean(values, mask)
+    variance = losses.masked_mean((values - mean) ** 2, mask) * (count / (count - 1))
     return (values - mean) * torch.rsqrt(variance + 1e-8)
 
 
@@ -359,16 +393,6 @@ def reinforce_pp_advantages(
         returns[:, t] = new * mask[:, t]
         running = new * mask[:, t] + running * (1 - mask[:, t])  # [B]
     return masked_whiten(returns, mask) * mask, returns
-
-
-def token_level_scores(scores: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """The scores [B] as veRL's per-token rewards [B, T]: score i at response i's LAST token (index L_i - 1,
-    L_i = sum_t mask_it over every sampled token), 0 elsewhere (veRL's rm_scores, agent_loop.py).
-    scores [2, 5], lengths [1, 3], T = 3 -> [[2, 0, 0], [0, 0, 5]]."""
-    out = torch.zeros(mask.shape, dtype=scores.dtype)  # [B, T]
-    last = mask.sum(-1).long() - 1  # [B]
-    out[torch.arange(len(scores)), last] = scores
-    return out
 
 
 def adaptive_kl_coef(beta: float, current_kl: float, target_kl: float, horizon: int, n_steps: int) -> float:

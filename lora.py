@@ -5,11 +5,13 @@ applies PEFT's get_peft_model before FSDP (verl/workers/engine/fsdp/transformer_
 names, shapes, scaling and the adapter files are PEFT's and move freely between PEFT, veRL, vLLM and flatgrpo.
 Imports torch and transformers only: copy it with fsdp_train.py, which it plugs into.
 
-Entry points, each grpo.py's one call for its part:
-  adapter       fsdp_train.load_model's `adapt`: LoraLinear layers before sharding, their initial values, which
-                parameters train
-  adapters_off  the reference model's context: the policy with its adapters off IS the base (veRL's ref_in_actor)
-  export        fsdp_train.export_hf's `convert`: the merged weights, and the adapter in PEFT's format
+Entry points, each grpo.py's set-up's (or finish's) call for its part:
+  adapter_part    check_settings (the model.lora_* keys, the adapter directory), then per model path the
+                  adapter: fsdp_train.load_model's `adapt`, LoraLinear layers before sharding, their initial
+                  values, which parameters train
+  adapters_off    the reference model's context: the policy with its adapters off IS the base (veRL's ref_in_actor)
+  check_resume    fsdp_train.load_checkpoint's `check`: a checkpoint of the same LoRA settings
+  exporter        fsdp_train.export_hf's `convert`: the merged weights, and the adapter in PEFT's format
 The push into vLLM needs nothing more: a LoraLinear hands sync.full_params its merged weight (merged_weight).
 """
 
@@ -309,6 +311,58 @@ def adapter(lora: dict):
         return settings, functools.partial(_with_adapters, lora_config=settings, lora=lora), is_adapter
 
     return adapt
+
+
+# ------------------------------------------------------------------------------ the loop's settings
+def check_settings(m: dict) -> None:
+    """The LoRA keys (model.*), before anything loads (LoraError, one line): an adapter directory is a PEFT LoRA
+    adapter flatgrpo can train (read_adapter_config) of the rank asked for (0: the adapter's)."""
+    if not m["lora_adapter_path"]:
+        return
+    adapter_config = read_adapter_config(m["lora_adapter_path"])
+    if m["lora_rank"] and m["lora_rank"] != adapter_config["r"]:
+        raise LoraError(
+            f"config: model.lora_rank = {m['lora_rank']}, but the adapter in model.lora_adapter_path = "
+            f"{m['lora_adapter_path']!r} has rank {adapter_config['r']}; accepted: {adapter_config['r']}, or 0 "
+            "(the adapter's)"
+        )
+
+
+def adapter_part(cfg: dict):
+    """The loop's adapter part (grpo.choose_parts), the model.lora_* keys checked first (check_settings):
+    adapter_for(model_path) -> fsdp_train.load_model's `adapt` (adapter of settings, seeded by trainer.seed)."""
+    check_settings(cfg["model"])
+    return lambda model_path: adapter(settings(cfg["model"], model_path, cfg["trainer"]["seed"]))
+
+
+def settings(m: dict, model_path: str, seed: int) -> dict:
+    """adapter's settings from the model.lora_* keys (m) and the run's seed (trainer.seed: the adapters'
+    initialisation). An adapter directory must belong to model.path's model (check_adapter_base)."""
+    if m["lora_adapter_path"]:
+        check_adapter_base(m, model_path)
+    return {
+        "rank": m["lora_rank"],
+        "alpha": m["lora_alpha"],
+        "target_modules": m["target_modules"],
+        "exclude_modules": m["exclude_modules"],
+        "adapter_path": m["lora_adapter_path"],
+        "seed": seed,
+    }
+
+
+def check_adapter_base(m: dict, model_path: str) -> None:
+    """model.lora_adapter_path was trained on model.path: its base_model_name_or_path names the same model, as
+    written (a hub id), as the same directory, or by its last path component ("Qwen/Qwen2.5-0.5B-Instruct" and
+    "/models/Qwen2.5-0.5B-Instruct"). Another base with the same shapes would load and train without error."""
+    base = read_adapter_config(m["lora_adapter_path"]).get("base_model_name_or_path")
+    if not base:
+        return
+    names = {m["path"], os.path.realpath(model_path), os.path.basename(m["path"].rstrip("/"))}
+    if not names & {base, os.path.realpath(base), os.path.basename(base.rstrip("/"))}:
+        raise LoraError(
+            f"config: model.lora_adapter_path = {m['lora_adapter_path']!r} was trained on {base!r}, not on "
+            f"model.path = {m['path']!r} ({model_path}); accepted: an adapter of model.path's model"
+        )
 
 
 def check_resume(path: str, saved: dict | None, current: dict | None) -> None:

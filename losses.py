@@ -233,6 +233,16 @@ def _straight_through(logp: torch.Tensor, ref_logp: torch.Tensor, forward: torch
     return k2 - k2.detach() + forward.detach()
 
 
+def token_level_scores(scores: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """The scores [B] as veRL's per-token rewards [B, T]: score i at response i's LAST token (index L_i - 1,
+    L_i = sum_t mask_it over every sampled token), 0 elsewhere (veRL's rm_scores, agent_loop.py).
+    scores [2, 5], lengths [1, 3], T = 3 -> [[2, 0, 0], [0, 0, 5]]."""
+    out = torch.zeros(mask.shape, dtype=scores.dtype)  # [B, T]
+    last = mask.sum(-1).long() - 1  # [B]
+    out[torch.arange(len(scores)), last] = scores
+    return out
+
+
 def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
     """Entropy of softmax(logits) over the last dim (veRL `entropy_from_logits`).
 

@@ -14,7 +14,6 @@ import torch.distributed as dist
 import config
 import fsdp_train
 import losses
-import multi_turn
 
 
 @functools.cache
@@ -137,11 +136,12 @@ def _stats(prefix: str, values: list[float]) -> dict:
     return {f"{prefix}/mean": sum(values) / len(values), f"{prefix}/max": max(values), f"{prefix}/min": min(values)}
 
 
-def batch_metrics(batch: dict, d: dict, timings: dict, world: int) -> dict:
+def batch_metrics(batch: dict, d: dict, timings: dict, world: int, field_metrics=None) -> dict:
     """veRL's critic/*, length, per-token timing and perf metrics over the GLOBAL batch (the step's own time
     and throughput are added once the step is over); a reward file's numeric extras as
     reward_extra_info/<key>/mean. Lengths count every sampled token (the attention mask), advantages the
-    tokens of the response mask (after rejection sampling), as veRL's compute_data_metrics."""
+    tokens of the response mask (after rejection sampling), as veRL's compute_data_metrics. field_metrics(values of
+    every rank's numeric per-row fields, by name) -> the metrics of a feature's fields (a multi-turn run's turns)."""
     mask, width = batch["response_mask"], batch["response_mask"].shape[1]
     rewards = batch["token_level_rewards"].sum(-1) if "token_level_rewards" in batch else batch["rewards"]  # [B]
     returns = batch["returns"] if "returns" in batch else batch["advantages"]  # [B, R]
@@ -153,9 +153,8 @@ def batch_metrics(batch: dict, d: dict, timings: dict, world: int) -> dict:
         "prompt": batch["attention_mask"][:, :-width].sum(-1).tolist(),
         "adv": batch["advantages"][mask.bool()].tolist(),
     }
-    local.update({k: v.tolist() for k, v in batch.items() if k.startswith("extra/")})
-    turn_keys = ("num_turns", "num_tool_calls", "num_tool_errors", "num_tool_timeouts")
-    local.update({k: batch[k].tolist() for k in turn_keys if k in batch})
+    layouts = batch.get("layouts", {})
+    local.update({k: batch[k].tolist() for k in layouts if layouts[k][0] == "row" and torch.is_tensor(batch[k])})
     parts = [None] * world
     dist.all_gather_object(parts, local)
     g = {k: [x for p in parts for x in p[k]] for k in local}
@@ -169,8 +168,8 @@ def batch_metrics(batch: dict, d: dict, timings: dict, world: int) -> dict:
     for key, values in g.items():  # a reward file's numeric extra outputs
         if key.startswith("extra/"):
             out[f"reward_extra_info/{key.removeprefix('extra/')}/mean"] = sum(values) / len(values)
-    if "num_turns" in g:  # a multi-turn run's: veRL's num_turns/*, the tool metrics
-        out.update(multi_turn.turn_metrics(*(g[k] for k in turn_keys)))
+    if field_metrics is not None:  # a feature's (multi-turn: veRL's num_turns/*, the tool metrics)
+        out.update(field_metrics(g))
     total = sum(g["resp"]) + sum(g["prompt"])
     if "gen" in timings:
         out["timing_per_token_ms/gen"] = timings["gen"] * 1000 / max(1, sum(g["resp"]))

@@ -1,9 +1,11 @@
 """Mixture-of-Experts routing replay: the trainer's forwards send each token to the experts it is given instead of
 their own top-k (veRL's router_replay). Imports torch only: copy it anywhere.
 
+    moe.check_settings(cfg)                # the replay keys' combinations, before anything loads
     moe.attach_for_run(policy, ref, "R3", returned=True, engine_returns_routing=True)  # hooks on every router
-    batch["routed_experts"] = moe.batch_routing([s.routed_experts for s in samples], batch)   # R3: vLLM's choices
-    # R2: moe.start_recording(policy, batch) before the old-log-prob pass, moe.recorded(policy, batch) after it
+    # R3: batch["routed_experts"] [B, P + R, L, k], vLLM's choices (a sample field: rollout.routing_field)
+    with moe.recording(policy, batch) as routing:   # R2: the old-log-prob pass's own choices
+        ...                                          # the pass; then routing["routed_experts"] for the update
     model.micro_batch_hook(batch, rows, mb)   # fsdp_train calls it before each micro-batch's forward
     metrics = moe.routing_metrics(policy, "update_actor")   # the disagreement with the routing given
 
@@ -29,6 +31,7 @@ forward used (the same tensors), so the recomputation routes exactly as the forw
 data-dependent expert loop that routed otherwise would save another number of tensors: CheckpointError).
 """
 
+import contextlib
 from dataclasses import dataclass, field
 
 import torch
@@ -48,7 +51,38 @@ MODES = ("disabled", "R2", "R3")  # veRL's actor router_replay.mode
 
 
 class ReplayError(ValueError):
-    """Routing replay asked of a model or engine that cannot do it; the message is one line."""
+    """Routing replay asked of a model or engine that cannot do it, or settings it cannot use; one line."""
+
+
+def metrics_part(cfg: dict):
+    """The loop's routing-metrics part (grpo.choose_parts), the replay settings checked first (check_settings):
+    routing_metrics(model, phase)."""
+    check_settings(cfg)
+    return routing_metrics
+
+
+def check_settings(cfg: dict) -> None:
+    """Routing replay's combinations refused (ReplayError, one line): R3 without the rollout's routing; R2 with it,
+    or with the rollout correction's bypass (veRL 0.9.1 refuses both: R2 records the old-log-prob pass, which bypass
+    skips); the rollout's routing in a multi-turn run or a replay of dumps (neither carries it)."""
+    mode, returned = cfg["actor"]["router_replay"]["mode"], cfg["rollout"]["enable_rollout_routing_replay"]
+    if mode == "R3" and not returned:
+        raise ReplayError(
+            "config: actor.router_replay.mode = R3 replays the rollout's routing: set "
+            "rollout.enable_rollout_routing_replay=true (or mode R2: the old-log-prob pass's routing)"
+        )
+    if mode == "R2" and (returned or cfg["algorithm"]["rollout_correction"]["bypass_mode"]):
+        key = "rollout.enable_rollout_routing_replay" if returned else "algorithm.rollout_correction.bypass_mode"
+        raise ReplayError(
+            f"config: actor.router_replay.mode = R2 with {key}=true; R2 replays the old-log-prob pass's routing "
+            "(accepted: R3 with the rollout's routing, or R2 without it and without bypass_mode)"
+        )
+    if returned and (cfg["rollout"]["multi_turn"]["enable"] or cfg["trainer"]["replay_batches"]):
+        key = "rollout.multi_turn.enable" if cfg["rollout"]["multi_turn"]["enable"] else "trainer.replay_batches"
+        raise ReplayError(
+            f"config: rollout.enable_rollout_routing_replay=true with {key}: its samples carry no routing "
+            "(accepted: enable_rollout_routing_replay=false)"
+        )
 
 
 @dataclass
@@ -236,33 +270,26 @@ def disagreement(sums: torch.Tensor) -> dict[str, float]:
     return {"layers": pairs / max(given, 1.0), "tokens": tokens / max(tokens_given, 1.0)}
 
 
-def batch_routing(routings: list, batch: dict) -> torch.Tensor:
-    """R3: vLLM's routing of each sample (CompletionOutput.routed_experts: [T, L, k] for its prompt and response
-    tokens but the last, which vLLM never ran; T = prompt + response - 1) -> [B, P + R, L, k] int16 aligned with
-    batch["input_ids"] (its prompt starts after the left padding), -1 where none (padding, the last token).
-    E.g. prompt [5, 6] left-padded to P = 3, response [8, 9]: routing rows 0-2 land at columns 1-3, column 4 is -1."""
-    attention = batch["attention_mask"]  # [B, P + R]
-    p_width = attention.shape[1] - batch["response_mask"].shape[1]
-    first = torch.as_tensor(routings[0])
-    out = torch.full((*attention.shape, *first.shape[1:]), -1, dtype=torch.int16)  # [B, P + R, L, k]
-    for row, routing in enumerate(routings):
-        routing = torch.as_tensor(routing).to(torch.int16)  # [T, L, k]
-        start = p_width - int(attention[row, :p_width].sum())
-        tokens = int(attention[row].sum())
-        if routing.shape[0] > tokens:
-            raise ReplayError(
-                f"routed_experts: sample {row} has {routing.shape[0]} tokens' routing for {tokens} tokens"
-            )
-        out[row, start : start + routing.shape[0]] = routing
-    return out
-
-
 def start_recording(model, batch: dict) -> None:
     """R2: the next pass (the old log-probs) records the experts each token used, in a [B, P + R, L, k] tensor
     aligned with batch["input_ids"] (-1 at padding)."""
     state = model.moe_routing
     b, width = batch["input_ids"].shape
     state.record = torch.full((b, width, state.num_layers, state.top_k), -1, dtype=torch.int16)
+
+
+@contextlib.contextmanager
+def recording(model, batch: dict):
+    """R2 around the old-log-prob pass: yields a dict that gets, as the pass ends, "routed_experts" [B, P + R, L, k]:
+    the experts each token used in it (-1 at padding), what the update replays. The batch then holds no routing
+    until the caller puts that one in (after the reference's pass, which routes by its own: with LoRA it is the
+    same model with its adapters off, and it must neither record nor replay the policy's routing, as veRL's)."""
+    start_recording(model, batch)
+    batch.setdefault("layouts", {})["routed_experts"] = ("token", -1)  # fsdp_train.select trims it so
+    routing = {}
+    yield routing
+    routing["routed_experts"] = recorded(model, batch)  # [B, P + R, L, k]
+    batch.pop("routed_experts", None)  # a replayed dump's: the pass above replayed and recorded it
 
 
 def recorded(model, batch: dict) -> torch.Tensor:

@@ -1,19 +1,21 @@
 """Multi-turn rollouts with tools, veRL's tool agent loop (actor_rollout_ref.rollout.multi_turn.*): the model writes,
 calls a tool in Hermes style, reads what the tool returned, writes again; only its own tokens are trained.
-Imports vllm, transformers and torch only (where they are used: a tool worker imports this file and needs none of
-them): copy it anywhere.
+Imports vllm and transformers only, where they are used (a tool worker imports this file and needs neither): copy
+it anywhere.
 
     tools = load_tools(None)  # {"calculator": calculator}; or a file of plain functions (function_tool_path)
     check_template(tokenizer, tools)  # the chat template must render tools= and tool messages
     pool = ToolPool(None, workers=4, timeout=5.0, max_chars=256, side="middle")  # the calls' worker processes
     trajectories = generate(llm, prompt_ids, n=8, temperature=1.0, max_tokens=256, seed=0, pool=pool,
                             settings=dict(max_assistant_turns=4, max_user_turns=None, max_parallel_calls=1))
+    sample = sampler(cfg, rollout.render_prompt)  # the loop's part: rollout.generate's signature
     t = trajectories[0]
     t.response_ids  # every token after the prompt: the model's turns and the tool responses between them
     t.loss_mask     # 1 on the tokens the model sampled, 0 on the tool responses' tokens
     t.logprobs      # vLLM's log-prob of each sampled token; 0.0 on tool tokens
     t.turn_ids      # 1, 3, 5, ... on assistant turn 1, 2, 3; 2, 4, ... on the tool responses after turn 1, 2
     t.text          # the last assistant turn, decoded: what is scored
+    t.fields        # the batch fields it carries (the loss mask, turn ids, counts, calls): fsdp_train.add_fields
 
 Token in, token out. Each turn generates from the exact token ids so far (vLLM's prompt_token_ids); a tool response
 enters as the token ids the chat template writes for it, tokenised once (tool_response_ids). The history is never
@@ -70,6 +72,22 @@ class Trajectory:
     def num_turns(self) -> int:
         """veRL's num_turns: user turns + assistant turns + 1 (the prompt)."""
         return self.user_turns + self.assistant_turns + 1
+
+    @property
+    def fields(self) -> dict:
+        """The batch fields this sample carries, name -> (layout, value) (fsdp_train.add_fields pads them): its tool
+        tokens out of the response mask (the loss mask narrows it), turn_ids per response token (2k - 1 on assistant
+        turn k, 2k on the tool responses after it), per sample the turn and call counts and the tool calls."""
+        calls = self.tool_calls
+        return {
+            "response_mask": ("response", self.loss_mask),
+            "turn_ids": ("response", self.turn_ids),
+            "num_turns": ("row", self.num_turns),
+            "num_tool_calls": ("row", len(calls)),
+            "num_tool_errors": ("row", sum(c["error"] is not None for c in calls)),
+            "num_tool_timeouts": ("row", sum(c["timeout"] for c in calls)),
+            "tool_calls": ("row", calls),  # {"turn", "name", "arguments", "response", "error", "timeout"} each
+        }
 
 
 # ------------------------------------------------------------------------------------------- the tools
@@ -510,31 +528,61 @@ def _answer_tool_calls(calling: list, pool: ToolPool, max_parallel_calls: int, t
         t.truncated = t.done = len(ids) >= room
 
 
-# ------------------------------------------------------------------------------------------ batch and metrics
-def batch_fields(trajectories: list[Trajectory], response_mask) -> dict:
-    """The batch's multi-turn fields, for responses right-padded as response_mask [B, R] (1 on every response
-    token): the response mask with the tool responses' tokens out (the loss mask), turn_ids [B, R] (0 past the
-    end); per trajectory num_turns, num_tool_calls, num_tool_errors and num_tool_timeouts [B], and its tool calls
-    (a list)."""
-    import torch
+# ------------------------------------------------------------------------------------------ the loop's parts
+def sampler(cfg: dict, render):
+    """A multi-turn run's sampling part (grpo.choose_parts), rollout.generate's drop-in: sample(llm, prompts, *, n,
+    temperature, top_p, top_k, max_tokens, seed) -> a Trajectory per sample. The chat prompts are rendered by
+    render(tokenizer, messages, template_kwargs) (rollout.render_prompt) with data.apply_chat_template_kwargs and the
+    tools' schemas; the calls run in a ToolPool of rollout.multi_turn's tools, started at the first call."""
+    settings, template_kwargs = cfg["rollout"]["multi_turn"], cfg["data"]["apply_chat_template_kwargs"]
+    tools, pools = load_tools(settings["function_tool_path"]), []
+    prompt_kwargs = {**(template_kwargs or {}), "tools": tool_schemas(tools)}
 
-    width = response_mask.shape[1]
+    def sample(llm, prompts, *, n, temperature, top_p, top_k, max_tokens, seed):
+        if not pools:
+            pools.append(
+                ToolPool(
+                    settings["function_tool_path"],
+                    workers=settings["tool_workers"],
+                    timeout=settings["tool_timeout"],
+                    max_chars=settings["max_tool_response_length"],
+                    side=settings["tool_response_truncate_side"],
+                )
+            )
+        tokenizer = llm.get_tokenizer()
+        return generate(
+            llm,
+            [render(tokenizer, messages, prompt_kwargs) for messages in prompts],
+            n=n,
+            temperature=temperature,
+            max_tokens=max_tokens,
+            seed=seed,
+            pool=pools[0],
+            settings=settings,
+            top_p=top_p,
+            top_k=top_k,
+            template_kwargs=template_kwargs,
+        )
 
-    def padded(rows: list[list[int]]) -> torch.Tensor:
-        return torch.tensor([r + [0] * (width - len(r)) for r in rows])
+    return sample
 
-    def count(condition) -> torch.Tensor:
-        return torch.tensor([sum(bool(condition(c)) for c in t.tool_calls) for t in trajectories])  # [B]
 
-    return {
-        "response_mask": response_mask * padded([t.loss_mask for t in trajectories]),  # [B, R]
-        "turn_ids": padded([t.turn_ids for t in trajectories]),  # [B, R]
-        "num_turns": torch.tensor([t.num_turns for t in trajectories]),  # [B]
-        "num_tool_calls": count(lambda c: True),  # [B]
-        "num_tool_errors": count(lambda c: c["error"] is not None),  # [B]
-        "num_tool_timeouts": count(lambda c: c["timeout"]),  # [B]
-        "tool_calls": [t.tool_calls for t in trajectories],  # B lists of {"turn", "name", "arguments", ...}
-    }
+def prompt_kwargs(tokenizer, cfg: dict) -> dict:
+    """The chat template's keyword arguments of a multi-turn run's prompts: data.apply_chat_template_kwargs and the
+    tools' schemas (tools=), after checking that the template renders them (check_template: ToolSetupError)."""
+    tools, template_kwargs = (
+        load_tools(cfg["rollout"]["multi_turn"]["function_tool_path"]),
+        cfg["data"]["apply_chat_template_kwargs"],
+    )
+    check_template(tokenizer, tools, template_kwargs)
+    return {**(template_kwargs or {}), "tools": tool_schemas(tools)}
+
+
+def field_metrics(fields: dict) -> dict:
+    """The metrics of a step's multi-turn fields over the global batch (fields: each row field's values of every
+    rank, as metrics.batch_metrics gathers them): turn_metrics."""
+    keys = ("num_turns", "num_tool_calls", "num_tool_errors", "num_tool_timeouts")
+    return turn_metrics(*(fields[key] for key in keys))
 
 
 def turn_metrics(num_turns: list[int], calls: list[int], errors: list[int], timeouts: list[int]) -> dict:

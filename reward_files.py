@@ -19,6 +19,11 @@ class RewardFileError(ValueError):
     """A reward file that cannot be used, or a return value that is not a finite number: one line."""
 
 
+def scorer(settings: dict):
+    """The loop's scorer part (grpo.choose_parts) from custom_reward_function's keys: load_scorer(path, name)."""
+    return load_scorer(settings["path"], settings["name"])
+
+
 def load_scorer(path: str, name: str):
     """score(row, text) -> (reward: float, extras: dict) with the function `name` of the file `path`, loaded
     once per process; row: a data row ({"data_source", "ground_truth", "extra_info", "where"}). A return that is

@@ -1,5 +1,5 @@
 """vLLM rollouts: one in-process engine per training process; n samples per prompt, with token ids
-and the sampling log-probs. Imports vllm and transformers only: copy it anywhere.
+and the sampling log-probs. Imports vllm, transformers and torch only: copy it anywhere.
 
     llm = make_engine("Qwen/Qwen2.5-1.5B-Instruct", dtype="bfloat16", max_model_len=3072,
                       gpu_memory_utilization=0.4)
@@ -14,8 +14,9 @@ On GPU the engine can sleep while the trainer updates (sleep/wake below); on CPU
 """
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
+import torch
 import transformers
 import vllm
 from transformers import AutoConfig
@@ -31,7 +32,7 @@ class Sample:
     logprobs: list[float]  # vLLM's log-prob of each sampled token (len == len(response_ids))
     text: str  # the response decoded with skip_special_tokens=True (what is scored)
     truncated: bool  # stopped at max_tokens
-    routed_experts: object = None  # vLLM's experts per token [prompt + response - 1, layers, top-k] (numpy), or None
+    fields: dict = field(default_factory=dict)  # extra batch fields: name -> (layout, value[, fill]), add_fields
 
 
 def is_cpu() -> bool:
@@ -186,10 +187,20 @@ def generate(
                     logprobs=[lp[t].logprob for t, lp in zip(response, c.logprobs, strict=True)],
                     text=tokenizer.decode(response, skip_special_tokens=True),
                     truncated=c.finish_reason == "length",
-                    routed_experts=c.routed_experts,  # only with the engine's enable_return_routed_experts
+                    fields=routing_field(c.routed_experts),
                 )
             )
     return samples
+
+
+def routing_field(routed_experts) -> dict:
+    """A Mixture-of-Experts engine's routing of a sample (enable_return_routed_experts: CompletionOutput.routed_experts,
+    uint8 [prompt + response - 1, layers, top-k], every token but the last, which vLLM never ran) as the sample's
+    batch field routed_experts: per token from the prompt's first, int16, -1 where there is none (padding, the last
+    token). {} without it."""
+    if routed_experts is None:
+        return {}
+    return {"routed_experts": ("token", torch.as_tensor(routed_experts).to(torch.int16), -1)}
 
 
 def check_outputs(outputs, num_prompts: int, n: int) -> None:

@@ -1,11 +1,13 @@
 """Rollout correction: the trainer's policy is not exactly the one vLLM sampled from (other kernels, bf16, an
 off-policy replay), so the policy loss is reweighted by truncated importance weights pi_old / pi_vLLM and/or
 off-policy tokens and rows are rejected from it (veRL's algorithm.rollout_correction, off by default;
-verl/trainer/ppo/rollout_corr_helper.py). Torch only: copy it anywhere.
+verl/trainer/ppo/rollout_corr_helper.py). Torch and losses.py only, the component it extends: copy both files.
 
-Entry points, each grpo.py's one call for its part:
-  correct           over the WHOLE batch, once per step: the IS weights, the rejection mask and their metrics
-  bypass_rejection  bypass_mode: the policy term with rejection against the CURRENT policy, inside the loss
+Entry points, each a part grpo.choose_parts chooses when its key is set:
+  check_settings    the rollout_is / rollout_rs specs parsed, bypass_mode's combinations (CorrectionError)
+  corrector         correct: over the WHOLE batch, once per step, the IS weights, the rejection mask, their metrics
+  bypass_old        bypass_mode: vLLM's log-probs stand as the old ones
+  bypass_part       bypass_mode with rollout_rs: the policy term rejecting against the CURRENT policy (bypass_rejection)
 
   rollout_is_weights          compute_rollout_correction_weights (token/sequence, TIS/IcePop)
   rollout_rejection_mask      compute_rollout_rejection_mask (the 11 rollout_rs options)
@@ -14,9 +16,12 @@ The off-policy diagnostics every run logs (rollout_corr/kl, _ppl, chi2, ...) are
 Shapes: B responses, R response tokens; `mask` every sampled token [B, R].
 """
 
+import functools
 import math
 
 import torch
+
+import losses
 
 SAFETY_BOUND = 20.0  # veRL clamps log-ratios to [-20, 20] before exp
 RS_OPTIONS = (
@@ -51,12 +56,27 @@ def _check_same_shape(where: str, **tensors: torch.Tensor) -> None:
         raise ValueError(f"{where}: shapes must match, got {shapes}")
 
 
-def masked_mean(x: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> torch.Tensor:
-    """losses.masked_mean: sum(x * mask) / (sum(mask) + 1e-8) (veRL masked_mean)."""
-    total = torch.where(mask.bool(), x, 0.0) * mask  # [B, R]
-    if dim is None:
-        return total.sum() / (mask.sum() + 1e-8)
-    return total.sum(dim) / (mask.sum(dim) + 1e-8)
+class CorrectionError(ValueError):
+    """algorithm.rollout_correction settings this file cannot use; the message is one line."""
+
+
+def check_settings(settings: dict) -> None:
+    """algorithm.rollout_correction's keys, before anything loads (CorrectionError, one line): the rollout_is and
+    rollout_rs specs parse (by the functions that use them), and bypass_mode takes no IS weights."""
+    if settings["bypass_mode"] and settings["rollout_is"]:
+        raise CorrectionError(
+            f"config: algorithm.rollout_correction.rollout_is = {settings['rollout_is']!r} with bypass_mode=true; "
+            "accepted: null (the PPO ratio is then pi / pi_rollout: veRL's bypass applies no weights)"
+        )
+    one = torch.zeros(1, 1), torch.zeros(1, 1), torch.ones(1, 1)
+    try:
+        if settings["rollout_is"]:
+            rollout_is_weights(*one, level=settings["rollout_is"], threshold=settings["rollout_is_threshold"])
+        if settings["rollout_rs"]:
+            rollout_rejection_mask(*one, modes=settings["rollout_rs"], thresholds=settings["rollout_rs_threshold"])
+    except ValueError as e:
+        specs = ", ".join(f"{k} = {settings[k]!r}" for k in settings if k.startswith("rollout_"))
+        raise CorrectionError(f"config: algorithm.rollout_correction.{specs}: {e}") from None
 
 
 def enabled(settings: dict) -> bool:
@@ -64,16 +84,40 @@ def enabled(settings: dict) -> bool:
     return bool(settings["rollout_is"] or settings["rollout_rs"])
 
 
-def correct(batch: dict, old_logp, rollout_logp, sampled, response_mask, mine, settings: dict, apply=True) -> dict:
+def corrector(settings: dict, replay_batches) -> object:
+    """The loop's correction part (grpo.choose_parts), its settings checked first: correct(batch, old_logp,
+    rollout_logp, sampled, response_mask, mine, apply) with these settings; a replay of dumps (replay_batches)
+    keeps their weights and mask."""
+    check_settings(settings)
+    return functools.partial(correct, settings=settings, dumped=bool(replay_batches))
+
+
+def bypass_part(policy_term, settings: dict):
+    """bypass_mode's policy term (grpo.choose_parts), its settings checked first: with rollout_rs, policy_term
+    rejecting tokens against the current policy (bypass_rejection); else policy_term itself."""
+    check_settings(settings)
+    return bypass_rejection(policy_term, settings) if settings["rollout_rs"] else policy_term
+
+
+def bypass_old(batch: dict) -> None:
+    """bypass_mode: the old log-probs are vLLM's (batch["rollout_logprobs"] [B, R]); a replayed batch keeps its
+    dumped ones."""
+    batch.setdefault("old_logprobs", batch["rollout_logprobs"])
+
+
+def correct(
+    batch: dict, old_logp, rollout_logp, sampled, response_mask, mine, settings: dict, apply=True, dumped=False
+) -> dict:
     """veRL's compute_rollout_correction_and_add_to_batch, computed on the WHOLE batch of all ranks (old_logp,
     rollout_logp, sampled, response_mask [B_all, R]) and handed back to this rank's batch (its rows `mine`):
     with rollout_is, batch["is_weights"], the truncated IS weights (rollout_is_weights, batch-normalised over the
     whole batch if asked), which multiply the per-token policy loss; with rollout_rs, batch["response_mask"]
     with the rejected tokens and rows removed (it REPLACES the batch's: rejected tokens leave every loss term and
     its token counts). Returns the metrics (unprefixed). settings: algorithm.rollout_correction. Statistics are
-    over every sampled token (`sampled`, before rejection), as veRL's. apply=False (bypass mode, a replay): no new
-    weights or mask, the metrics of the weights and of response_mask as it is."""
-    width = batch["response_mask"].shape[1]
+    over every sampled token (`sampled`, before rejection), as veRL's. apply=False (bypass mode) or dumped (a replay
+    of dumped batches, which keep their weights and mask): no new weights or mask, the metrics of the weights and of
+    response_mask as it is."""
+    width, apply = batch["response_mask"].shape[1], apply and not dumped
     weights = new_mask = None
     if apply and settings["rollout_is"]:
         weights = rollout_is_weights(
@@ -169,9 +213,9 @@ def rollout_is_weights(old_logp, rollout_logp, mask, level="token", threshold=2.
         if batch_normalize:
             rows = (mask.sum(-1) > 0).to(w.dtype)  # [B]
             mean = (
-                masked_mean(w, mask)
+                losses.masked_mean(w, mask)
                 if level == "token"
-                else (masked_mean(w, mask, -1) * rows).sum() / rows.sum().clamp_min(1e-8)
+                else (losses.masked_mean(w, mask, -1) * rows).sum() / rows.sum().clamp_min(1e-8)
             )
             w = w / mean if mean > 1e-8 else w  # [B, R]
     return w
@@ -208,7 +252,7 @@ def rollout_rejection_mask(old_logp, rollout_logp, mask, modes="token_k1", thres
         if option.startswith("seq_max"):  # an empty row's -inf (veRL: 0) is harmless: no token to reject
             k = k.masked_fill(~mask.bool(), -math.inf).amax(-1, keepdim=True)  # [B, 1]
         elif option.startswith("seq_"):
-            k = (_masked_sum(k, mask) if "sum" in option else masked_mean(k, mask, -1))[:, None]  # [B, 1]
+            k = (_masked_sum(k, mask) if "sum" in option else losses.masked_mean(k, mask, -1))[:, None]  # [B, 1]
         ok = (k >= math.log(lo)) & (k <= math.log(hi)) if option[-1] == "1" else k <= hi  # [B, R] or [B, 1]
         keep = keep * ok.to(x.dtype)  # [B, R]
     return (mask * keep).to(mask.dtype)
@@ -247,12 +291,12 @@ def rollout_correction_metrics(old_logp, rollout_logp, mask, level=None, thresho
                 raw = torch.exp((old_logp - rollout_logp).clamp(-SAFETY_BOUND, SAFETY_BOUND)) * mask  # [B, R]
                 top = w.masked_fill(~mask.bool(), -math.inf).max()
                 bottom = w.masked_fill(~mask.bool(), math.inf).min()
-                high = masked_mean((raw > hi).float(), mask)
-                low = masked_mean((raw < lo).float(), mask)
-            ess = masked_mean((w / (masked_mean(w, mask) + 1e-8)).square(), mask).item()
+                high = losses.masked_mean((raw > hi).float(), mask)
+                low = losses.masked_mean((raw < lo).float(), mask)
+            ess = losses.masked_mean((w / (losses.masked_mean(w, mask) + 1e-8)).square(), mask).item()
             ess = 1.0 / ess if ess else math.inf  # veRL raises ZeroDivisionError when every weight is 0
             out.update(
-                rollout_is_mean=masked_mean(w, mask),
+                rollout_is_mean=losses.masked_mean(w, mask),
                 rollout_is_max=top,
                 rollout_is_min=bottom,
                 rollout_is_ratio_fraction_high=high,
@@ -261,6 +305,6 @@ def rollout_correction_metrics(old_logp, rollout_logp, mask, level=None, thresho
             )
         if new_mask is not None:
             kept = new_mask.to(old_logp.dtype)  # [B, R]
-            out["rollout_rs_masked_fraction"] = masked_mean(1.0 - kept, mask)
+            out["rollout_rs_masked_fraction"] = losses.masked_mean(1.0 - kept, mask)
             out["rollout_rs_seq_masked_fraction"] = ((kept <= 0.5) & mask.bool()).any(-1).float().mean()
     return {key: float(value) for key, value in out.items()}

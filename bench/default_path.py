@@ -11,7 +11,9 @@ coverage (coverage.py, a dev-only dependency), joins the ranks' data and prints,
   skipped    inside the functions the run enters (at least one statement of their own ran), the share of
              their statements it never runs: the lines a reader of the default path reads for nothing;
   not errors the same without the error paths (raise statements, except clauses and their bodies).
-A feature that is off should cost the default path nothing: run this before and after adding one.
+A feature that is off should cost the default path nothing: run this before and after adding one. It is a check:
+it exits 1 below its thresholds (at least EXECUTED of the statements executed, at most SKIPPED of the entered
+functions' statements skipped, error paths included), and the README's figures come from it.
 """
 
 import ast
@@ -23,6 +25,7 @@ import tempfile
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MISSION = ["grpo.py", "rollout.py", "reward.py", "losses.py", "fsdp_train.py", "sync.py"]
 DEFAULT_RUN = ["--config", "tiny.yaml", "trainer.total_steps=2"]
+EXECUTED, SKIPPED = 90.0, 6.0  # percent: the thresholds the check holds the default path to
 
 
 def run_rank(data_file: str, argv: list[str]) -> None:
@@ -81,7 +84,7 @@ def own_statements(path: str, statements: list[int]) -> dict[str, list[int]]:
     return owned
 
 
-def report(data_file: str, show: bool) -> None:
+def report(data_file: str, show: bool) -> tuple[float, float]:
     import coverage
 
     cov = coverage.Coverage(data_file=data_file)
@@ -125,6 +128,7 @@ def report(data_file: str, show: bool) -> None:
         f"{100 * entered_skipped / max(1, entered_total):8.1f}% "
         f"{100 * (entered_skipped - error_skipped) / max(1, entered_total):10.1f}%"
     )
+    return 100 * executed / total, 100 * entered_skipped / max(1, entered_total)
 
 
 def main() -> None:
@@ -142,7 +146,11 @@ def main() -> None:
         proc = subprocess.run([*cmd, *argv], cwd=ROOT, env=env, capture_output=True, text=True)
         if proc.returncode != 0:
             sys.exit(f"the run failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
-        report(data_file, show)
+        executed, skipped = report(data_file, show)
+    verdict = executed >= EXECUTED and skipped <= SKIPPED
+    print(f"{'ok' if verdict else 'FAILED'}: executed {executed:.1f}% (>= {EXECUTED:g}%), skipped {skipped:.1f}% "
+          f"(<= {SKIPPED:g}%)")  # fmt: skip
+    sys.exit(0 if verdict else 1)
 
 
 if __name__ == "__main__":

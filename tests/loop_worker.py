@@ -4,12 +4,12 @@
 
 One global step of 4 prompts x n = 4 samples with a known reward pattern (tests/test_loop.py holds
 it), split over the ranks as grpo.py splits it (data.local_positions). Each rank assembles its
-advantages with grpo.compute_advantages, runs grpo.update_actor (fsdp_train.train_step with
+advantages with the loop's advantages part (grpo.choose_parts), runs grpo.update_actor (fsdp_train.train_step with
 grpo.grpo_loss_fn) once off-policy (dumped-style old log-probs: clipping and the dual clip fire) and
 once on-policy (from the same initial weights), and computes metrics.batch_metrics. The optimizer is
 SGD with lr 1 and no clipping, so weights_after - weights_before = -gradient. Rank 0 saves the
 weights; every rank reports its metrics (tests/reporting.py). The GRPO family: one off-policy update per
-FAMILY entry (a loss mode, an aggregation, or two PPO epochs), and per ESTIMATORS entry grpo.compute_advantages
+FAMILY entry (a loss mode, an aggregation, or two PPO epochs), and per ESTIMATORS entry the advantages part
 (with rejected tokens in the response mask) written out by data.dump_batch. Then 4 global steps with the real AdamW
 and LR schedule (constant with one mini-batch per step, cosine with two) record the lr of every optimizer
 step and the logged actor/lr.
@@ -84,7 +84,7 @@ FAMILY = {  # one off-policy update each, on the grpo advantages (tests/test_loo
     "two_epochs": ["actor.ppo_epochs=2"],  # two optimizer steps on the batch, the second off the moved weights
 }
 KL_IN_REWARD = ["algorithm.use_kl_in_reward=true", "algorithm.kl_ctrl.kl_coef=0.05"]
-ESTIMATORS = {  # grpo.compute_advantages, then data.dump_batch (tests/test_loop.py: estimator_reference)
+ESTIMATORS = {  # the advantages part, then data.dump_batch (tests/test_loop.py: estimator_reference)
     "rloo": ["algorithm.adv_estimator=rloo"],
     "rf_baseline": ["algorithm.adv_estimator=reinforce_plus_plus_baseline"],
     "rf_kl": ["algorithm.adv_estimator=reinforce_plus_plus", "algorithm.gamma=0.9", *KL_IN_REWARD],
@@ -107,9 +107,14 @@ ADAPTIVE = [  # veRL's AdaptiveKLController over two steps; its KL is large agai
 ]
 
 
+def copy_batch(batch: dict) -> dict:
+    """A copy of a batch whose tensors can be changed in place (its layouts shared)."""
+    return {k: v.clone() if torch.is_tensor(v) else v for k, v in batch.items()}
+
+
 def empty_response(batch: dict, row: int) -> dict:
     """The batch with one row's response masked out entirely (a response of zero tokens)."""
-    out = {k: v.clone() for k, v in batch.items()}
+    out = copy_batch(batch)
     out["response_mask"][row] = 0.0
     for key in ("old_logprobs", "ref_logprobs", "rollout_logprobs"):
         out[key][row] = 0.0
@@ -136,9 +141,10 @@ def global_batch(vocab: int) -> dict:
 
 
 def advantages(cfg: dict, batch: dict, positions: list[int]) -> dict:
-    """grpo.compute_advantages on this rank's rows (it fills batch); returns its metrics."""
+    """The loop's advantages part (grpo.choose_parts: grpo.grpo_advantages, or the GRPO family's) on this rank's
+    rows (it fills batch); returns its metrics."""
     run = types.SimpleNamespace(cfg=cfg, positions=positions, kl_coef=cfg["algorithm"]["kl_ctrl"]["kl_coef"])
-    return grpo.compute_advantages(run, batch)
+    return grpo.choose_parts(cfg).advantages(run, batch)
 
 
 def estimators(path_out: str, batch: dict, positions: list[int]) -> dict:
@@ -148,7 +154,7 @@ def estimators(path_out: str, batch: dict, positions: list[int]) -> dict:
     out = {}
     for name, overrides in ESTIMATORS.items():
         cfg = config.load_config(None, CONFIG + overrides + [f"trainer.dump_batches={path_out}/dump_{name}"])
-        b = {k: v.clone() for k, v in batch.items()}
+        b = copy_batch(batch)
         out[name] = advantages(cfg, b, positions)
         out[name]["batch"] = metrics.batch_metrics(b, cfg["data"], {}, world)  # critic/rewards, critic/returns
         run = types.SimpleNamespace(cfg=cfg, positions=positions, rank=rank, world=world)
@@ -157,17 +163,17 @@ def estimators(path_out: str, batch: dict, positions: list[int]) -> dict:
 
 
 def adaptive_kl(path_out: str, batch: dict, positions: list[int]) -> list[dict]:
-    """Two steps of grpo.compute_advantages on one run with ADAPTIVE (the same batch twice), each dumped by
+    """Two steps of the advantages part on one run with ADAPTIVE (the same batch twice), each dumped by
     data.dump_batch to <out>/dump_adaptive/step_<k>.pt: the KL metrics each step logged."""
     cfg = config.load_config(None, CONFIG + ADAPTIVE + [f"trainer.dump_batches={path_out}/dump_adaptive"])
     rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
     run = types.SimpleNamespace(
         cfg=cfg, positions=positions, rank=rank, world=world, kl_coef=cfg["algorithm"]["kl_ctrl"]["kl_coef"]
     )
-    logged = []
+    logged, parts = [], grpo.choose_parts(cfg)
     for step in (1, 2):
-        b = {k: v.clone() for k, v in batch.items()}
-        logged.append(grpo.compute_advantages(run, b))
+        b = copy_batch(batch)
+        logged.append(parts.advantages(run, b))
         data.dump_batch(run, step, b)
     return logged
 
@@ -217,6 +223,7 @@ def one_update(path: str, cfg: dict, batch: dict, on_policy: bool, device) -> tu
         optimizer=optimizer,
         scheduler=scheduler,
         capture=on_policy,
+        parts=grpo.choose_parts(cfg),
     )
     before = full_weights(policy)
     result = grpo.update_actor(run, batch, {})
@@ -237,7 +244,8 @@ def corrected_update(path: str, full: dict, device) -> tuple[dict, dict]:
     rows, as grpo_step wires them: what the rank got back, the metrics; and the weights before and after."""
     cfg = config.load_config(None, CONFIG + CORRECTION)
     positions, rows, batch = rank_rows(cfg, full)
-    run = types.SimpleNamespace(cfg=cfg, world=torch.distributed.get_world_size(), positions=positions)
+    world, parts = torch.distributed.get_world_size(), grpo.choose_parts(cfg)
+    run = types.SimpleNamespace(cfg=cfg, world=world, positions=positions, parts=parts)
     result = {"rows": rows, "correction": grpo.correct_rollout(run, batch, batch["old_logprobs"])}
     result["is_weights"], result["response_mask"] = batch["is_weights"].tolist(), batch["response_mask"].tolist()
     advantages(cfg, batch, positions)
@@ -274,6 +282,7 @@ def schedule(path: str, overrides: list[str], full: dict, device) -> dict:
     run = types.SimpleNamespace(
         cfg=cfg, world=world, policy=policy, optimizer=optimizer, scheduler=scheduler, capture=False
     )
+    run.parts = grpo.choose_parts(cfg)
     lrs, unchanged = [], []
     for _ in range(4):
         before = full_weights(policy)
@@ -291,7 +300,7 @@ def main():
     n = cfg["rollout"]["n"]
     positions = data.local_positions(cfg["data"]["train_batch_size"], cfg["actor"]["ppo_mini_batch_size"], world, rank)
     batch = ft.select(full, [p * n + j for p in positions for j in range(n)])
-    holed = {k: v.clone() for k, v in batch.items()}
+    holed = copy_batch(batch)
     advantages(cfg, batch, positions)
     result = {"advantages": batch["advantages"].tolist(), "rows": [p * n + j for p in positions for j in range(n)]}
     on_policy_batch = {k: v for k, v in batch.items() if k != "old_logprobs"}

@@ -153,8 +153,13 @@ def test_defaults_yaml_and_overrides(tmp_path):
     ],
 )
 def test_config_errors_name_the_key_and_the_accepted_values(override, message):
-    with pytest.raises(config.ConfigError, match=message.replace("(", r"\(").replace(")", r"\)").replace("[", r"\[")):
-        config.load_config(None, override.split(" "))
+    """config.load_config's checks, then an optional feature's own when its key is set (grpo.choose_parts: the GRPO
+    family's, the rollout correction's, DAPO's): one line, an error flatgrpo defines, before anything loads."""
+    import grpo
+
+    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)").replace("[", r"\[")) as e:
+        grpo.choose_parts(config.load_config(None, override.split(" ")))
+    assert grpo.one_line(e.value) and "\n" not in str(e.value)
 
 
 def test_an_overlong_buffer_as_long_as_the_responses_is_accepted():
@@ -165,9 +170,11 @@ def test_an_overlong_buffer_as_long_as_the_responses_is_accepted():
         "data.max_response_length=48",
         "reward.overlong_buffer.penalty_factor=1",
     ]
-    assert config.load_config(None, [*on, "reward.overlong_buffer.len=48"])["reward"]["overlong_buffer"]["len"] == 48
-    with pytest.raises(config.ConfigError, match=r"len = 49; accepted: 0 < value <= data.max_response_length \(48\)"):
-        config.load_config(None, [*on, "reward.overlong_buffer.len=49"])
+    import grpo
+
+    grpo.choose_parts(config.load_config(None, [*on, "reward.overlong_buffer.len=48"]))
+    with pytest.raises(dapo.DapoError, match=r"len = 49; accepted: 0 < value <= data.max_response_length \(48\)"):
+        grpo.choose_parts(config.load_config(None, [*on, "reward.overlong_buffer.len=49"]))
     assert [dapo.overlong_penalty(length, 48, 48, 1.0) for length in (0, 12, 48)] == [0.0, -0.25, -1.0]
 
 
@@ -1237,16 +1244,20 @@ def test_a_reward_of_nan_stops_the_run_with_one_line_naming_the_row(tiny_build, 
     "returned", ["float('nan')", "float('inf')", "-float('inf')", "{'score': float('nan')}", "'abc'"]
 )
 def test_a_reward_file_must_return_a_finite_number(tmp_path, returned):
-    """data.make_scorer: a reward that is not a finite number (NaN, +-inf, a dict whose score is NaN, text) stops
-    the run with the file, the function, what it returned and the row it was scoring."""
+    """The loop's scorer of a reward file (grpo.choose_parts' score: reward_files.load_scorer): a reward that is not
+    a finite number (NaN, +-inf, a dict whose score is NaN, text) stops the run with the file, the function, what
+    it returned and the row it was scoring."""
+    import grpo
+    import reward_files
+
     path = tmp_path / "reward.py"
     path.write_text(
         f"def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n    return {returned}\n"
     )
-    score = data.make_scorer(config.load_config(None, [f"custom_reward_function.path={path}"]))
+    score = grpo.choose_parts(config.load_config(None, [f"custom_reward_function.path={path}"])).score
     row = {"data_source": "my/task", "ground_truth": "1", "extra_info": {}, "where": "val.jsonl row 5"}
     with pytest.raises(
-        config.ONE_LINE_ERRORS,
+        reward_files.RewardFileError,
         match=rf"^custom_reward_function: {path}:compute_score returned .+ for val.jsonl row 5; accepted",
     ):
         score(row, "text")

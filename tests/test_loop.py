@@ -1,6 +1,6 @@
 """grpo.py's step phases against an independent computation, at 1 and 2 ranks.
 
-tests/loop_worker.py runs grpo.compute_advantages, grpo.update_actor (fsdp_train.train_step with
+tests/loop_worker.py runs the advantages part (grpo.choose_parts), grpo.update_actor (fsdp_train.train_step with
 grpo.grpo_loss_fn) and grpo.batch_metrics on a known batch under torchrun. Here the same quantities are
 written out from veRL's formulas in plain PyTorch (one process, the whole batch, no losses.py), with
 the recipe's regularisers on (entropy_coeff 0.003, low_var_kl 0.001), temperature 0.7, clip 0.2 / 0.28
@@ -678,9 +678,9 @@ def estimator_reference(name: str, dtype) -> dict:
 @pytest.mark.parametrize("world", [1, 2])
 @pytest.mark.parametrize("name", list(ESTIMATORS))
 def test_dumped_advantages_of_each_estimator_equal_the_formulas(runs, world, name):
-    """grpo.compute_advantages (whole-batch whitening, the KL in the reward before rejection) and data.dump_batch
-    at 1 and 2 ranks: the dumped per-token rewards, advantages and returns, the response mask with its rejected
-    tokens, and the logged KL metrics equal veRL's formulas within FACTOR x the fp32 noise."""
+    """The GRPO family's advantages part (whole-batch whitening, the KL in the reward before rejection) and
+    data.dump_batch at 1 and 2 ranks: the dumped per-token rewards, advantages and returns, the response mask with
+    its rejected tokens, and the logged KL metrics equal veRL's formulas within FACTOR x the fp32 noise."""
     reports, folder = runs[world]
     ref, noise = fp32_noise.measure(lambda dtype: estimator_reference(name, dtype))
     dump = torch.load(folder / f"dump_{name}" / "step_1.pt")

@@ -156,13 +156,14 @@ def test_targets_that_match_nothing_name_the_layers_there_are(random_models, tar
 
 # ------------------------------------------------------------------ LoRA as the trainer builds it
 def trainer_lora_model(path: str, *overrides: str) -> torch.nn.Module:
-    """The policy as grpo.py loads it (config.lora_settings from the config's model.* and trainer.seed,
-    lora.adapter, then fsdp_train.load_model), in this process (world size 1)."""
+    """The policy as grpo.py loads it (lora.settings from the config's model.* and trainer.seed, lora.adapter, then
+    fsdp_train.load_model), in this process (world size 1)."""
     import config
 
     ft.init_distributed()
     cfg = config.load_config(None, ["model.lora_rank=4", "model.lora_alpha=8", *overrides])
-    return ft.load_model(path, device=torch.device("cpu"), adapt=lora.adapter(config.lora_settings(cfg, path)))
+    settings = lora.settings(cfg["model"], path, cfg["trainer"]["seed"])
+    return ft.load_model(path, device=torch.device("cpu"), adapt=lora.adapter(settings))
 
 
 def adapted(model) -> list[str]:
@@ -263,8 +264,8 @@ def test_resume_refuses_another_alpha_or_other_targets(random_models, tmp_path, 
     optimizer = torch.optim.AdamW(ft.trainable_params(other))
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
     cfg = config.load_config(None, [f"trainer.resume={path}"])
-    with pytest.raises(config.ONE_LINE_ERRORS) as error:
-        cluster.resume(cfg, other, optimizer, scheduler, 0, 1)
+    with pytest.raises(lora.LoraError) as error:
+        cluster.resume(cfg, other, optimizer, scheduler, 0, 1, lora.check_resume)  # grpo.setup's for a LoRA policy
     assert str(error.value).startswith(
         f"trainer.resume: {path} was written by LoRA rank 4, alpha 8 on 28 modules, {message}"
     )
@@ -523,24 +524,26 @@ def peft_adapter(random_models, tmp_path_factory) -> str:
     ],
 )
 def test_lora_keys_stop_with_one_line(peft_adapter, overrides, message):
+    """By config (the keys' values) or by lora.check_settings (the adapter directory), which grpo.choose_parts calls
+    with LoRA on: one line, before anything loads."""
     import config
+    import grpo
 
-    with pytest.raises(config.ConfigError) as error:
-        config.load_config(None, [o.format(adapter=peft_adapter) for o in overrides])
-    assert message.format(adapter=peft_adapter) in str(error.value)
+    with pytest.raises((config.ConfigError, lora.LoraError)) as error:
+        grpo.choose_parts(config.load_config(None, [o.format(adapter=peft_adapter) for o in overrides]))
+    assert message.format(adapter=peft_adapter) in str(error.value) and grpo.one_line(error.value)
     ok = config.load_config(None, ["model.lora_adapter_path=" + peft_adapter])  # rank 0: the adapter's
+    grpo.choose_parts(ok)
     assert ok["model"]["lora_rank"] == 0
     for path in ("gsm8k.yaml", "gsm8k_lora.yaml"):
         assert config.load_config(os.path.join(ROOT, path), [])["model"]["lora_rank"] == (32 if "lora" in path else 0)
 
 
 def test_an_adapter_of_another_base_stops(peft_adapter, random_models):
-    import config
-
     m = {"path": random_models["tied"], "lora_adapter_path": peft_adapter}
-    config.check_adapter_base(m, random_models["tied"])  # its own base: by path
-    with pytest.raises(config.ConfigError, match="was trained on .*tied.*, not on model.path = .*untied"):
-        config.check_adapter_base({**m, "path": random_models["untied"]}, random_models["untied"])
+    lora.check_adapter_base(m, random_models["tied"])  # its own base: by path
+    with pytest.raises(lora.LoraError, match="was trained on .*tied.*, not on model.path = .*untied"):
+        lora.check_adapter_base({**m, "path": random_models["untied"]}, random_models["untied"])
 
 
 @pytest.fixture(scope="module")

