@@ -342,25 +342,33 @@ def add_fields(batch: dict, fields: list[dict]) -> None:
     -> [B], anything else -> a list. A field named as an entry the batch has narrows it (times): a multi-turn
     trajectory's response_mask, 0 on its tool tokens. E.g. a token field [[7, 8]] (fill -1) on the row of prompt
     [5] and response [6] in a batch with P = 2, R = 1: [[-1, 7, 8]]."""
-    p_width = batch["input_ids"].shape[1] - batch["response_mask"].shape[1]
-    starts = (p_width - batch["attention_mask"][:, :p_width].sum(-1)).tolist()  # [B]: each row's first token
-    for name, (layout, *_) in fields[0].items():
-        values = [row[name][1] for row in fields]
-        fill = fields[0][name][2] if len(fields[0][name]) > 2 else 0
-        if layout == "row":
-            numbers = all(isinstance(v, (int, float)) for v in values)
-            value = torch.tensor(values) if numbers else values  # [B], or B objects
-        else:
-            width = batch["input_ids"].shape[1] if layout == "token" else batch["response_mask"].shape[1]
-            first = torch.as_tensor(values[0])
-            value = torch.full((len(values), width, *first.shape[1:]), fill, dtype=first.dtype)  # [B, width, ...]
-            for row, v in enumerate(values):
-                v, start = torch.as_tensor(v), starts[row] if layout == "token" else 0
-                if start + len(v) > width:
-                    raise ValueError(f"add_fields: row {row}'s {name} has {len(v)} values past its {layout} tokens")
-                value[row, start : start + len(v)] = v
+    r_width = batch["response_mask"].shape[1]
+    p_width = batch["input_ids"].shape[1] - r_width
+    first_token = (p_width - batch["attention_mask"][:, :p_width].sum(-1)).tolist()  # [B]
+    starts = {"token": first_token, "response": [0] * len(fields)}
+    widths = {"token": p_width + r_width, "response": r_width}
+    for name, (layout, _, *fill) in fields[0].items():
+        values, fill = [row[name][1] for row in fields], fill[0] if fill else 0
+        value = _row_values(values) if layout == "row" else _padded(values, starts[layout], widths[layout], fill)
         batch[name] = batch[name] * value if name in batch else value
         batch.setdefault("layouts", {})[name] = (layout, fill)
+
+
+def _padded(values: list, starts: list[int], width: int, fill) -> torch.Tensor:
+    """Rows of values [T_i, ...] -> [B, width, ...]: row i's from column starts[i] on, fill elsewhere."""
+    first = torch.as_tensor(values[0])
+    out = torch.full((len(values), width, *first.shape[1:]), fill, dtype=first.dtype)  # [B, width, ...]
+    for row, (value, start) in enumerate(zip(values, starts, strict=True)):
+        value = torch.as_tensor(value)
+        if start + len(value) > width:
+            raise ValueError(f"add_fields: row {row} has {len(value)} values from column {start} of {width}")
+        out[row, start : start + len(value)] = value
+    return out
+
+
+def _row_values(values: list):
+    """A row field's values: numbers as a tensor [B], anything else as the list."""
+    return torch.tensor(values) if all(isinstance(v, (int, float)) for v in values) else values
 
 
 def layout_of(batch: dict, key: str) -> str:

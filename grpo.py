@@ -119,8 +119,7 @@ def grpo_step(run: "Run", step: int) -> dict:
     t, parts = {}, run.parts
     with timed(t, "step"):
         batch, m = parts.next_batch(run, step, t)  # sample_batch, or a dumped batch replayed
-        if torch.cuda.is_available():  # perf/max_memory_allocated_gb: the trainer's peak from here (vLLM sleeps)
-            torch.cuda.reset_peak_memory_stats()
+        metrics.reset_peak_memory()  # a GPU's perf/max_memory_allocated_gb: the trainer's peak from here
         parts.given_old(batch)  # old log-probs given, not computed: none, or bypass mode's (vLLM's)
         if run.capture:  # the on-policy shortcut (or bypass_mode): no old-log-prob pass
             t["old_log_prob"] = 0.0
@@ -172,19 +171,23 @@ def next_prompts(run: "Run") -> list[dict]:
 
 
 def groups_to_batch(groups: list[dict], pad_id: int) -> dict:
-    """Scored groups -> one batch in fsdp_train's layout, with rewards [B], vLLM's log-probs [B, R] (0 past a
-    response's end), each sample's own fields (fsdp_train.add_fields: a multi-turn trajectory's loss mask, turns and
-    tool calls, a Mixture-of-Experts engine's routing) and a scorer's numeric extra outputs (extra/<key> [B])."""
+    """Scored groups -> one batch in fsdp_train's layout, with rewards [B] and, as fields padded by
+    fsdp_train.add_fields: vLLM's log-probs [B, R] (0 past a response's end), each sample's own fields (a multi-turn
+    trajectory's loss mask, turns and tool calls, a Mixture-of-Experts engine's routing) and a scorer's numeric
+    extra outputs (extra/<key> [B])."""
     samples = [s for g in groups for s in g["samples"]]
     extras = [e for g in groups for e in g["extras"]]
     numeric_keys = [key for key, value in extras[0].items() if isinstance(value, (int, float))]
-    scores = [{f"extra/{k}": ("row", float(e[k])) for k in numeric_keys} for e in extras]  # a scorer's numbers
-    fields = [{**s.fields, **score} for s, score in zip(samples, scores, strict=True)]
+    fields = [
+        {
+            "rollout_logprobs": ("response", s.logprobs),
+            **s.fields,
+            **{f"extra/{k}": ("row", float(e[k])) for k in numeric_keys},
+        }
+        for s, e in zip(samples, extras, strict=True)
+    ]
     batch = fsdp_train.make_batch([s.prompt_ids for s in samples], [s.response_ids for s in samples], pad_id, fields)
     batch["rewards"] = torch.cat([g["rewards"] for g in groups])  # [B]
-    batch["rollout_logprobs"] = torch.zeros_like(batch["response_mask"])  # [B, R]
-    for k, s in enumerate(samples):
-        batch["rollout_logprobs"][k, : len(s.logprobs)] = torch.tensor(s.logprobs)
     return batch
 
 
@@ -331,8 +334,7 @@ def update_actor(run: "Run", batch: dict, t: dict) -> dict:
     out = {k: sum(m[k] for m in results) / len(results) for k in results[0]}
     out["actor/lr"] = run.scheduler.get_last_lr()[0]  # as veRL 0.9.1: read AFTER the schedule step
     out["actor/skipped_steps"] = sum(m["actor/skipped_steps"] for m in results)
-    if torch.cuda.is_available():
-        out.update(metrics.gpu_memory_metrics(results))
+    out.update(metrics.gpu_memory_metrics(results))  # a GPU's peak and pools
     out["actor/kl_coef"] = actor["kl_loss_coef"] if kl_loss_on(actor) else 0.0
     out.update(run.parts.routing_metrics(run.policy, "update_actor"))  # none, or a MoE model's routing replay
     if run.capture:
@@ -342,12 +344,16 @@ def update_actor(run: "Run", batch: dict, t: dict) -> dict:
 
 
 def update_weights(run: "Run", step: int, t: dict) -> dict:
-    """update_weights: push the new weights into the running engine; every trainer.sync_check_every
-    steps, prove it (rollout/sync_check: vLLM vs trainer log-probs on a probe)."""
+    """update_weights: push the new weights into the running engine and prove it bit for bit (push_proof:
+    sync.check_push, every group of weights as pushed, every buffer as loaded; a mismatch stops the run in one
+    line naming the step and the group); every trainer.sync_check_every steps, also end to end (rollout/sync_check:
+    vLLM vs trainer log-probs on a probe: the prefix cache, a logit rule)."""
     with timed(t, "update_weights"):
         rollout.wake(run.llm, ["weights"])
-        push(run.llm, run.policy)
+        pushed = push(run.llm, run.policy)
         rollout.wake(run.llm, ["kv_cache"])
+    with timed(t, "push_proof"):
+        sync.check_push(run.llm, pushed, run.engine_buffers, when=f"step {step}: ")
     every = run.cfg["trainer"]["sync_check_every"]
     if not every or step % every:
         return {}
@@ -355,11 +361,20 @@ def update_weights(run: "Run", step: int, t: dict) -> dict:
         return {"rollout/sync_check": sync_gap(run)}
 
 
-def push(llm, model) -> None:
+def push(llm, model, send: bool = True) -> dict:
     """The model's full weights into the engine: cast to the engine's dtype, under the checkpoint's names (a
-    Mixture-of-Experts model's merged experts as the checkpoint's per-expert tensors)."""
+    Mixture-of-Experts model's merged experts as the checkpoint's per-expert tensors). Returns their bit sums by
+    group (sync.with_bit_sums), what sync.check_push proves the engine holds. send=False: the sums only (of the
+    weights the engine loaded itself)."""
+    pushed = {}
     tensors = sync.full_params(model, sync.engine_dtype(llm), model.checkpoint_names, model.checkpoint_split)
-    sync.push_weights(llm, tensors)
+    tensors = sync.with_bit_sums(tensors, pushed)
+    if send:
+        sync.push_weights(llm, tensors)
+    else:
+        for _ in tensors:  # gathered and summed, not sent
+            pass
+    return pushed
 
 
 def sync_gap(run: "Run") -> float:
@@ -600,8 +615,9 @@ class Run(types.SimpleNamespace):
     moved by the adaptive controller); logger (logs.MetricsLogger); gen_batch_size (prompts per generation batch),
     gen_cursor (generation batches consumed: the steps, without dynamic sampling); capture (the update's own
     forward gives the old log-probs: on-policy shortcut, bypass); exact (fp32 engine and trainer, sampling from the
-    whole softmax: then vLLM's log-probs must be the trainer's to fp32 noise, metrics.judge_sync); saved (the step
-    of the newest checkpoint this run wrote)."""
+    whole softmax: then vLLM's log-probs must be the trainer's to fp32 noise, metrics.judge_sync); engine_buffers
+    (the engine's buffers' bit sums at load, sync.check_push); saved (the step of the newest checkpoint this run
+    wrote)."""
 
 
 def setup(cfg: dict, parts=None) -> Run:
@@ -654,8 +670,11 @@ def setup(cfg: dict, parts=None) -> Run:
     run.capture = cfg["algorithm"]["rollout_correction"]["bypass_mode"] or on_policy_shortcut(cfg)
     if not trainer["replay_batches"]:  # the engine, one per rank, AFTER torch.distributed (replay needs none)
         run.llm = start_engine(cfg, model_path, rank)
-        if start > 1 or cfg["model"]["lora_adapter_path"]:  # the engine loaded model.path: push what trains
-            push(run.llm, policy)
+        run.engine_buffers = sync.engine_buffers(run.llm)  # at load: no push sends them (sync.check_push)
+        held = sync.describe_buffers(run.engine_buffers)
+        log0(rank, f"push proof: every push proven bit for bit; the engine's buffers held as loaded: {held}")
+        pushing = start > 1 or cfg["model"]["lora_adapter_path"]  # the engine loaded model.path: push what trains
+        sync.check_push(run.llm, push(run.llm, policy, send=pushing), run.engine_buffers, when="start-up: ")
     run.exact = exact_run(cfg, run.llm)
     if run.exact and run.llm is not None:  # before step 1 too: the engine and the trainer agree on the weights
         metrics.judge_sync(cfg, rank, start - 1, {"rollout/sync_check": sync_gap(run)}, exact=True)
@@ -817,7 +836,10 @@ def build_optimizer(cfg: dict, policy, total_steps: int) -> tuple:
 
 
 def start_engine(cfg: dict, model_path: str, rank: int):
+    """The rank's vLLM engine (rollout.make_engine) with the run's settings; on CPU the proof records what the engine
+    packs (sync.record_cpu_packing) from its first load on."""
     sampling = cfg["rollout"]
+    sync.record_cpu_packing()
     return rollout.make_engine(
         model_path,
         dtype=sampling["dtype"],

@@ -205,8 +205,17 @@ def old_logprob_metrics(batch: dict, old_logp, entropy, cfg: dict) -> dict:
     }
 
 
+def reset_peak_memory() -> None:
+    """On a GPU: perf/max_memory_allocated_gb counts from here (the update's peak, vLLM asleep). No-op on CPU."""
+    if torch.cuda.is_available():
+        torch.cuda.reset_peak_memory_stats()
+
+
 def gpu_memory_metrics(results: list[dict]) -> dict:
-    """The trainer's peak over the mini-batches; apart: vLLM's sleep-mode pool, the device's use."""
+    """On a GPU: the trainer's peak over the mini-batches; apart: vLLM's sleep-mode pool, the device's use. {} on
+    CPU."""
+    if not torch.cuda.is_available():
+        return {}
     free, total = torch.cuda.mem_get_info()
     return {
         "perf/max_memory_allocated_gb": max(m["perf/max_memory_allocated_gb"] for m in results),

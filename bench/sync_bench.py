@@ -1,5 +1,6 @@
-"""Weight-push cost: push_weights (+ prefix-cache reset) and check_sync into a running in-process vLLM
-engine, against a plain in-memory state-dict copy of the same bytes measured in the same process.
+"""Weight-push cost: push_weights (+ prefix-cache reset), the exact proof of it (sync.with_bit_sums on the stream,
+sync.check_push on the engine) and check_sync into a running in-process vLLM engine, against a plain in-memory
+state-dict copy of the same bytes measured in the same process.
 
     .venv/bin/python bench/sync_bench.py                 # tiny model and a Qwen2.5-0.5B-shaped random model
     .venv/bin/python bench/sync_bench.py --only tiny
@@ -43,7 +44,9 @@ def bench(name: str, path: str, reps: int) -> float:
     """Prints the medians; returns the push's seconds per GB."""
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     _, split = fsdp_train.checkpoint_names(model)  # a MoE model's experts: per-expert tensors, as its checkpoint
+    sync.record_cpu_packing()  # as grpo.start_engine: the proof reads what the CPU engine packs
     llm = rollout.make_engine(path, dtype="float32", max_model_len=512, gpu_memory_utilization=0.3)
+    buffers = sync.engine_buffers(llm)
     nbytes = sum(p.numel() * p.element_size() for p in model.parameters())
     target = {n: torch.empty_like(p) for n, p in model.named_parameters()}
 
@@ -55,6 +58,15 @@ def bench(name: str, path: str, reps: int) -> float:
     copy_s = timed(baseline, reps)
     pushed = sync.push_weights(llm, sync.full_params(model, split=split))
     push_s = timed(lambda: sync.push_weights(llm, sync.full_params(model, split=split)), reps)
+    sums = {}
+
+    def push_and_prove():
+        sums.clear()
+        sync.push_weights(llm, sync.with_bit_sums(sync.full_params(model, split=split), sums))
+        sync.check_push(llm, sums, buffers)
+
+    proven_s = timed(push_and_prove, reps)
+    proof_s = timed(lambda: sync.check_push(llm, sums, buffers), reps)
     check_s = timed(
         lambda: sync.check_sync(llm, functools.partial(fsdp_train.sequence_logprobs, model)), max(2, reps // 2)
     )
@@ -65,6 +77,8 @@ def bench(name: str, path: str, reps: int) -> float:
     for label, times in (
         ("state-dict copy (baseline)", copy_s),
         ("push_weights + reset", push_s),
+        ("push, its sums and its proof", proven_s),
+        ("the proof (sync.check_push)", proof_s),
         ("check_sync", check_s),
     ):
         med = statistics.median(times)
@@ -72,7 +86,8 @@ def bench(name: str, path: str, reps: int) -> float:
             f"  {label:<28} median {med * 1000:9.1f} ms  min {min(times) * 1000:9.1f} ms  "
             f"{gb / med:7.2f} GB/s  ({med / statistics.median(copy_s):.1f}x baseline)"
         )
-    print(f"  check_sync after push: {diff:.2e} nats")
+    print(f"  check_sync after push: {diff:.2e} nats; the exact proof costs "
+          f"{statistics.median(proven_s) / statistics.median(push_s) - 1:+.1%} on the push")  # fmt: skip
     return statistics.median(push_s) / gb
 
 

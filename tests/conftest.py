@@ -24,6 +24,10 @@ if WORKERS > 1:
     os.environ["OMP_NUM_THREADS"] = str(CORES)
 
 
+def pytest_configure(config):
+    config.addinivalue_line("markers", "gpu: needs a CUDA GPU and vLLM's GPU build (tests/test_gpu.py; skipped on CPU)")
+
+
 def threads(nproc: int = 1) -> str:
     """OMP_NUM_THREADS for each of the nproc ranks (or processes) a test starts at once."""
     return str(max(1, CORES // nproc))
@@ -64,6 +68,38 @@ def tiny_build():
     with open(os.path.join(cache, ".lock"), "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         return tiny.build(cache, seed=0)
+
+
+def run_python(*args: str, timeout: int = 600, check: bool = True) -> subprocess.CompletedProcess:
+    """Run `python ARGS` in the repository, one thread of the worker's cores; check: it exits 0."""
+    proc = subprocess.run(
+        [sys.executable, *args],
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": threads(1)},
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    assert not check or proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    return proc
+
+
+def cli_calls(calls: dict, folder, env: dict | None = None) -> dict:
+    """grpo.py command lines that stop before a model loads, run in ONE process (tests/cli_calls.py: importing vLLM
+    costs seconds per process). calls: {name: argv}; returns {name: {"stdout", "stderr", "exit"}}."""
+    path = os.path.join(folder, "calls.json")
+    with open(path, "w") as f:
+        json.dump(calls, f)
+    proc = subprocess.run(
+        [sys.executable, "tests/cli_calls.py", path],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=900,
+        env={**os.environ, **(env or {})},
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
 def run_torchrun(script: str, nproc: int, *args: str, timeout: int = 600, killed: bool = False) -> list[dict]:

@@ -1,7 +1,8 @@
 """grpo.py with the weight push switched off: the engine keeps serving the initial weights while the
-trainer moves on (the bug the run-time sync proof must catch). Used by tests/test_grpo.py.
+trainer moves on (the bug the run-time proofs must catch). Used by tests/test_grpo.py and tests/test_gpu.py.
 
     python tests/grpo_without_push.py --config tiny.yaml [key=value ...]
+    WITHOUT_PUSH_PROOF=1 python tests/grpo_without_push.py ...    # the exact proof off too: the log-prob probe alone
 """
 
 import os
@@ -13,5 +14,7 @@ import cluster  # noqa: E402
 import grpo  # noqa: E402
 import sync  # noqa: E402
 
-sync.push_weights = lambda llm, named_tensors: 0  # the injected fault: nothing reaches the engine
+sync.push_weights = lambda llm, named_tensors: sum(1 for _ in named_tensors)  # the fault: sent, never loaded
+if os.environ.get("WITHOUT_PUSH_PROOF"):  # the log-prob probe alone: the exact proof switched off too
+    sync.check_push = lambda *args, **kwargs: 0
 cluster.end_process(grpo.main(sys.argv[1:]))  # as grpo.py ends

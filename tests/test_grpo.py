@@ -24,7 +24,7 @@ import fsdp_train
 import metrics
 import reward
 import rollout
-from conftest import ROOT, free_port, threads
+from conftest import ROOT, cli_calls, free_port, threads
 
 VAL_KEY = "val-core/openai/gsm8k/reward/mean@1"  # veRL's name of greedy validation accuracy on GSM8K
 
@@ -297,17 +297,8 @@ def cli(tiny_build, reward_files, tmp_path_factory) -> tuple[dict, dict]:
     for k, argv in enumerate(calls.values()):  # an output directory of its own for every call that would write one
         if argv[0] == "--config" and not any(a.startswith("trainer.output_dir=") for a in argv):
             argv.append(f"trainer.output_dir={root / f'run{k}'}")
-    (root / "calls.json").write_text(json.dumps(calls))
-    proc = subprocess.run(
-        [sys.executable, "tests/cli_calls.py", str(root / "calls.json")],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=900,
-        env={**os.environ, "HF_HUB_OFFLINE": "1", "HF_HUB_CACHE": str(root / "hub")},  # an offline machine
-    )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1]), files
+    hub = {"HF_HUB_OFFLINE": "1", "HF_HUB_CACHE": str(root / "hub")}  # an offline machine
+    return cli_calls(calls, root, env=hub), files
 
 
 def test_print_config_and_help(cli):
@@ -1048,10 +1039,12 @@ def test_the_printed_config_reaches_a_pipe_whole():
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_a_skipped_push_stops_an_fp32_run_and_warns_in_bf16(tmp_path, tiny_build, dtype):
-    """tests/grpo_without_push.py leaves the engine on the initial weights; the step after, the sync proof
-    stops an fp32 run with one line, once that step is logged (max rule), and warns in bf16 (mean rule). A
-    correct bf16 run, whose rare tokens differ by more than the fp32 threshold, does not warn. (A correct fp32
-    run not stopping: the end-to-end runs.)"""
+    """tests/grpo_without_push.py leaves the engine on the initial weights. The exact proof (sync.check_push) stops
+    the run at step 1's push, in one line naming the step and the group (bf16 here; every engine kind in process:
+    tests/test_push_proof.py). The log-prob probe alone (the proof switched off): the step after, it stops an fp32
+    run with one line, once that step is logged (max rule), and warns in bf16 (mean rule). A correct bf16 run,
+    whose rare tokens differ by more than the fp32 threshold, does not warn. (A correct fp32 run not stopping: the
+    end-to-end runs.)"""
     common = [
         "trainer.total_steps=2",
         "trainer.val_every=0",
@@ -1065,7 +1058,10 @@ def test_a_skipped_push_stops_an_fp32_run_and_warns_in_bf16(tmp_path, tiny_build
         f"rollout.dtype={dtype}",
         f"model.compute_dtype={dtype}",
     ]
-    skipped = run_grpo(tmp_path / "skipped", 1, *common, script="tests/grpo_without_push.py", check=False)
+    probe_only = {"WITHOUT_PUSH_PROOF": "1"}
+    skipped = run_grpo(
+        tmp_path / "skipped", 1, *common, script="tests/grpo_without_push.py", check=False, env=probe_only
+    )
     if dtype == "float32":
         line = one_error_line(skipped)
         assert line.startswith("error: step 2: vLLM's and the trainer's log-probs differ by "), line
@@ -1078,6 +1074,10 @@ def test_a_skipped_push_stops_an_fp32_run_and_warns_in_bf16(tmp_path, tiny_build
         "WARNING step 1" not in skipped.stdout
         and "WARNING step 2: vLLM's and the trainer's log-probs differ" in skipped.stdout
     )
+    proven = run_grpo(tmp_path / "proven", 1, *common, script="tests/grpo_without_push.py", check=False)
+    line = one_error_line(proven)
+    assert line.startswith("error: step 1: the engine's ") and "is not what the trainer pushed" in line, line
+    assert not os.path.exists(tmp_path / "proven" / "metrics.jsonl") or not read_metrics(tmp_path / "proven")
     correct = run_grpo(tmp_path / "correct", 1, *common)
     assert "WARNING" not in correct.stdout
     assert max(r["rollout/logprob_diff_max"] for r in read_metrics(tmp_path / "correct")) > 0.05
