@@ -1,7 +1,8 @@
 """Bring your model: every dense family in FAMILIES trains through grpo.py (1 rank, fp32), and the quirks of real
 checkpoints are handled. One tiny random model per family (tiny.save_random_family_model, ~1 s each), two runs per
-family in one module fixture: 2 steps (the start-up and per-step sync checks: vLLM serves what the trainer trains,
-after every push), then resumed from its step-2 checkpoint for a third step; run 1's export (hf/, written at step 2)
+family in one module fixture, all in one process (tests/families_worker.py): 2 steps (the exact proof of every push
+and the sync checks: vLLM serves what the trainer trains), then resumed from its step-2 checkpoint for a third step;
+run 1's export (hf/, written at step 2)
 reloads in transformers' own from_pretrained with the log-probs the resumed trainer computed at step 3 (its old
 log-probs, dumped), within fp32_noise.FACTOR x the fp32 noise measured here.
 
@@ -23,13 +24,14 @@ import pytest
 import safetensors
 import torch
 import transformers
-from test_grpo import one_error_line, read_metrics, run_grpo
+from test_grpo import SMALL, one_error_line, read_metrics, run_grpo
 from test_logit_rules import GEMMA2_RUN
 from tokenizers import processors
 from transformers import AutoModelForCausalLM, GenerationConfig
 
 import fp32_noise
 import tiny
+from conftest import run_python
 
 # family -> (config class, its keys on top of tiny.TINY). Untied heads where the released models have them.
 FAMILIES = {
@@ -84,19 +86,26 @@ def family_models(tiny_tokenizer, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def family_runs(family_models, tiny_build, tmp_path_factory):
-    """family -> (model path, run directory, run 1's process, the resumed run's process), run on first use."""
-    root, runs = tmp_path_factory.mktemp("families"), {}
+    """family -> (model path, run directory, run 1's result, the resumed run's result: {"returncode", "stderr"}),
+    every family's two runs made on first use, one after another in one process (tests/families_worker.py: grpo.main
+    in process, the libraries imported once)."""
+    root = tmp_path_factory.mktemp("families")
+    argvs = {}
+    for family in FAMILIES:
+        path, out = family_models(family), root / family / "run"
+        first = ["--config", "tiny.yaml", *SMALL, f"trainer.output_dir={out}", f"model.path={path}", *RUN]
+        argvs[family] = {"first": first, "resumed": [*first, *RESUMED, f"trainer.dump_batches={out / 'dump'}"]}
+    (root / "runs.json").write_text(json.dumps(argvs))
+    proc = run_python(
+        "tests/families_worker.py", str(root / "runs.json"), str(root / "results.json"), timeout=1500, check=False
+    )
+    results = json.loads((root / "results.json").read_text()) if (root / "results.json").exists() else {}
+    assert results, proc.stderr[-3000:]
 
     def get(family):
-        if family not in runs:
-            path, out = family_models(family), root / family / "run"
-            first = run_grpo(out, 1, f"model.path={path}", *RUN, check=False)
-            resumed = None
-            if first.returncode == 0:
-                dump = f"trainer.dump_batches={out / 'dump'}"
-                resumed = run_grpo(out, 1, f"model.path={path}", *RUN, *RESUMED, dump, check=False)
-            runs[family] = path, out, first, resumed
-        return runs[family]
+        assert family in results, f"{family}: the worker ended before its runs: {proc.stderr[-3000:]}"
+        first, resumed = results[family]["first"], results[family]["resumed"]
+        return family_models(family), root / family / "run", first, resumed
 
     return get
 
@@ -114,8 +123,8 @@ def plain_logprobs(model, b: dict) -> dict:
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_a_family_trains_pushes_resumes_and_exports(family_runs, family):
     path, out, first, resumed = family_runs(family)
-    assert first.returncode == 0, first.stderr[-3000:]
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert first["returncode"] == 0, first["stderr"][-3000:]
+    assert resumed["returncode"] == 0, resumed["stderr"][-3000:]
     logged = [r for r in read_metrics(out) if "training/global_step" in r]
     assert [r["training/global_step"] for r in logged] == [1, 2, 3]
     assert all(r["actor/grad_norm"] > 0 for r in logged)

@@ -13,20 +13,18 @@
 import json
 import os
 import re
-import subprocess
-import sys
 
 import pytest
 import torch
 from test_families import SYNC, plain_logprobs
-from test_grpo import comparable, read_metrics, run_grpo
+from test_grpo import comparable, error_line_of_call, read_metrics, run_grpo
 from transformers import AutoModelForCausalLM, AutoTokenizer
 from transformers.utils import get_json_schema
 
 import fp32_noise
 import multi_turn
 import tiny
-from conftest import ROOT, threads
+from conftest import ROOT, cli_calls, run_python
 
 # the recipe's keys (recipes/tiny_calculator.yaml) as overrides on test_grpo's SMALL run: 2 mini-batches per step
 MULTI_TURN = [
@@ -452,15 +450,7 @@ def test_turn_metrics_on_known_values():
 @pytest.fixture(scope="module")
 def engine(tools_build, tmp_path_factory):
     out = tmp_path_factory.mktemp("multi-turn-engine") / "record.json"
-    proc = subprocess.run(
-        [sys.executable, "tests/multi_turn_worker.py", tools_build["dir"], str(out)],
-        cwd=ROOT,
-        env={**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": threads(1)},
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    run_python("tests/multi_turn_worker.py", tools_build["dir"], str(out))
     return json.loads(out.read_text())
 
 
@@ -737,7 +727,7 @@ def test_bad_multi_turn_input_stops_in_one_line(tiny_build, tmp_path):
     empty, broken = tmp_path / "empty.py", tmp_path / "broken.py"
     empty.write_text("X = 1\n")
     broken.write_text("import not_a_module_anywhere\n")
-    for overrides, message in [
+    cases = [
         (["rollout.multi_turn.enable=true"], "error: multi-turn: the chat template does not render tools="),
         (
             [
@@ -752,12 +742,10 @@ def test_bad_multi_turn_input_stops_in_one_line(tiny_build, tmp_path):
             f"error: {TOOL_PATH} {broken}: importing it raised ModuleNotFoundError",
         ),
         (["rollout.multi_turn.tool_response_truncate_side=top"], "accepted: left, middle, right"),
-    ]:
-        proc = subprocess.run(
-            [sys.executable, "grpo.py", "--config", "tiny.yaml", f"trainer.output_dir={tmp_path}", *overrides],
-            cwd=ROOT,
-            capture_output=True,
-            text=True,
-            timeout=300,
-        )
-        assert proc.returncode == 1 and message in proc.stderr.strip().splitlines()[-1], proc.stderr[-2000:]
+    ]
+    calls = {
+        str(k): ["--config", "tiny.yaml", f"trainer.output_dir={tmp_path}", *argv] for k, (argv, _) in enumerate(cases)
+    }
+    results = cli_calls(calls, tmp_path)
+    for k, (_, message) in enumerate(cases):
+        assert message in error_line_of_call(results[str(k)])
