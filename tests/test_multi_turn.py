@@ -497,21 +497,32 @@ def test_every_turn_generates_from_the_whole_history_and_only_its_samples_are_tr
     assert case == "short" or any(t["assistant_turns"] >= 2 for t in trajectories)  # short: cut in the response
 
 
+def assert_tool_segments_answer_the_calls(t: dict, tokenizer) -> None:
+    """A trajectory's tool segments, one per call (the worker's max_parallel_calls=1: one call a turn), each the
+    template's text of its call's response; the last one may be cut at the response budget, where the trajectory
+    ends truncated."""
+    tool_segments = [ids for turn_id, ids, _ in segments(t) if turn_id % 2 == 0]
+    assert len(tool_segments) == t["user_turns"] == len(t["tool_calls"]) == len({c["turn"] for c in t["tool_calls"]})
+    for j, (ids, call) in enumerate(zip(tool_segments, t["tool_calls"], strict=True)):
+        full = ANSWER.format(call["response"])
+        cut_at_the_budget = t["truncated"] and j == len(tool_segments) - 1 and t["turn_ids"][-1] % 2 == 0
+        assert tokenizer.decode(ids) == full or (cut_at_the_budget and full.startswith(tokenizer.decode(ids)))
+
+
 def test_tool_responses_are_the_calculators_results_in_the_templates_text(engine, tokenizer):
-    """Each tool segment decodes to the template's text of the calculator's answer, which is Python's value of the
-    expression the model wrote (an independent evaluation), or the error the model is shown."""
+    """Each tool segment decodes to the template's text of the calculator's answer (the last one may be cut at the
+    budget), which is Python's value of the expression the model wrote (an independent evaluation), or the error
+    the model is shown."""
     checked = 0
     for t in engine["calculator"]["trajectories"]:
-        tool_segments = [ids for turn_id, ids, _ in segments(t) if turn_id % 2 == 0]
-        assert len(tool_segments) == t["user_turns"] == len(t["tool_calls"])
-        for ids, call in zip(tool_segments, t["tool_calls"], strict=True):
-            assert tokenizer.decode(ids) == ANSWER.format(call["response"])
+        assert_tool_segments_answer_the_calls(t, tokenizer)
+        for call in t["tool_calls"]:
             expression = call.get("arguments", {}).get("expression", "")
             if call["error"] is None and ARITHMETIC.fullmatch(expression):
                 value = eval(expression)  # the test's own evaluation: digits, operators and brackets only
                 assert float(call["response"]) == pytest.approx(value)
                 checked += 1
-    assert checked >= 8
+    assert checked, "no call of the calculator on an arithmetic expression was answered"
 
 
 def effective_seeds(requests: list[dict]) -> list[int]:
@@ -543,11 +554,7 @@ def test_a_garbled_call_is_answered_and_the_trajectory_goes_on(engine, tokenizer
     malformed = [c for t in trajectories for c in t["tool_calls"] if c["error"] and "name" not in c]
     assert malformed and all(c["response"].startswith("Invalid tool call: ") for c in malformed)
     for t in trajectories:
-        tool_segments = [ids for turn_id, ids, _ in segments(t) if turn_id % 2 == 0]
-        assert len(tool_segments) == t["user_turns"] == len({c["turn"] for c in t["tool_calls"]})
-        for ids, call in zip(tool_segments, t["tool_calls"], strict=True):
-            full = ANSWER.format(call["response"])
-            assert tokenizer.decode(ids) == full or (t["truncated"] and full.startswith(tokenizer.decode(ids)))
+        assert_tool_segments_answer_the_calls(t, tokenizer)
         last_call_turn = max((c["turn"] for c in t["tool_calls"]), default=0)
         if last_call_turn and not t["truncated"]:
             assert t["assistant_turns"] == last_call_turn + 1  # it wrote again (the limit is 3 turns)
@@ -573,13 +580,16 @@ def test_a_sample_without_tool_calls_is_the_single_turn_sample(engine):
 
 
 def test_a_raising_tool_is_read_as_an_error_and_the_rollout_goes_on(engine, tokenizer):
+    """Every call that reached the tool gets the tool's exception as its response (a malformed one is answered as
+    malformed before any tool runs), and the model writes again after it."""
     trajectories = engine["failing"]["trajectories"]
     calls = [c for t in trajectories for c in t["tool_calls"]]
-    assert calls and all(c["error"] == "Error executing tool 'calculator': the calculator is down" for c in calls)
+    reached = [c for c in calls if "name" in c]
+    assert reached and all(c["error"] == "Error executing tool 'calculator': the calculator is down" for c in reached)
+    assert all(c["error"].startswith("Invalid tool call: ") for c in calls if "name" not in c)
     assert any(t["assistant_turns"] >= 2 for t in trajectories)  # the model wrote again after the error
     for t in trajectories:
-        tool_text = [tokenizer.decode(ids) for turn_id, ids, _ in segments(t) if turn_id % 2 == 0]
-        assert tool_text == [ANSWER.format(c["response"]) for c in t["tool_calls"]]
+        assert_tool_segments_answer_the_calls(t, tokenizer)
 
 
 def test_the_response_budget_bounds_the_tool_tokens_too(engine):
