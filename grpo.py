@@ -669,7 +669,7 @@ def setup(cfg: dict, parts=None) -> Run:
     )
     run.capture = cfg["algorithm"]["rollout_correction"]["bypass_mode"] or on_policy_shortcut(cfg)
     if not trainer["replay_batches"]:  # the engine, one per rank, AFTER torch.distributed (replay needs none)
-        start_proven_engine(run, model_path)
+        start_proven_engine(run, model_path, pushing=start > 1 or bool(cfg["model"]["lora_adapter_path"]))
     run.exact = exact_run(cfg, run.llm)
     if run.exact and run.llm is not None:  # before step 1 too: the engine and the trainer agree on the weights
         metrics.judge_sync(cfg, rank, start - 1, {"rollout/sync_check": sync_gap(run)}, exact=True)
@@ -681,15 +681,14 @@ def setup(cfg: dict, parts=None) -> Run:
     return run
 
 
-def start_proven_engine(run: Run, model_path: str) -> None:
+def start_proven_engine(run: Run, model_path: str, pushing: bool) -> None:
     """The rank's engine (start_engine), its buffers as loaded (no push sends them: sync.check_push), and the
-    start-up proof that it computes with the trainer's weights (after a resume or with a LoRA adapter, pushed first:
-    the engine loaded model.path)."""
+    start-up proof that it computes with the trainer's weights (pushing: after a resume or with a LoRA adapter the
+    trainer's differ from model.path's, which the engine loaded, so they are pushed first)."""
     run.llm = start_engine(run.cfg, model_path, run.rank)
     run.engine_buffers = sync.engine_buffers(run.llm)
     held = sync.describe_buffers(run.engine_buffers)
     log0(run.rank, f"push proof: every push proven bit for bit; the engine's buffers held as loaded: {held}")
-    pushing = run.start > 1 or run.cfg["model"]["lora_adapter_path"]
     sync.check_push(run.llm, push(run.llm, run.policy, send=pushing), run.engine_buffers, when="start-up: ")
 
 
