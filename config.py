@@ -61,6 +61,10 @@ SCHEMA = {
         "seed_samples": True,
         "tensor_parallel_size": (1, "1 (each rank runs its own engine; tensor-parallel rollouts are not supported)"),
         "cudagraph_capture_sizes": (None, "null (vLLM's sizes) or a list of batch sizes >= 1"),  # GPU: CUDA graphs
+        # rollout ranks (rollout_ranks.py), veRL's one-step-off-policy recipe's rollout.nnodes x n_gpus_per_node:
+        # the last ranks of the job only generate; 0: every rank trains and generates (docs/features.md)
+        "nnodes": (1, GE1),
+        "n_gpus_per_node": (0, ">= 0 (rollout ranks per node; 0: none, every rank trains and generates)"),
         # vLLM 0.32 level 2 discards the weights and restores only the named buffers on wake
         # (vllm/v1/worker/gpu_worker.py:299-309, 338-354); wrong outputs after level-2 sleep + weight
         # reload are an open vLLM report (#29341): refused until that is settled.
@@ -136,6 +140,9 @@ SCHEMA = {
             "bypass_mode": False,
         },
         "filter_groups": {"enable": False, "max_num_gen_batches": (0, ">= 0 (0: no limit)")},
+    },
+    "async_training": {  # rollout ranks: how many steps a batch may lag the weights it is trained on (veRL's name)
+        "staleness_threshold": (0, ">= 0 (steps; 0: synchronous; >= 1 needs rollout ranks and a rollout correction)"),
     },
     "reward": {
         "method": ("strict", ("strict", "flexible")),

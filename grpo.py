@@ -73,7 +73,7 @@ def main(argv=None) -> int:
         parts = choose_parts(cfg)  # each optional feature's settings are checked there, before anything loads
         if args.print_config:
             return config.print_config(cfg)
-        return evaluate(cfg, parts) if cfg["trainer"]["val_only"] else train(cfg, parts)
+        return evaluate(cfg, parts) if cfg["trainer"]["val_only"] else parts.train(cfg, parts)
     except Exception as e:
         if not one_line(e):
             raise
@@ -133,8 +133,7 @@ def grpo_step(run: "Run", step: int) -> dict:
         m.update(update_actor(run, batch, t))
         if run.capture:  # the update's own forward stood in for the old pass: the diagnostics come from it
             m.update(correct_rollout(run, batch, batch["update_logprobs"], apply=False))
-        if run.llm is not None:  # a replay has no engine
-            m.update(update_weights(run, step, t))
+        m.update(parts.update_weights(run, step, t))  # none for a replay: it has no engine
         m.update(validate_and_save(run, step, t))
         with timed(t, "logging"):  # the metrics' all-gathers; the file write after is ~0.1 ms
             m.update(metrics.batch_metrics(batch, run.cfg["data"], t, run.world, parts.field_metrics))
@@ -367,14 +366,19 @@ def push(llm, model, send: bool = True) -> dict:
     group (sync.with_bit_sums), what sync.check_push proves the engine holds. send=False: the sums only (of the
     weights the engine loaded itself)."""
     pushed = {}
-    tensors = sync.full_params(model, sync.engine_dtype(llm), model.checkpoint_names, model.checkpoint_split)
-    tensors = sync.with_bit_sums(tensors, pushed)
+    tensors = sync.with_bit_sums(weights_to_push(model, sync.engine_dtype(llm)), pushed)
     if send:
         sync.push_weights(llm, tensors)
     else:
         for _ in tensors:  # gathered and summed, not sent
             pass
     return pushed
+
+
+def weights_to_push(model, dtype: torch.dtype):
+    """(checkpoint name, full tensor in dtype) of each weight the engine loads (sync.full_params: gathered one at a
+    time, every rank taking part)."""
+    return sync.full_params(model, dtype, model.checkpoint_names, model.checkpoint_split)
 
 
 def sync_gap(run: "Run") -> float:
@@ -391,9 +395,9 @@ def validate_and_save(run: "Run", step: int, t: dict) -> dict:
     after the last step)."""
     trainer, last = run.cfg["trainer"], step == run.total_steps
     out = {}
-    if run.llm is not None and trainer["val_every"] > 0 and (step % trainer["val_every"] == 0 or last):
+    if run.parts.validate is not None and trainer["val_every"] > 0 and (step % trainer["val_every"] == 0 or last):
         with timed(t, "testing"):
-            out = validate(run, step)
+            out = run.parts.validate(run, step)
     if trainer["save_every"] > 0 and (step % trainer["save_every"] == 0 or last):
         with timed(t, "save_checkpoint"):
             save(run, step)
@@ -532,8 +536,11 @@ def choose_parts(cfg: dict) -> types.SimpleNamespace:
     routed = replay != "disabled" or rollout_cfg["enable_rollout_routing_replay"]
     term = feature("grpo_family").loss_part(cfg) if family_loss else functools.partial(policy_term, actor)
     gather = functools.partial(cluster.global_rows, n=rollout_cfg["n"])
-    return types.SimpleNamespace(
-        next_batch=replayed_batch if trainer["replay_batches"] else sample_batch,
+    replaying = bool(trainer["replay_batches"])  # dumped batches: no engine
+    parts = types.SimpleNamespace(
+        train=train,
+        start_engine=start_proven_engine,
+        next_batch=replayed_batch if replaying else sample_batch,
         pick_groups=feature("dapo").group_picker(cfg, next_prompts, sample_groups) if dynamic_sampling else next_groups,
         sample=feature("multi_turn").sampler(cfg, rollout.render_prompt)
         if multi_turn["enable"]
@@ -551,7 +558,39 @@ def choose_parts(cfg: dict) -> types.SimpleNamespace:
         if corrected
         else no_correction,
         adapter=feature("lora").adapter_part(cfg) if lora_on(cfg["model"]) else no_adapter,
+        update_weights=no_weights_update if replaying else update_weights,
+        validate=None if replaying else validate,
     )
+    if rollout_cfg["n_gpus_per_node"] or cfg["async_training"]["staleness_threshold"]:  # rollout ranks
+        vars(parts).update(rollout_ranks_parts(cfg))
+    return parts
+
+
+def rollout_ranks_parts(cfg: dict) -> dict:
+    """Rollout ranks (rollout_ranks.py): train by role (the training loop on the trainer ranks, generation on the
+    rollout ranks), and the trainer's parts that talk to them in place of its own engine; the topology checked
+    against torchrun's world first (one line)."""
+    ranks = feature("rollout_ranks")
+    ranks.check_settings(cfg, int(os.environ.get("WORLD_SIZE", 1)))
+    tools = types.SimpleNamespace(
+        train=train,
+        engine_run=functools.partial(engine_run, train=True),
+        next_groups=next_groups,
+        groups_to_batch=groups_to_batch,
+        compute_logprobs=compute_logprobs,
+        validate=validate,
+        weights_to_push=weights_to_push,
+        with_bit_sums=sync.with_bit_sums,
+        push_weights=sync.push_weights,
+        check_push=sync.check_push,
+        engine_buffers=sync.engine_buffers,
+        engine_dtype=sync.engine_dtype,
+        positions=lambda cfg, world, rank: data.local_positions(
+            cfg["data"]["train_batch_size"], cfg["actor"]["ppo_mini_batch_size"], world, rank
+        ),
+        close=cluster.close,
+    )
+    return vars(ranks.parts(cfg, tools))
 
 
 def feature(name: str) -> types.ModuleType:
@@ -600,6 +639,10 @@ def no_correction(batch: dict, *whole_batch, apply: bool) -> dict:
     return {}
 
 
+def no_weights_update(run: "Run", step: int, t: dict) -> dict:
+    return {}
+
+
 def no_adapter(model_path: str):
     """fsdp_train.load_model's adapt for full fine-tuning: none."""
     return None
@@ -616,8 +659,10 @@ class Run(types.SimpleNamespace):
     gen_cursor (generation batches consumed: the steps, without dynamic sampling); capture (the update's own
     forward gives the old log-probs: on-policy shortcut, bypass); exact (fp32 engine and trainer, sampling from the
     whole softmax: then vLLM's log-probs must be the trainer's to fp32 noise, metrics.judge_sync); engine_buffers
-    (the engine's buffers' bit sums at load, sync.check_push); saved (the step of the newest checkpoint this run
-    wrote)."""
+    (the engine's buffers' bit sums at load, sync.check_push); engine_dtype (the dtype the engine holds its weights
+    in; None without one); saved (the step of the newest checkpoint this run wrote)."""
+
+    engine_dtype = None
 
 
 def setup(cfg: dict, parts=None) -> Run:
@@ -669,14 +714,14 @@ def setup(cfg: dict, parts=None) -> Run:
     )
     run.capture = cfg["algorithm"]["rollout_correction"]["bypass_mode"] or on_policy_shortcut(cfg)
     if not trainer["replay_batches"]:  # the engine, one per rank, AFTER torch.distributed (replay needs none)
-        start_proven_engine(run, model_path, pushing=start > 1 or bool(cfg["model"]["lora_adapter_path"]))
-    run.exact = exact_run(cfg, run.llm)
+        parts.start_engine(run, model_path, pushing=start > 1 or bool(cfg["model"]["lora_adapter_path"]))
+    run.exact = exact_run(cfg, run.engine_dtype)
     if run.exact and run.llm is not None:  # before step 1 too: the engine and the trainer agree on the weights
         metrics.judge_sync(cfg, rank, start - 1, {"rollout/sync_check": sync_gap(run)}, exact=True)
     if "rng" in extra:
         cluster.restore_rng(extra["rng"])  # AFTER the engine: vLLM re-seeds Python's, NumPy's and torch's RNGs
-    if run.llm is not None and trainer["val_before_train"] and trainer["val_every"] > 0 and start == 1:
-        run.logger.log(0, validate(run, 0))
+    if parts.validate is not None and trainer["val_before_train"] and trainer["val_every"] > 0 and start == 1:
+        run.logger.log(0, parts.validate(run, 0))
     cluster.catch_stop_signals()
     return run
 
@@ -686,20 +731,20 @@ def start_proven_engine(run: Run, model_path: str, pushing: bool) -> None:
     start-up proof that it computes with the trainer's weights (pushing: after a resume or with a LoRA adapter the
     trainer's differ from model.path's, which the engine loaded, so they are pushed first)."""
     run.llm = start_engine(run.cfg, model_path, run.rank)
-    run.engine_buffers = sync.engine_buffers(run.llm)
+    run.engine_dtype, run.engine_buffers = sync.engine_dtype(run.llm), sync.engine_buffers(run.llm)
     held = sync.describe_buffers(run.engine_buffers)
     log0(run.rank, f"push proof: every push proven bit for bit; the engine's buffers held as loaded: {held}")
     sync.check_push(run.llm, push(run.llm, run.policy, send=pushing), run.engine_buffers, when="start-up: ")
 
 
-def exact_run(cfg: dict, llm) -> bool:
+def exact_run(cfg: dict, engine_dtype: torch.dtype | None) -> bool:
     """Trainer and engine in fp32 and the engine sampling from the whole softmax (rollout.top_p 1, top_k off;
     a replay has no engine): then vLLM's sampling log-probs must be the trainer's to fp32 noise, and a
     difference beyond it stops the run (metrics.judge_sync). With top_p / top_k vLLM's log-probs are those
     of the renormalised, truncated distribution it samples from, not the trainer's."""
     sampling = cfg["rollout"]
     whole_softmax = sampling["top_p"] == 1.0 and sampling["top_k"] in (-1, 0)
-    engine_exact = llm is None or (sync.engine_dtype(llm) == torch.float32 and whole_softmax)
+    engine_exact = engine_dtype is None or (engine_dtype == torch.float32 and whole_softmax)
     return cfg["model"]["compute_dtype"] == "float32" and engine_exact
 
 
@@ -892,21 +937,38 @@ def evaluate(cfg: dict, parts=None):
     into vLLM only, validated, and the metrics printed and written to <output_dir>/val_metrics.jsonl (step 0).
     No trainer, optimizer, reference model, checkpoint or export. With model.lora_adapter_path: model.path plus
     that adapter, merged into the engine as a training step pushes it. Returns the exit status (0)."""
-    parts = parts or choose_parts(cfg)
-    rank, world, device = fsdp_train.init_distributed()
-    logs.route_library_logs(cfg["trainer"]["output_dir"], rank, cfg["trainer"]["verbose"])
-    model_path, tokenizer, _, val_rows, _ = load_data(cfg, rank, world, train=False)
-    llm = start_engine(cfg, model_path, rank)
-    run = Run(cfg=cfg, rank=rank, world=world, val_rows=val_rows, parts=parts, llm=llm, tokenizer=tokenizer)
+    run = engine_run(cfg, parts or choose_parts(cfg))
     if cfg["model"]["lora_adapter_path"]:  # LoRA: the base with the adapter, pushed merged into the engine
-        adapt, head = parts.adapter(model_path), model_head(model_path)
-        model = fsdp_train.load_model(model_path, device=device, trainable=False, adapt=adapt, head=head)
+        adapt, head = run.parts.adapter(run.model_path), model_head(run.model_path)
+        model = fsdp_train.load_model(run.model_path, device=run.device, trainable=False, adapt=adapt, head=head)
         push(run.llm, model)
-    logger = logs.MetricsLogger(cfg, rank, resume_step=0, file="val_metrics.jsonl")
+    logger = logs.MetricsLogger(cfg, run.rank, resume_step=0, file="val_metrics.jsonl")
     logger.log(0, validate(run, 0))
     logger.close()
     cluster.close(run)
     return 0
+
+
+def engine_run(cfg: dict, parts, train: bool = False) -> Run:
+    """The Run of a rank with an engine and no trainer: its process group, its logs routed, the data (the
+    training prompts too with train=True), the engine. evaluate's, and a rollout rank's (rollout_ranks.py)."""
+    rank, world, device = fsdp_train.init_distributed()
+    logs.route_library_logs(cfg["trainer"]["output_dir"], rank, cfg["trainer"]["verbose"])
+    model_path, tokenizer, train_rows, val_rows, total_steps = load_data(cfg, rank, world, train=train)
+    return Run(
+        cfg=cfg,
+        rank=rank,
+        world=world,
+        device=device,
+        parts=parts,
+        model_path=model_path,
+        tokenizer=tokenizer,
+        train_rows=train_rows,
+        val_rows=val_rows,
+        total_steps=total_steps,
+        gen_batch_size=cfg["data"]["gen_batch_size"] or cfg["data"]["train_batch_size"],
+        llm=start_engine(cfg, model_path, rank),
+    )
 
 
 def sample_seed(seed: int, gen_batch: int, rank: int) -> int:

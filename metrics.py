@@ -183,13 +183,17 @@ def batch_metrics(batch: dict, d: dict, timings: dict, world: int, field_metrics
 def old_logprob_metrics(batch: dict, old_logp, entropy, cfg: dict) -> dict:
     """actor/entropy (veRL logs agg_loss(entropy) of the old-log-prob pass, in actor.loss_agg_mode) and the
     run-time sync proof rollout/logprob_diff_*: that pass against the log-probs it must reproduce, vLLM's
-    sampling ones (or, for a replayed batch, the dumped old ones). With GLOBAL counts each rank's agg_loss is
-    its share of the sum."""
+    sampling ones (or, for a replayed batch, the dumped old ones); for a batch sampled by older weights
+    (rollout ranks, async_training.staleness_threshold >= 1), batch["sampler_logprobs"], its log-probs under
+    those. With GLOBAL counts each rank's agg_loss is its share of the sum."""
     mask = batch["response_mask"]
     tokens = fsdp_train.all_reduce(mask.sum())
     seqs = fsdp_train.all_reduce((mask.sum(-1) > 0).sum())
-    expected = batch["old_logprobs"] if "old_logprobs" in batch else batch["rollout_logprobs"]  # [B, R]
-    diff = (old_logp - expected).abs() * mask  # [B, R]
+    if "old_logprobs" in batch:  # a replay: the dumped old log-probs, recomputed
+        computed, expected = old_logp, batch["old_logprobs"]  # [B, R] each
+    else:  # vLLM's, against this pass or, for a stale batch, the log-probs under the weights that sampled it
+        computed, expected = batch.get("sampler_logprobs", old_logp), batch["rollout_logprobs"]
+    diff = (computed - expected).abs() * mask  # [B, R]
     entropy = losses.agg_loss(
         entropy,
         mask,

@@ -20,12 +20,23 @@ import pytest
 
 from conftest import ROOT
 
-FEATURES = ("rollout_correction", "dapo", "grpo_family", "multi_turn", "moe", "lora", "logit_rules", "reward_files")
+FEATURES = (
+    "rollout_correction",
+    "dapo",
+    "grpo_family",
+    "multi_turn",
+    "moe",
+    "lora",
+    "logit_rules",
+    "reward_files",
+    "rollout_ranks",
+)
 COMPONENTS = ("rollout", "reward", "losses", "fsdp_train", "sync", "tiny")
 EXTENDS = {"grpo_family": {"losses"}, "rollout_correction": {"losses"}}  # a feature may import what it extends
 SETUP = {  # grpo.py's set-up and finish code: where a feature's file may be imported (feature), its keys read
     "main",
     "choose_parts",
+    "rollout_ranks_parts",
     "feature",
     "lora_on",
     "setup",
@@ -47,6 +58,7 @@ FEATURE_KEYS = {  # the keys that turn an optional feature on or set it
     "lora_rank", "lora_alpha", "lora_adapter_path", "target_modules", "exclude_modules",  # LoRA
     "custom_reward_function",  # a reward file
     "replay_batches", "dump_batches",  # dumps and their replay
+    "nnodes", "n_gpus_per_node", "async_training", "staleness_threshold",  # rollout ranks
 }  # fmt: skip
 
 

@@ -1,0 +1,476 @@
+"""Rollout ranks beside the trainer ranks: in one torchrun job, the last R ranks only generate (each with its own
+vLLM engine) and the first T only train (FSDP2 over a process group of their own), so that generation and the
+update can run at the same time. Imports torch only: grpo.py hands in the functions it needs (tools below).
+
+    torchrun --nproc_per_node 3 grpo.py --config tiny.yaml rollout.n_gpus_per_node=1 \
+        async_training.staleness_threshold=1 algorithm.rollout_correction.rollout_is=token
+
+R = rollout.nnodes x rollout.n_gpus_per_node (veRL's one-step-off-policy recipe spells the rollout's resources so).
+Everything a trainer rank does is the colocated run's, in a world of T ranks: its default process group holds
+the trainer ranks only. A rollout rank j serves the trainer ranks r with r % R == j: it samples and scores each
+one's prompts exactly as that rank's own engine would (the same prompts, the same seeds), and sends it the scored
+groups. Two more process groups join the roles: "job" (gloo, every rank: the batches and small messages) and
+"weights" (trainer rank 0 and the rollout ranks; NCCL on GPUs, gloo on CPU): after each update trainer rank 0
+broadcasts the full weights, which each rollout rank loads into its engine and proves bit for bit (sync.py's
+proof: the trainer's bit sums = what arrived = what the engine computes with).
+
+The staleness bound k (async_training.staleness_threshold): batch s may be sampled by the weights of step
+s - 1 - k at the oldest. k = 0 is synchronous (the colocated run, step for step); with k >= 1 a rollout rank
+samples the next batch while the trainers train on the current one:
+
+    k = 0   rollout  | gen 1 |            | gen 2 |            | gen 3 |
+            trainer          | train 1 |->        | train 2 |->         ...     (-> : weights sent)
+    k = 1   rollout  | gen 1 | gen 2 |   | gen 3 |   | gen 4 |
+            trainer          | train 1 |->| train 2 |->| train 3 |->          (batch s+1: the weights before step s)
+
+Batch s is always sampled from generation batch s's prompts (the cursor travels with it), so a resumed run
+samples again what a stop lost and trains on no batch twice. Each sample records the policy version that drew it
+(the batch field policy_version: the step whose weights sampled it, 0 for the start). The trainer keeps the
+last k versions of its weights (its own shards), to compute a stale batch's log-probs under the policy that
+sampled it: rollout/logprob_diff_* compares vLLM's with those (the sync proof), while the rollout correction
+(required for k >= 1) weighs the samples against the current policy.
+"""
+
+import collections
+import copy
+import datetime
+import os
+import pickle
+import signal
+import time
+import types
+
+import torch
+import torch.distributed as dist
+
+LINK_TIMEOUT = datetime.timedelta(hours=3)  # a rollout rank waits a whole training step for the next weights
+
+
+class RolloutRanksError(ValueError):
+    """Settings or a topology the rollout ranks cannot serve, or a rollout rank's failure; the message is one line."""
+
+
+class LinkBroken(RuntimeError):
+    """The other side of a send or receive is gone (its process ended: a stop signal, an error)."""
+
+
+# ----------------------------------------------------------------------------------------- settings
+def rollout_ranks(cfg: dict) -> int:
+    """R: the ranks that only generate (rollout.nnodes x rollout.n_gpus_per_node; 0: every rank trains and
+    generates, the colocated run)."""
+    return cfg["rollout"]["nnodes"] * cfg["rollout"]["n_gpus_per_node"]
+
+
+def check_settings(cfg: dict, world: int) -> None:
+    """One line (RolloutRanksError) for a topology this file cannot run, before anything loads: R rollout ranks of a
+    job of `world` ranks leave T = world - R >= 1 trainer ranks, each served by one rollout rank (R <= T); k >= 1
+    needs the rollout correction or bypass mode (a stale batch must be weighed against the current policy); and
+    what a rollout rank does not serve: DAPO's dynamic sampling (a step of several generation batches), replayed
+    batches and val_only (no trainer or no engine), a Mixture-of-Experts routing replay."""
+    n, k = rollout_ranks(cfg), cfg["async_training"]["staleness_threshold"]
+    nodes, per_node = cfg["rollout"]["nnodes"], cfg["rollout"]["n_gpus_per_node"]
+    where = f"rollout.nnodes x rollout.n_gpus_per_node = {nodes} x {per_node}"
+    if n == 0:
+        if k:
+            raise RolloutRanksError(
+                f"config: async_training.staleness_threshold = {k} needs rollout ranks (rollout.n_gpus_per_node "
+                ">= 1): colocated ranks always sample with the newest weights"
+            )
+        return
+    if n > world:
+        raise RolloutRanksError(
+            f"config: {where} = {n} rollout ranks, more than the {world} rank(s) of the job (torchrun "
+            "--nproc_per_node x --nnodes); accepted: fewer than the world"
+        )
+    if n == world:
+        raise RolloutRanksError(
+            f"config: {where} = {n} rollout ranks in a job of {world} rank(s) leaves no trainer rank; accepted: "
+            "fewer than the world"
+        )
+    if n > world - n:
+        raise RolloutRanksError(
+            f"config: {where} = {n} rollout ranks for {world - n} trainer rank(s): each rollout rank serves whole "
+            f"trainer ranks, so at most {world - n}"
+        )
+    correction = cfg["algorithm"]["rollout_correction"]
+    if k >= 1 and not (correction["rollout_is"] or correction["rollout_rs"] or correction["bypass_mode"]):
+        raise RolloutRanksError(
+            f"config: async_training.staleness_threshold = {k} trains on samples of an older policy: set "
+            "algorithm.rollout_correction.rollout_is (token or sequence), rollout_rs, or bypass_mode=true"
+        )
+    refused = {
+        "algorithm.filter_groups.enable": cfg["algorithm"]["filter_groups"]["enable"],
+        "trainer.replay_batches": cfg["trainer"]["replay_batches"],
+        "trainer.val_only": cfg["trainer"]["val_only"],
+        "actor.router_replay.mode": cfg["actor"]["router_replay"]["mode"] != "disabled",
+        "rollout.enable_rollout_routing_replay": cfg["rollout"]["enable_rollout_routing_replay"],
+    }
+    for key, on in refused.items():
+        if on:
+            raise RolloutRanksError(f"config: {key} is not served by rollout ranks ({where} = {n}); set it off")
+
+
+# ------------------------------------------------------------------------------------ the process groups
+def join(n_rollout: int) -> types.SimpleNamespace:
+    """Build the roles' process groups under torchrun, before anything else touches torch.distributed: the
+    default group of this rank's role (the trainer ranks 0..T-1, or the rollout ranks T..W-1), "job" over every
+    rank (gloo) and "weights" over trainer rank 0 and the rollout ranks. Returns the link: role ("train" or
+    "rollout"), rank and world (the job's), trainers (T), rollouts (their job ranks), job, weights (None on
+    trainer ranks but 0)."""
+    store, rank, world = next(dist.rendezvous("env://"))
+    attempt = (store.add("flatgrpo/joined", 1) - 1) // world  # as fsdp_train.init_distributed: restarts apart
+    trainers = world - n_rollout
+    role = "train" if rank < trainers else "rollout"
+    cuda = torch.cuda.is_available()
+    if cuda:
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    role_rank, role_world = (rank, trainers) if role == "train" else (rank - trainers, n_rollout)
+    dist.init_process_group(
+        "cpu:gloo,cuda:nccl" if cuda else "gloo",
+        store=dist.PrefixStore(f"attempt_{attempt}/{role}", store),
+        rank=role_rank,
+        world_size=role_world,
+    )
+    job = dist.ProcessGroupGloo(dist.PrefixStore(f"attempt_{attempt}/job", store), rank, world, LINK_TIMEOUT)
+    weights = None
+    if rank == 0 or role == "rollout":
+        weights_store = dist.PrefixStore(f"attempt_{attempt}/weights", store)
+        member = 0 if rank == 0 else 1 + rank - trainers
+        if cuda:  # NCCL: the weights travel GPU to GPU
+            weights = dist.ProcessGroupNCCL(weights_store, member, 1 + n_rollout)
+        else:
+            weights = dist.ProcessGroupGloo(weights_store, member, 1 + n_rollout, LINK_TIMEOUT)
+    return types.SimpleNamespace(
+        role=role,
+        rank=rank,
+        world=world,
+        trainers=trainers,
+        rollouts=list(range(trainers, world)),
+        job=job,
+        weights=weights,
+        device=torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu"),
+    )
+
+
+def server_of(link, trainer_rank: int) -> int:
+    """The job rank of the rollout rank that serves trainer_rank."""
+    return link.rollouts[trainer_rank % len(link.rollouts)]
+
+
+def served_by(link, rollout_rank: int) -> list[int]:
+    """The trainer ranks that the rollout rank (a job rank) serves."""
+    return [r for r in range(link.trainers) if server_of(link, r) == rollout_rank]
+
+
+def send_object(pg, obj, dst: int) -> None:
+    """A picklable object to job rank dst over pg (its size, then its bytes)."""
+    payload = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
+    finish(pg.send([torch.tensor([payload.numel()], dtype=torch.int64)], dst, 0), f"job rank {dst}")
+    finish(pg.send([payload], dst, 1), f"job rank {dst}")
+
+
+def recv_object(pg, src: int):
+    """The next object job rank src sent over pg (send_object)."""
+    size = torch.zeros(1, dtype=torch.int64)
+    finish(pg.recv([size], src, 0), f"job rank {src}")
+    payload = torch.empty(int(size.item()), dtype=torch.uint8)
+    finish(pg.recv([payload], src, 1), f"job rank {src}")
+    return pickle.loads(payload.numpy().tobytes())
+
+
+def broadcast_tensor(pg, tensor: torch.Tensor) -> None:
+    """tensor from the weights group's member 0 (trainer rank 0) to every member, in place."""
+    opts = dist.BroadcastOptions()
+    opts.rootRank, opts.rootTensor = 0, 0
+    finish(pg.broadcast([tensor], opts), "the weights group")
+
+
+def finish(work, peer: str) -> None:
+    """Wait for a send, receive or broadcast; LinkBroken when the peer's process is gone."""
+    try:
+        work.wait()
+    except RuntimeError as e:
+        raise LinkBroken(f"{peer} is gone ({str(e).splitlines()[0][-160:]})") from None
+
+
+# ------------------------------------------------------------------------------------------- the parts
+def parts(cfg: dict, tools: types.SimpleNamespace) -> types.SimpleNamespace:
+    """The loop's parts for rollout ranks (grpo.choose_parts), after check_settings. tools: grpo's functions
+    (train, engine_run, next_groups, groups_to_batch, compute_logprobs, validate, weights_to_push, with_bit_sums,
+    push_weights, check_push, engine_buffers, engine_dtype, positions, log0). Returns train (by role: the
+    training loop, or serve), and the trainer's start_engine, next_batch, update_weights and validate."""
+    state = types.SimpleNamespace(link=None, kept={}, k=cfg["async_training"]["staleness_threshold"], tools=tools)
+
+    def train(cfg, parts_):
+        state.link = join(rollout_ranks(cfg))
+        return tools.train(cfg, parts_) if state.link.role == "train" else serve(cfg, parts_, state)
+
+    return types.SimpleNamespace(
+        train=train,
+        start_engine=lambda run, model_path, pushing: hello(run, pushing, state),
+        next_batch=lambda run, step, t: receive_batch(run, step, t, state),
+        update_weights=lambda run, step, t: update_weights(run, step, t, state),
+        validate=lambda run, step: remote_validation(run, state),
+    )
+
+
+# ------------------------------------------------------------------------------- the trainer ranks' side
+def hello(run, pushing: bool, state) -> None:
+    """start_engine on a trainer rank: tell the rollout ranks where the run starts (step, generation cursor),
+    learn the engine's dtype, and send the start-up proof (the weights themselves after a resume or with a LoRA
+    adapter: pushing)."""
+    link = state.link
+    if run.rank == 0:
+        for r in link.rollouts:
+            send_object(link.job, {"start": run.start, "gen_cursor": run.gen_cursor}, r)
+    engine = [from_rollout(link, link.rollouts[0]) if run.rank == 0 else None]
+    dist.broadcast_object_list(engine, src=0)  # the trainer ranks' own group
+    run.engine_dtype, run.engine_buffers = engine[0]["dtype"], None
+    send_weights(run, state, send=pushing, when="start-up: ")
+    if run.rank == 0:
+        print(
+            f"rollout ranks: {len(link.rollouts)} rollout rank(s) (job ranks {link.rollouts[0]}-{link.rollouts[-1]}) "
+            f"serve {link.trainers} trainer rank(s); staleness bound {state.k}",
+            flush=True,
+        )
+
+
+def send_weights(run, state, send: bool, when: str) -> None:
+    """The trainer's full weights (gathered shard by shard: every trainer rank takes part) to every rollout rank,
+    with their bit sums by group; send=False: the sums only (the engine loaded those weights itself)."""
+    link, lead = state.link, run.rank == 0
+    sums = {}
+    for name, tensor in state.tools.with_bit_sums(state.tools.weights_to_push(run.policy, run.engine_dtype), sums):
+        if lead and send:
+            tensor = tensor.contiguous().to(link.device)
+            for r in link.rollouts:
+                send_object(link.job, (name, tuple(tensor.shape), tensor.dtype), r)
+            broadcast_tensor(link.weights, tensor)
+    if lead:
+        for r in link.rollouts:
+            send_object(link.job, None, r)  # the end of the tensors
+            send_object(link.job, {"sums": sums, "when": when}, r)
+
+
+def from_rollout(link, src: int):
+    """recv_object from rollout rank src on a trainer rank; one line when that rank is gone (its own line, printed
+    before it ended, says why)."""
+    try:
+        return recv_object(link.job, src)
+    except LinkBroken as e:
+        raise RolloutRanksError(f"rollout rank {src} ended the run (its error line above says why): {e}") from None
+
+
+def update_weights(run, step: int, t: dict, state) -> dict:
+    """update_weights on a trainer rank: the new weights to the rollout ranks (they load and prove them)."""
+    start = time.perf_counter()
+    send_weights(run, state, send=True, when=f"step {step}: ")
+    t["update_weights"] = time.perf_counter() - start
+    return {}
+
+
+def receive_batch(run, step: int, t: dict, state) -> tuple[dict, dict]:
+    """next_batch on a trainer rank: this rank's scored groups of batch `step` from its rollout rank, as a batch
+    (grpo.groups_to_batch), with the staleness metrics. A batch sampled by weights older than the bound stops the
+    run (never trained on); a stale one gets batch["sampler_logprobs"], its log-probs under the weights that
+    sampled it (the version kept at its step), for rollout/logprob_diff_*."""
+    link, k = state.link, state.k
+    keep_weights(run, step, state)
+    start = time.perf_counter()
+    message = from_rollout(link, server_of(link, run.rank))
+    wait = time.perf_counter() - start
+    version, staleness = message["version"], step - 1 - message["version"]
+    if message["step"] != step or not 0 <= staleness <= k:
+        raise RolloutRanksError(
+            f"step {step}: received batch {message['step']} sampled by the weights of step {version}; accepted: "
+            f"batch {step}, sampled by the weights of steps {max(0, step - 1 - k)}-{step - 1} "
+            f"(async_training.staleness_threshold = {k})"
+        )
+    run.gen_cursor = message["gen_cursor"]
+    batch = state.tools.groups_to_batch(message["groups"], run.pad_id)
+    if staleness:
+        t0 = time.perf_counter()
+        batch["sampler_logprobs"] = sampler_logprobs(run, batch, state.kept[version], state)
+        t["sampler_log_prob"] = time.perf_counter() - t0
+    t.update(message["timing"])  # gen, reward, push_proof: the rollout rank's
+    generation, last = message["timing"]["gen"] + message["timing"]["reward"], message["last"]
+    return batch, {
+        "fully_async/staleness": float(staleness),
+        "fully_async/count/current_param_version": float(step - 1),
+        "fully_async/total_wait_time": wait,
+        "fully_async/overlap": min(1.0, max(0.0, 1.0 - wait / generation)) if generation > 0 else 0.0,
+        "fully_async/rollouter/idle_ratio": last["waited"] / last["iteration"] if last["iteration"] > 0 else 0.0,
+    }
+
+
+def keep_weights(run, step: int, state) -> None:
+    """Before step `step` updates them: keep this rank's shards of the current weights (version step - 1) while a
+    batch may still come from them (the next k steps), drop the older ones. k = 0 keeps none."""
+    if state.k == 0:
+        return
+    state.kept[step - 1] = [p.detach().clone() for p in run.policy.parameters()]
+    for version in [v for v in state.kept if v < step - 1 - state.k]:  # batch `step`: from step - 1 - k on
+        del state.kept[version]
+
+
+def sampler_logprobs(run, batch: dict, kept: list, state) -> torch.Tensor:
+    """The batch's log-probs [B, R] under the kept weights (the policy that sampled it): swapped in, computed as
+    the old-log-prob pass computes them, swapped back."""
+    params = list(run.policy.parameters())
+    with torch.no_grad():
+        live = [p.detach().clone() for p in params]
+        for p, w in zip(params, kept, strict=True):
+            p.copy_(w)
+    try:
+        logprobs, _ = state.tools.compute_logprobs(run, run.policy, batch)
+    finally:
+        with torch.no_grad():
+            for p, w in zip(params, live, strict=True):
+                p.copy_(w)
+    return logprobs
+
+
+def remote_validation(run, state) -> dict:
+    """testing on a trainer rank: the rollout ranks validate the weights they just proved; rollout rank 0's metrics,
+    on every trainer rank."""
+    link = state.link
+    metrics = [from_rollout(link, link.rollouts[0]) if run.rank == 0 else None]
+    dist.broadcast_object_list(metrics, src=0)
+    return metrics[0]
+
+
+# ------------------------------------------------------------------------------- the rollout ranks' side
+def serve(cfg: dict, parts_, state) -> int:
+    """A rollout rank's whole run: its engine (after the trainers have fetched the data and built their models),
+    the start-up proof, validation at step 0, then per step: send batch s to the trainer ranks it serves, sample
+    ahead while they train (batches up to s + k, with the weights it holds), receive and prove the weights of step
+    s, validate them when it is a validation step. Returns the exit status (0; 128 + the signal when the trainer
+    ranks stopped on one)."""
+    link, tools, k = state.link, state.tools, state.k
+    stopped = catch_stop_signals()
+    try:
+        run = setup_rollout(cfg, parts_, state)
+        versions = run.start - 1  # the weights the engine holds: those of step start - 1
+        pending, ahead = collections.deque(), run.start
+        last = {"waited": 0.0, "iteration": 0.0}  # the previous step's: seconds waiting for weights, in all
+        for step in range(run.start, run.total_steps + 1):
+            began = time.perf_counter()
+            if not pending:
+                pending.append(sample(run, ahead, versions, state))
+                ahead += 1
+            send_batches(run, pending.popleft(), last, state)
+            while ahead <= min(step + k, run.total_steps):  # overlaps the trainers' step
+                pending.append(sample(run, ahead, versions, state))
+                ahead += 1
+            waited = receive_weights(run, state, step)
+            versions = step
+            if validation_step(cfg, step, run.total_steps):
+                validate(run, step, state)
+            last = {"waited": waited, "iteration": time.perf_counter() - began}
+    except LinkBroken as e:  # the trainer ranks ended: they stopped on a signal (with a checkpoint) or failed
+        if stopped["signal"]:
+            return 128 + stopped["signal"]
+        print(f"rollout rank {link.rank}: the trainer ranks ended the run before its last step: {e}", flush=True)
+        return 1
+    tools.close(run)
+    return 0
+
+
+def catch_stop_signals() -> dict:
+    """SIGTERM / SIGINT on a rollout rank only set a flag: it goes on serving until the trainer ranks, which stop
+    after their step with a checkpoint, are gone."""
+    stopped = {"signal": 0}
+
+    def handler(signum, frame):
+        stopped["signal"] = stopped["signal"] or signum
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, handler)
+    return stopped
+
+
+def setup_rollout(cfg: dict, parts_, state):
+    """The rollout rank's Run (grpo's engine_run: data, engine) once trainer rank 0 says where the run starts; its
+    engine's dtype to trainer rank 0; the start-up proof; validation at step 0 (as the colocated run)."""
+    link, tools = state.link, state.tools
+    start = recv_object(link.job, 0)  # after the trainers fetched the model and data: read here, not fetched twice
+    run = tools.engine_run(cfg, parts_)
+    run.start, run.gen_cursor = start["start"], start["gen_cursor"]
+    run.engine_buffers = tools.engine_buffers(run.llm)
+    if link.rank == link.rollouts[0]:
+        send_object(link.job, {"dtype": tools.engine_dtype(run.llm)}, 0)
+    receive_weights(run, state, run.start - 1)
+    trainer = cfg["trainer"]
+    if trainer["val_before_train"] and trainer["val_every"] > 0 and run.start == 1:
+        validate(run, 0, state)
+    return run
+
+
+def validation_step(cfg: dict, step: int, total: int) -> bool:
+    every = cfg["trainer"]["val_every"]
+    return every > 0 and (step % every == 0 or step == total)
+
+
+def validate(run, step: int, state) -> None:
+    """grpo.validate on the rollout ranks (their own group splits the prompts); rollout rank 0 sends the metrics."""
+    metrics = state.tools.validate(run, step)
+    if state.link.rank == state.link.rollouts[0]:
+        send_object(state.link.job, metrics, 0)
+
+
+def sample(run, step: int, version: int, state) -> dict:
+    """Batch `step` for each trainer rank this rank serves: {trainer rank: message}. Each trainer rank's prompts
+    are sampled and scored as its own engine would (grpo.next_groups with that rank's seed and positions, the
+    prefix cache reset first, as a push leaves it), and each sample records the policy version that drew it."""
+    link, tools = state.link, state.tools
+    run.gen_cursor += 1
+    messages = {}
+    for r in served_by(link, link.rank):
+        view = copy.copy(run)
+        view.rank, view.positions, view.gen_cursor = r, tools.positions(run.cfg, link.trainers, r), run.gen_cursor - 1
+        run.llm.reset_prefix_cache()
+        t = {}
+        groups, _ = tools.next_groups(view, t)
+        for group in groups:
+            for s in group["samples"]:
+                s.fields["policy_version"] = ("row", float(version))
+        messages[r] = {"step": step, "version": version, "gen_cursor": run.gen_cursor, "groups": groups, "timing": t}
+    return messages
+
+
+def send_batches(run, messages: dict, last: dict, state) -> None:
+    """Each served trainer rank its message, with this rank's previous step: the seconds it waited for the weights,
+    and in all."""
+    for r, message in messages.items():
+        message["timing"]["push_proof"] = run.last_proof
+        send_object(state.link.job, {**message, "last": last}, r)
+
+
+def receive_weights(run, state, version: int) -> float:
+    """The weights of step `version` from trainer rank 0, loaded into the engine as they arrive and proven (the
+    trainer's bit sums = the received ones = what the engine computes with); returns the seconds spent waiting for
+    the first tensor. Without tensors (the start-up proof of weights the engine loaded itself) only the proof."""
+    link, tools = state.link, state.tools
+    start = time.perf_counter()
+    first = recv_object(link.job, 0)
+    waited = time.perf_counter() - start
+
+    def tensors(header):
+        while header is not None:
+            name, shape, dtype = header
+            tensor = torch.empty(shape, dtype=dtype, device=link.device)
+            broadcast_tensor(link.weights, tensor)
+            yield name, tensor
+            header = recv_object(link.job, 0)
+
+    received = {}
+    if first is not None:
+        tools.push_weights(run.llm, tools.with_bit_sums(tensors(first), received))
+    trainer = recv_object(link.job, 0)
+    t0 = time.perf_counter()
+    if first is not None and received != trainer["sums"]:
+        wrong = sorted(g for g in set(received) | set(trainer["sums"]) if received.get(g) != trainer["sums"].get(g))
+        raise RolloutRanksError(f"{trainer['when']}the weights arrived changed in {', '.join(wrong)}")
+    tools.check_push(run.llm, trainer["sums"], run.engine_buffers, when=trainer["when"])
+    run.last_proof = time.perf_counter() - t0
+    return waited

@@ -1,0 +1,303 @@
+"""Rollout ranks (rollout_ranks.py): 3-process CPU runs under torchrun, 2 trainer ranks and 1 rollout rank, two
+mini-batches a step, sampled, validated; the runs are shared by the tests (module fixtures).
+
+- k = 0 (async_training.staleness_threshold): the same metrics and bit-identical weights as the same seeded
+  colocated 2-rank run.
+- k = 1, proven from its dumps and per-step checkpoints with an independent computation (HF's model in float64
+  on the checkpoint's weights; tolerances: tests/fp32_noise.py): batch s was sampled by the weights of step s - 2;
+  vLLM's log-probs are that policy's at fp32 noise and not the current one's; the old-log-prob pass is the current
+  policy's; the IS weights and advantages are the formulas on the dumped batch; the update equals a colocated
+  replay of the dumped batches (trainer.replay_batches: the update tests/test_loop.py checks against the formulas).
+- k = 1, stopped by a signal to one trainer rank and resumed: every generation batch trained on once, none lost.
+- One line for a topology that cannot run.
+"""
+
+import os
+import signal
+import subprocess
+import sys
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from test_cluster import wait_for_step, worker_of_rank
+from test_grpo import SMALL, comparable, read_metrics, run_grpo
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+from transformers import AutoModelForCausalLM
+
+import fp32_noise
+from conftest import ROOT, cli_calls, free_port
+
+RANKS = ["rollout.n_gpus_per_node=1"]  # 1 rollout rank; torchrun's 3 processes leave 2 trainer ranks
+ONE_STEP_OFF = [
+    *RANKS,
+    "async_training.staleness_threshold=1",
+    "algorithm.rollout_correction.rollout_is=token",
+    "trainer.total_steps=4",
+]
+OWN_KEYS = ("fully_async/",)  # the rollout ranks' own metrics
+
+
+def same(m: dict) -> dict:
+    """The metrics that a run with the same seeds reproduces: all but the timings and the rollout ranks' own
+    (waits, overlap)."""
+    return {k: v for k, v in comparable(m).items() if not k.startswith(OWN_KEYS)}
+
+
+def weights(out) -> dict:
+    return load_file(os.path.join(out, "hf", "model.safetensors"))
+
+
+@pytest.fixture(scope="module")
+def colocated(tiny_build, tmp_path_factory):
+    out = tmp_path_factory.mktemp("colocated")
+    run_grpo(out, 2)
+    return out
+
+
+@pytest.fixture(scope="module")
+def synchronous(tiny_build, tmp_path_factory):
+    out = tmp_path_factory.mktemp("synchronous")
+    run_grpo(out, 3, *RANKS)
+    return out
+
+
+@pytest.fixture(scope="module")
+def one_step_off(tiny_build, tmp_path_factory):
+    """The k = 1 run, its batches dumped and a checkpoint kept at every step."""
+    out = tmp_path_factory.mktemp("one_step_off")
+    run_grpo(
+        out,
+        3,
+        *ONE_STEP_OFF,
+        f"trainer.dump_batches={out / 'dump'}",
+        "trainer.save_every=1",
+        "trainer.keep_checkpoints=4",
+    )
+    return out
+
+
+def test_at_staleness_0_the_run_is_the_colocated_one(colocated, synchronous):
+    """Every metric but the timings, rollout/sync_check (a probe through an engine in the trainer's own process)
+    and the rollout ranks' own equal the colocated run's, step by step; the exported weights are bit-identical."""
+    mine, theirs = read_metrics(synchronous), read_metrics(colocated)
+    assert [r["step"] for r in mine] == [r["step"] for r in theirs] == [0, 1, 2, 3]
+    for m, c in zip(mine, theirs, strict=True):
+        c = {k: v for k, v in comparable(c).items() if k != "rollout/sync_check"}
+        assert same(m) == c
+        if m["step"]:
+            assert m["fully_async/staleness"] == 0.0
+    a, b = weights(synchronous), weights(colocated)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    start = load_file(os.path.join(model_dir(), "model.safetensors"))
+    assert any(not torch.equal(a[k], start[k]) for k in start)  # and they trained
+
+
+def model_dir() -> str:
+    import tiny
+
+    return tiny.build(os.path.join(ROOT, ".cache", "tiny"), seed=0)["model"]
+
+
+def policy(out, version: int):
+    """HF's model (fp32) with the weights of step `version`: the tiny model at 0, else that step's checkpoint."""
+    model = AutoModelForCausalLM.from_pretrained(model_dir(), torch_dtype=torch.float32)
+    if version:
+        path = out / f"step_{version}.pt"
+        if not path.exists():
+            dcp_to_torch_save(out / "checkpoints" / f"step_{version}", path)
+        missing, unexpected = model.load_state_dict(torch.load(path)["model"], strict=False)
+        assert not unexpected and set(missing) <= {"lm_head.weight"}, (missing, unexpected)
+        model.tie_weights()
+    return model.eval()
+
+
+def response_logprobs(model, dump: dict) -> torch.Tensor:
+    """Each dumped row's sampled tokens' log-probs under model, one row at a time without padding: [tokens]."""
+    width = dump["response_mask"].shape[1]
+    out = []
+    for ids, attention in zip(dump["input_ids"], dump["attention_mask"], strict=True):
+        prompt = ids[:-width][attention[:-width].bool()]
+        response = ids[-width:][attention[-width:].bool()]
+        with torch.no_grad():
+            logits = model(input_ids=torch.cat([prompt, response])[None]).logits[0, len(prompt) - 1 : -1]
+        out.append(torch.log_softmax(logits.double(), -1).gather(-1, response[:, None])[:, 0])
+    return torch.cat(out)
+
+
+def sampled(dump: dict, key: str) -> torch.Tensor:
+    """dump[key] at every sampled token, in response_logprobs' order."""
+    width = dump["response_mask"].shape[1]
+    return dump[key][dump["attention_mask"][:, -width:].bool()].double()
+
+
+@pytest.mark.parametrize("step", [2, 3, 4])
+def test_at_staleness_1_each_batch_is_sampled_by_the_weights_of_the_step_before(one_step_off, step):
+    """Batch s (s >= 2) records policy version s - 2 in every sample; vLLM's log-probs equal that policy's, computed
+    in float64 by HF on the checkpoint of step s - 2, at fp32 noise, and so do the trainer's log-probs under its kept
+    weights (batch["sampler_logprobs"]); the old-log-prob pass equals the current policy's (the checkpoint of step
+    s - 1), from which vLLM's differ far beyond the noise."""
+    dump = torch.load(one_step_off / "dump" / f"step_{step}.pt")
+    assert dump["policy_version"].tolist() == [float(step - 2)] * len(dump["policy_version"])
+    sampler, current = policy(one_step_off, step - 2), policy(one_step_off, step - 1)
+
+    def compute(dtype):
+        models = {"sampler": sampler, "current": current}
+        if dtype == torch.float64:
+            models = {name: fp32_noise.float64_copy(m) for name, m in models.items()}
+        return {name: response_logprobs(m, dump) for name, m in models.items()}
+
+    ref, noise = fp32_noise.measure(compute)
+    vllm = sampled(dump, "rollout_logprobs")
+    fp32_noise.check(vllm, ref["sampler"], noise["sampler"], f"step {step}: vLLM's against the sampling policy")
+    fp32_noise.check(sampled(dump, "sampler_logprobs"), ref["sampler"], noise["sampler"], f"step {step}: kept")
+    fp32_noise.check(sampled(dump, "old_logprobs"), ref["current"], noise["current"], f"step {step}: old pass")
+    assert (vllm - ref["current"]).abs().max() > 100 * fp32_noise.FACTOR * noise["current"]
+
+
+def test_at_staleness_1_the_first_batch_is_sampled_by_the_start_and_the_metrics_say_so(one_step_off):
+    """Batch 1: the weights of step 0 (staleness 0); later ones staleness 1, each within the bound; the trainer
+    waits for none of them but the first (the rollout rank sampled it during the step before), and the sync proof
+    rollout/logprob_diff_max (vLLM's against the sampling policy's) stays at fp32 noise, under the run's bound."""
+    dump = torch.load(one_step_off / "dump" / "step_1.pt")
+    assert set(dump["policy_version"].tolist()) == {0.0}
+    steps = [m for m in read_metrics(one_step_off) if m["step"] >= 1]
+    assert [m["fully_async/staleness"] for m in steps] == [0.0, 1.0, 1.0, 1.0]
+    assert [m["fully_async/count/current_param_version"] for m in steps] == [0.0, 1.0, 2.0, 3.0]
+    assert all(m["rollout/logprob_diff_max"] < 1e-3 for m in steps)
+    assert all(m["fully_async/overlap"] > 0.5 for m in steps[1:]) and steps[0]["fully_async/overlap"] == 0.0
+
+
+@pytest.mark.parametrize("step", [2, 4])
+def test_at_staleness_1_the_is_weights_and_advantages_are_the_formulas_on_the_batch(one_step_off, step):
+    """rollout_is=token, threshold 2 (veRL's truncated IS): w = min(exp(old - vLLM's), 2) at every sampled token of
+    the response mask; the advantages: each reward less its group's mean, over its std + 1e-6 (n = 8)."""
+    dump = torch.load(one_step_off / "dump" / f"step_{step}.pt")
+    mask = dump["response_mask"].bool()
+    old, rollout = dump["old_logprobs"].double(), dump["rollout_logprobs"].double()
+    expected = torch.exp(old - rollout).clamp(max=2.0)
+    assert (expected[mask] != 1.0).any()  # stale: the weights are not all 1
+    torch.testing.assert_close(dump["is_weights"][mask].double(), expected[mask], rtol=1e-6, atol=1e-7)
+    rewards = dump["rewards"].double().view(-1, 8)  # [prompts, n]
+    advantage = (rewards - rewards.mean(-1, keepdim=True)) / (rewards.std(-1, keepdim=True) + 1e-6)
+    for row in range(dump["rewards"].shape[0]):
+        got = dump["advantages"][row][mask[row]].double()
+        torch.testing.assert_close(got, advantage.flatten()[row].expand_as(got), rtol=1e-6, atol=1e-6)
+
+
+def test_at_staleness_1_the_update_is_the_replay_of_its_batches(one_step_off, tmp_path):
+    """A colocated 2-rank replay of the dumped batches (no engine: the trainer's update on exactly those batches,
+    which tests/test_loop.py checks against the formulas) ends at bit-identical weights, with the same update
+    metrics at every step."""
+    run_grpo(
+        tmp_path,
+        2,
+        "algorithm.rollout_correction.rollout_is=token",
+        "trainer.total_steps=4",
+        f"trainer.replay_batches={one_step_off / 'dump'}",
+    )
+    a, b = weights(tmp_path), weights(one_step_off)
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    replayed = {m["step"]: m for m in read_metrics(tmp_path)}
+    for m in read_metrics(one_step_off)[1:]:
+        for key in ("actor/pg_loss", "actor/pg_clipfrac", "actor/ppo_kl", "actor/kl_loss", "actor/grad_norm"):
+            assert replayed[m["step"]][key] == m[key], (m["step"], key)
+
+
+def test_a_stop_at_staleness_1_resumes_without_losing_or_repeating_a_batch(one_step_off, tmp_path):
+    """SIGTERM to trainer rank 1 only during the run: the trainer ranks stop after the step with its checkpoint
+    (the rollout rank, which sampled the next batch already, says why it ends); trainer.resume=auto continues.
+    Each step's batch is generation batch s's prompts, as in the straight run: the one sampled ahead and lost is
+    sampled again, by the resumed weights (staleness 0), and the steps before the stop are the straight run's."""
+    out = tmp_path / "run"
+    args = [*SMALL, *ONE_STEP_OFF, f"trainer.output_dir={out}", f"trainer.dump_batches={out / 'dump'}"]
+    launcher = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node",
+        "3",
+        "--master_port",
+        str(free_port()),
+    ]
+    with open(tmp_path / "torchrun.log", "w") as log:
+        proc = subprocess.Popen(
+            [*launcher, "grpo.py", "--config", "tiny.yaml", *args, "trainer.save_every=0"],
+            cwd=ROOT,
+            env={**os.environ, "OMP_NUM_THREADS": "1"},
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+        try:
+            wait_for_step(out, 1, proc)
+            os.kill(worker_of_rank(proc.pid, 1), signal.SIGTERM)
+            assert proc.wait(timeout=300) != 0
+        finally:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+    report = (tmp_path / "torchrun.log").read_text()
+    stopped = max(r["step"] for r in read_metrics(out))
+    assert 1 <= stopped < 4 and f"stopped by SIGTERM after step {stopped}" in report, report[-3000:]
+    run_grpo(out, 3, *ONE_STEP_OFF, f"trainer.dump_batches={out / 'dump'}", "trainer.resume=auto")
+    metrics, straight = read_metrics(out), read_metrics(one_step_off)
+    assert [m["step"] for m in metrics] == [0, 1, 2, 3, 4]
+    assert [same(m) for m in metrics[: stopped + 1]] == [same(m) for m in straight[: stopped + 1]]
+    staleness = [m["fully_async/staleness"] for m in metrics[1:]]
+    assert staleness == [0.0, *[1.0] * (stopped - 1), 0.0, *[1.0] * (3 - stopped)]
+    for step in range(1, 5):
+        mine = torch.load(out / "dump" / f"step_{step}.pt")
+        theirs = torch.load(one_step_off / "dump" / f"step_{step}.pt")
+        assert prompts(mine) == prompts(theirs), step
+        expected_version = step - 1 if step == stopped + 1 else max(0, step - 2)
+        assert set(mine["policy_version"].tolist()) == {float(expected_version)}, step
+
+
+def prompts(dump: dict) -> list[tuple[int, ...]]:
+    """The prompt of every dumped row, as token ids."""
+    width = dump["response_mask"].shape[1]
+    return [
+        tuple(ids[:-width][a[:-width].bool()].tolist())
+        for ids, a in zip(dump["input_ids"], dump["attention_mask"], strict=True)
+    ]
+
+
+def test_topologies_that_cannot_run_stop_with_one_line(tmp_path):
+    """Before anything loads, torchrun's world (WORLD_SIZE) against the rollout ranks, and the settings they need."""
+    base = ["--config", "tiny.yaml", "--print-config"]
+    calls = {
+        "more than the world": [*base, "rollout.n_gpus_per_node=2", "rollout.nnodes=2"],
+        "no trainer": [*base, "rollout.n_gpus_per_node=3"],
+        "more than trainers": [*base, "rollout.n_gpus_per_node=2"],
+        "negative k": [*base, *RANKS, "async_training.staleness_threshold=-1"],
+        "k without correction": [*base, *RANKS, "async_training.staleness_threshold=1"],
+        "k without rollout ranks": [*base, "async_training.staleness_threshold=1"],
+        "dynamic sampling": [*base, *RANKS, "algorithm.filter_groups.enable=true"],
+        "routing replay": [*base, *RANKS, "actor.router_replay.mode=R2"],
+        "bypass is enough": [
+            *base,
+            *RANKS,
+            "async_training.staleness_threshold=1",
+            "algorithm.rollout_correction.bypass_mode=true",
+        ],
+    }
+    got = cli_calls(calls, tmp_path, env={"WORLD_SIZE": "3"})
+    where = "config: rollout.nnodes x rollout.n_gpus_per_node = "
+    expected = {
+        "more than the world": f"{where}2 x 2 = 4 rollout ranks, more than the 3 rank(s) of the job",
+        "no trainer": f"{where}1 x 3 = 3 rollout ranks in a job of 3 rank(s) leaves no trainer rank",
+        "more than trainers": "= 2 rollout ranks for 1 trainer rank(s): each rollout rank serves whole trainer ranks",
+        "negative k": "async_training.staleness_threshold",
+        "k without correction": "async_training.staleness_threshold = 1 trains on samples of an older policy: set "
+        "algorithm.rollout_correction.rollout_is",
+        "k without rollout ranks": "async_training.staleness_threshold = 1 needs rollout ranks",
+        "dynamic sampling": "config: algorithm.filter_groups.enable is not served by rollout ranks",
+        "routing replay": "config: actor.router_replay.mode is not served by rollout ranks",
+    }
+    for name, text in expected.items():
+        lines = got[name]["stderr"].strip().splitlines()
+        assert got[name]["exit"] == 1 and len(lines) == 1 and lines[0].startswith("error: ") and text in lines[0], (
+            name,
+            got[name],
+        )
+    assert got["bypass is enough"]["exit"] == 0, got["bypass is enough"]
