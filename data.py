@@ -297,4 +297,7 @@ def load_replay(run, step: int) -> dict:
         raise FileNotFoundError(f"trainer.replay_batches: {path} missing (the dump has fewer steps than this run)")
     n = run.cfg["rollout"]["n"]
     run.gen_cursor = step
-    return fsdp_train.select(torch.load(path), [p * n + j for p in run.positions for j in range(n)])
+    dumped = torch.load(path)
+    dumped.pop("sampler_logprobs", None)  # a stale batch's (rollout ranks): the replay checks its old log-probs
+    dumped.get("layouts", {}).pop("sampler_logprobs", None)
+    return fsdp_train.select(dumped, [p * n + j for p in run.positions for j in range(n)])

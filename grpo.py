@@ -132,7 +132,7 @@ def grpo_step(run: "Run", step: int) -> dict:
         parts.dump(run, step, batch)  # none, or trainer.dump_batches' (data.dump_batch)
         m.update(update_actor(run, batch, t))
         if run.capture:  # the update's own forward stood in for the old pass: the diagnostics come from it
-            m.update(correct_rollout(run, batch, batch["update_logprobs"], apply=False))
+            m.update(correct_rollout(run, first_update_rows(run, batch), batch["update_logprobs"], apply=False))
         m.update(parts.update_weights(run, step, t))  # none for a replay: it has no engine
         m.update(validate_and_save(run, step, t))
         with timed(t, "logging"):  # the metrics' all-gathers; the file write after is ~0.1 ms
@@ -300,7 +300,8 @@ def update_actor(run: "Run", batch: dict, t: dict) -> dict:
     """update_actor: one optimizer step per mini-batch and PPO epoch (veRL's update_policy), then ONE LR
     schedule step for the global step; returns the mean of the mini-batches' metrics. When the update's
     forward stands in for the old pass (run.capture), its log-probs and entropy are kept in the batch
-    (update_logprobs) and logged as that pass would have logged them."""
+    (update_logprobs) and logged as that pass would have logged them, from the rows whose forward ran before the
+    step's first optimizer step (first_update_rows)."""
     actor, sampling = run.cfg["actor"], run.cfg["rollout"]
     rows = actor["ppo_mini_batch_size"] // run.world * sampling["n"]  # this rank's rows of one mini-batch
     loss_fn = grpo_loss_fn(run.cfg, run.parts.policy_term)
@@ -308,7 +309,7 @@ def update_actor(run: "Run", batch: dict, t: dict) -> dict:
     update_logprobs, update_entropy = torch.zeros_like(batch["response_mask"]), torch.zeros_like(batch["response_mask"])
     with timed(t, "update_actor"):
         results = []
-        for _ in range(actor["ppo_epochs"]):
+        for epoch in range(actor["ppo_epochs"]):
             for j in range(0, batch["input_ids"].shape[0], rows):
                 mini_batch = fsdp_train.select(batch, list(range(j, j + rows)))
                 step_metrics = fsdp_train.train_step(
@@ -324,7 +325,7 @@ def update_actor(run: "Run", batch: dict, t: dict) -> dict:
                     entropy_fn=losses.entropy_from_logits if need_entropy else None,
                     keep_logprobs=run.capture,
                 )
-                if run.capture:  # [b, R_mini] each: this mini-batch's rows of the update's forward
+                if run.capture and epoch == 0 and j == 0:  # [b, R_mini] each: the weights that sampled them
                     logp, entropy = step_metrics.pop("logprobs"), step_metrics.pop("entropy")
                     update_logprobs[j : j + rows, : logp.shape[1]] = logp
                     update_entropy[j : j + rows, : entropy.shape[1]] = entropy
@@ -338,8 +339,18 @@ def update_actor(run: "Run", batch: dict, t: dict) -> dict:
     out.update(run.parts.routing_metrics(run.policy, "update_actor"))  # none, or a MoE model's routing replay
     if run.capture:
         batch["update_logprobs"] = update_logprobs  # [B, R]
-        out.update(metrics.old_logprob_metrics(batch, update_logprobs, update_entropy, run.cfg))
+        out.update(metrics.old_logprob_metrics(first_update_rows(run, batch), update_logprobs, update_entropy, run.cfg))
     return out
+
+
+def first_update_rows(run: "Run", batch: dict) -> dict:
+    """The batch as the diagnostics of the update's own forward (run.capture) read it: the rows of the step's first
+    mini-batch, whose forward ran before any optimizer step, with the weights that sampled them; the others' masks
+    zeroed (bypass mode with several mini-batches: later rows meet an updated policy). With one mini-batch and one
+    epoch (the on-policy shortcut), the whole batch."""
+    rows = run.cfg["actor"]["ppo_mini_batch_size"] // run.world * run.cfg["rollout"]["n"]
+    first = (torch.arange(batch["response_mask"].shape[0]) < rows)[:, None]  # [B, 1]
+    return {**batch, "attention_mask": batch["attention_mask"] * first, "response_mask": batch["response_mask"] * first}
 
 
 def update_weights(run: "Run", step: int, t: dict) -> dict:

@@ -189,10 +189,12 @@ def old_logprob_metrics(batch: dict, old_logp, entropy, cfg: dict) -> dict:
     mask = batch["response_mask"]
     tokens = fsdp_train.all_reduce(mask.sum())
     seqs = fsdp_train.all_reduce((mask.sum(-1) > 0).sum())
-    if "old_logprobs" in batch:  # a replay: the dumped old log-probs, recomputed
-        computed, expected = old_logp, batch["old_logprobs"]  # [B, R] each
-    else:  # vLLM's, against this pass or, for a stale batch, the log-probs under the weights that sampled it
-        computed, expected = batch.get("sampler_logprobs", old_logp), batch["rollout_logprobs"]
+    if "sampler_logprobs" in batch:  # a stale batch (rollout ranks): vLLM's against the weights that sampled it
+        computed, expected = batch["sampler_logprobs"], batch["rollout_logprobs"]  # [B, R] each
+    elif "old_logprobs" in batch:  # a replay's dumped old log-probs, recomputed; bypass mode's (vLLM's)
+        computed, expected = old_logp, batch["old_logprobs"]
+    else:  # vLLM's, against this pass
+        computed, expected = old_logp, batch["rollout_logprobs"]
     diff = (computed - expected).abs() * mask  # [B, R]
     entropy = losses.agg_loss(
         entropy,

@@ -204,6 +204,30 @@ def test_at_staleness_1_the_update_is_the_replay_of_its_batches(one_step_off, tm
             assert replayed[m["step"]][key] == m[key], (m["step"], key)
 
 
+def test_two_rollout_ranks_in_bypass_mode_one_step_off(tmp_path):
+    """veRL's one-step-off-policy recipe: bypass mode (vLLM's log-probs are pi_old), here with 2 rollout ranks for 2
+    trainer ranks (4 processes) and two mini-batches in an fp32 run: it runs to the end, the sync proof at fp32 noise
+    every step (vLLM's log-probs against the policy that sampled; the update's own forward of the first mini-batch
+    at staleness 0), each batch as stale as the bound says, the dumped old log-probs vLLM's."""
+    run_grpo(
+        tmp_path,
+        4,
+        "rollout.n_gpus_per_node=2",
+        "async_training.staleness_threshold=1",
+        "algorithm.rollout_correction.bypass_mode=true",
+        "trainer.val_every=0",
+        "trainer.export_hf=false",
+        f"trainer.dump_batches={tmp_path / 'dump'}",
+    )
+    steps = read_metrics(tmp_path)
+    assert [m["fully_async/staleness"] for m in steps] == [0.0, 1.0, 1.0]
+    assert all(m["rollout/logprob_diff_max"] < 1e-4 for m in steps)
+    for step in (1, 2, 3):
+        dump = torch.load(tmp_path / "dump" / f"step_{step}.pt")
+        assert torch.equal(dump["old_logprobs"], dump["rollout_logprobs"])
+        assert set(dump["policy_version"].tolist()) == {float(max(0, step - 2))}
+
+
 def test_a_stop_at_staleness_1_resumes_without_losing_or_repeating_a_batch(one_step_off, tmp_path):
     """SIGTERM to trainer rank 1 only during the run: the trainer ranks stop after the step with its checkpoint
     (the rollout rank, which sampled the next batch already, says why it ends); trainer.resume=auto continues.
