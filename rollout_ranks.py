@@ -165,16 +165,17 @@ def served_by(link, rollout_rank: int) -> list[int]:
 def send_object(pg, obj, dst: int) -> None:
     """A picklable object to job rank dst over pg (its size, then its bytes)."""
     payload = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
-    finish(pg.send([torch.tensor([payload.numel()], dtype=torch.int64)], dst, 0), f"job rank {dst}")
-    finish(pg.send([payload], dst, 1), f"job rank {dst}")
+    size = torch.tensor([payload.numel()], dtype=torch.int64)
+    finish(lambda: pg.send([size], dst, 0), f"job rank {dst}")
+    finish(lambda: pg.send([payload], dst, 1), f"job rank {dst}")
 
 
 def recv_object(pg, src: int):
     """The next object job rank src sent over pg (send_object)."""
     size = torch.zeros(1, dtype=torch.int64)
-    finish(pg.recv([size], src, 0), f"job rank {src}")
+    finish(lambda: pg.recv([size], src, 0), f"job rank {src}")
     payload = torch.empty(int(size.item()), dtype=torch.uint8)
-    finish(pg.recv([payload], src, 1), f"job rank {src}")
+    finish(lambda: pg.recv([payload], src, 1), f"job rank {src}")
     return pickle.loads(payload.numpy().tobytes())
 
 
@@ -182,15 +183,15 @@ def broadcast_tensor(pg, tensor: torch.Tensor) -> None:
     """tensor from the weights group's member 0 (trainer rank 0) to every member, in place."""
     opts = dist.BroadcastOptions()
     opts.rootRank, opts.rootTensor = 0, 0
-    finish(pg.broadcast([tensor], opts), "the weights group")
+    finish(lambda: pg.broadcast([tensor], opts), "a member of the weights group")
 
 
-def finish(work, peer: str) -> None:
-    """Wait for a send, receive or broadcast; LinkBroken when the peer's process is gone."""
+def finish(start, peer: str) -> None:
+    """Start a send, receive or broadcast (start()) and wait for it; LinkBroken when the peer's process is gone."""
     try:
-        work.wait()
+        start().wait()
     except RuntimeError as e:
-        raise LinkBroken(f"{peer} is gone ({str(e).splitlines()[0][-160:]})") from None
+        raise LinkBroken(f"{peer} is gone, its process ended ({str(e).splitlines()[0][-160:]})") from None
 
 
 # ------------------------------------------------------------------------------------------- the parts

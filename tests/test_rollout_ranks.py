@@ -13,6 +13,7 @@ mini-batches a step, sampled, validated; the runs are shared by the tests (modul
 """
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -275,6 +276,42 @@ def test_a_stop_at_staleness_1_resumes_without_losing_or_repeating_a_batch(one_s
         assert prompts(mine) == prompts(theirs), step
         expected_version = step - 1 if step == stopped + 1 else max(0, step - 2)
         assert set(mine["policy_version"].tolist()) == {float(expected_version)}, step
+
+
+def test_a_killed_rollout_rank_restarts_the_job_from_the_last_checkpoint(one_step_off, tmp_path):
+    """SIGKILL to the rollout rank at k = 1 (torchrun --max-restarts 1, a checkpoint every step): the trainer ranks
+    end on the broken link in one line, torchrun restarts every worker, and trainer.resume=auto continues from the
+    last checkpoint; each step logged once, each step's batch generation batch s's prompts as in the straight run,
+    the first one after the resume sampled by the resumed weights."""
+    out = tmp_path / "run"
+    args = [*SMALL, *ONE_STEP_OFF, f"trainer.output_dir={out}", f"trainer.dump_batches={out / 'dump'}"]
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "3", "--max-restarts", "1"]
+    with open(tmp_path / "torchrun.log", "w") as log:
+        proc = subprocess.Popen(
+            [*launcher, "--master_port", str(free_port()), "grpo.py", "--config", "tiny.yaml", *args]
+            + ["trainer.save_every=1", "trainer.resume=auto"],
+            cwd=ROOT,
+            env={**os.environ, "OMP_NUM_THREADS": "1"},
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+        try:
+            wait_for_step(out, 2, proc)
+            os.kill(worker_of_rank(proc.pid, 2), signal.SIGKILL)
+            assert proc.wait(timeout=600) == 0
+        finally:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+    report = (tmp_path / "torchrun.log").read_text()
+    resumed = int(re.search(r"resumed from \S+ \(step (\d+)\)", report).group(1))
+    assert re.search(r"^error: .*(rollout|job) rank 2 .*(ended|is gone)", report, re.M), report[-3000:]
+    metrics = read_metrics(out)
+    assert [m["step"] for m in metrics] == [0, 1, 2, 3, 4]
+    assert metrics[resumed + 1]["fully_async/staleness"] == 0.0
+    for step in range(1, 5):
+        mine = torch.load(out / "dump" / f"step_{step}.pt")
+        assert prompts(mine) == prompts(torch.load(one_step_off / "dump" / f"step_{step}.pt")), step
 
 
 def prompts(dump: dict) -> list[tuple[int, ...]]:
