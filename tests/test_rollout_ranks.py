@@ -37,6 +37,9 @@ ONE_STEP_OFF = [
     "trainer.total_steps=4",
 ]
 OWN_KEYS = ("fully_async/",)  # the rollout ranks' own metrics
+# Every process of every run with one thread, whatever the machine: runs compared bit for bit (a colocated run with
+# rollout ranks, a replay with its dumps) then compute with the same kernels and summation orders.
+ONE_THREAD = {"OMP_NUM_THREADS": "1"}
 
 
 def same(m: dict) -> dict:
@@ -52,14 +55,14 @@ def weights(out) -> dict:
 @pytest.fixture(scope="module")
 def colocated(tiny_build, tmp_path_factory):
     out = tmp_path_factory.mktemp("colocated")
-    run_grpo(out, 2)
+    run_grpo(out, 2, env=ONE_THREAD)
     return out
 
 
 @pytest.fixture(scope="module")
 def synchronous(tiny_build, tmp_path_factory):
     out = tmp_path_factory.mktemp("synchronous")
-    run_grpo(out, 3, *RANKS)
+    run_grpo(out, 3, *RANKS, env=ONE_THREAD)
     return out
 
 
@@ -74,6 +77,7 @@ def one_step_off(tiny_build, tmp_path_factory):
         f"trainer.dump_batches={out / 'dump'}",
         "trainer.save_every=1",
         "trainer.keep_checkpoints=4",
+        env=ONE_THREAD,
     )
     return out
 
@@ -196,6 +200,7 @@ def test_at_staleness_1_the_update_is_the_replay_of_its_batches(one_step_off, tm
         "algorithm.rollout_correction.rollout_is=token",
         "trainer.total_steps=4",
         f"trainer.replay_batches={one_step_off / 'dump'}",
+        env=ONE_THREAD,
     )
     a, b = weights(tmp_path), weights(one_step_off)
     assert all(torch.equal(a[k], b[k]) for k in a)
@@ -264,7 +269,7 @@ def test_a_stop_at_staleness_1_resumes_without_losing_or_repeating_a_batch(one_s
     report = (tmp_path / "torchrun.log").read_text()
     stopped = max(r["step"] for r in read_metrics(out))
     assert 1 <= stopped < 4 and f"stopped by SIGTERM after step {stopped}" in report, report[-3000:]
-    run_grpo(out, 3, *ONE_STEP_OFF, f"trainer.dump_batches={out / 'dump'}", "trainer.resume=auto")
+    run_grpo(out, 3, *ONE_STEP_OFF, f"trainer.dump_batches={out / 'dump'}", "trainer.resume=auto", env=ONE_THREAD)
     metrics, straight = read_metrics(out), read_metrics(one_step_off)
     assert [m["step"] for m in metrics] == [0, 1, 2, 3, 4]
     assert [same(m) for m in metrics[: stopped + 1]] == [same(m) for m in straight[: stopped + 1]]
