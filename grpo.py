@@ -19,8 +19,8 @@ Only this file wires the components (rollout, reward, losses, fsdp_train, sync),
 project; config, data, logs, metrics and cluster are its plumbing. The step calls parts (run.parts), chosen once
 by choose_parts: each the default above, or an optional feature's when its key is set. A feature is a file of its
 own (rollout_correction.py, dapo.py, grpo_family.py, multi_turn.py, moe.py, lora.py, logit_rules.py,
-reward_files.py), imported only inside its guard in the set-up; the phases never read a feature's key. Read train()
-and grpo_step() first.
+reward_files.py, rollout_ranks.py), imported only inside its guard in the set-up; the phases never read a
+feature's key. Read train() and grpo_step() first.
 """
 
 import argparse
@@ -132,7 +132,7 @@ def grpo_step(run: "Run", step: int) -> dict:
         parts.dump(run, step, batch)  # none, or trainer.dump_batches' (data.dump_batch)
         m.update(update_actor(run, batch, t))
         if run.capture:  # the update's own forward stood in for the old pass: the diagnostics come from it
-            m.update(correct_rollout(run, first_update_rows(run, batch), batch["update_logprobs"], apply=False))
+            m.update(correct_rollout(run, batch, batch["update_logprobs"], apply=False))
         m.update(parts.update_weights(run, step, t))  # none for a replay: it has no engine
         m.update(validate_and_save(run, step, t))
         with timed(t, "logging"):  # the metrics' all-gathers; the file write after is ~0.1 ms
@@ -300,16 +300,17 @@ def update_actor(run: "Run", batch: dict, t: dict) -> dict:
     """update_actor: one optimizer step per mini-batch and PPO epoch (veRL's update_policy), then ONE LR
     schedule step for the global step; returns the mean of the mini-batches' metrics. When the update's
     forward stands in for the old pass (run.capture), its log-probs and entropy are kept in the batch
-    (update_logprobs) and logged as that pass would have logged them, from the rows whose forward ran before the
-    step's first optimizer step (first_update_rows)."""
+    (update_logprobs) and logged as that pass would have logged them; the sync proof rollout/logprob_diff_* from the
+    rows whose forward ran before the step's first optimizer step (first_update_rows)."""
     actor, sampling = run.cfg["actor"], run.cfg["rollout"]
     rows = actor["ppo_mini_batch_size"] // run.world * sampling["n"]  # this rank's rows of one mini-batch
     loss_fn = grpo_loss_fn(run.cfg, run.parts.policy_term)
     need_entropy = actor["entropy_coeff"] or run.capture  # in the loss, or logged in place of the old pass's
     update_logprobs, update_entropy = torch.zeros_like(batch["response_mask"]), torch.zeros_like(batch["response_mask"])
+    first_logprobs = None  # [B, R]: the step's first mini-batch's rows, by the weights that sampled them
     with timed(t, "update_actor"):
         results = []
-        for epoch in range(actor["ppo_epochs"]):
+        for _ in range(actor["ppo_epochs"]):
             for j in range(0, batch["input_ids"].shape[0], rows):
                 mini_batch = fsdp_train.select(batch, list(range(j, j + rows)))
                 step_metrics = fsdp_train.train_step(
@@ -325,10 +326,11 @@ def update_actor(run: "Run", batch: dict, t: dict) -> dict:
                     entropy_fn=losses.entropy_from_logits if need_entropy else None,
                     keep_logprobs=run.capture,
                 )
-                if run.capture and epoch == 0 and j == 0:  # [b, R_mini] each: the weights that sampled them
+                if run.capture:  # [b, R_mini] each: this mini-batch's rows of the update's forward
                     logp, entropy = step_metrics.pop("logprobs"), step_metrics.pop("entropy")
                     update_logprobs[j : j + rows, : logp.shape[1]] = logp
                     update_entropy[j : j + rows, : entropy.shape[1]] = entropy
+                    first_logprobs = update_logprobs.clone() if first_logprobs is None else first_logprobs
                 results.append(step_metrics)
         run.scheduler.step()
     out = {k: sum(m[k] for m in results) / len(results) for k in results[0]}
@@ -339,15 +341,18 @@ def update_actor(run: "Run", batch: dict, t: dict) -> dict:
     out.update(run.parts.routing_metrics(run.policy, "update_actor"))  # none, or a MoE model's routing replay
     if run.capture:
         batch["update_logprobs"] = update_logprobs  # [B, R]
-        out.update(metrics.old_logprob_metrics(first_update_rows(run, batch), update_logprobs, update_entropy, run.cfg))
+        out.update(metrics.old_logprob_metrics(batch, update_logprobs, update_entropy, run.cfg))
+        proof = metrics.old_logprob_metrics(first_update_rows(run, batch), first_logprobs, update_entropy, run.cfg)
+        out.update({k: v for k, v in proof.items() if k.startswith("rollout/logprob_diff_")})  # the sync proof
     return out
 
 
 def first_update_rows(run: "Run", batch: dict) -> dict:
-    """The batch as the diagnostics of the update's own forward (run.capture) read it: the rows of the step's first
+    """The batch as the sync proof of the update's own forward (run.capture) reads it: the rows of the step's first
     mini-batch, whose forward ran before any optimizer step, with the weights that sampled them; the others' masks
-    zeroed (bypass mode with several mini-batches: later rows meet an updated policy). With one mini-batch and one
-    epoch (the on-policy shortcut), the whole batch."""
+    zeroed (bypass mode with several mini-batches or epochs: later forwards meet an updated policy, which veRL's
+    rollout_corr/* diagnostics read as they evolve). With one mini-batch and one epoch (the on-policy shortcut),
+    the whole batch."""
     rows = run.cfg["actor"]["ppo_mini_batch_size"] // run.world * run.cfg["rollout"]["n"]
     first = (torch.arange(batch["response_mask"].shape[0]) < rows)[:, None]  # [B, 1]
     return {**batch, "attention_mask": batch["attention_mask"] * first, "response_mask": batch["response_mask"] * first}
@@ -512,7 +517,14 @@ def validate(run: "Run", step: int) -> dict:
 # when its key is set, the feature's file imported there, inside its guard, after its own check of its keys:
 #
 #   part             what it does                               default                 feature's
-#   next_batch       the step's batch and its metrics           sample_batch            a dump replayed (data.py)
+#   train            the run on this rank                       train                   by role: rollout ranks'
+#   start_engine     the engine and its start-up proof          start_proven_engine     rollout ranks' hello
+#   next_batch       the step's batch and its metrics           sample_batch            a dump replayed (data.py);
+#                                                                                       rollout ranks' batch
+#   update_weights   the new weights into the engine, proven    update_weights          none (a replay); rollout
+#                                                                                       ranks' broadcast
+#   validate         testing (None: no validation)              validate                None (a replay); rollout
+#                                                                                       ranks' metrics
 #   pick_groups      this rank's scored groups of the step      next_groups             DAPO's dynamic sampling
 #   sample           n samples of each chat prompt              rollout.generate        multi-turn with tools
 #   score            (row, response text) -> (reward, extras)   GSM8K's (data.py)       a reward file's

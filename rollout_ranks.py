@@ -198,7 +198,7 @@ def finish(start, peer: str) -> None:
 def parts(cfg: dict, tools: types.SimpleNamespace) -> types.SimpleNamespace:
     """The loop's parts for rollout ranks (grpo.choose_parts), after check_settings. tools: grpo's functions
     (train, engine_run, next_groups, groups_to_batch, compute_logprobs, validate, weights_to_push, with_bit_sums,
-    push_weights, check_push, engine_buffers, engine_dtype, positions, log0). Returns train (by role: the
+    push_weights, check_push, engine_buffers, engine_dtype, positions, close). Returns train (by role: the
     training loop, or serve), and the trainer's start_engine, next_batch, update_weights and validate."""
     state = types.SimpleNamespace(link=None, kept={}, k=cfg["async_training"]["staleness_threshold"], tools=tools)
 
@@ -226,7 +226,7 @@ def hello(run, pushing: bool, state) -> None:
             send_object(link.job, {"start": run.start, "gen_cursor": run.gen_cursor}, r)
     engine = [from_rollout(link, link.rollouts[0]) if run.rank == 0 else None]
     dist.broadcast_object_list(engine, src=0)  # the trainer ranks' own group
-    run.engine_dtype, run.engine_buffers = engine[0]["dtype"], None
+    run.engine_dtype = engine[0]["dtype"]  # for the weights' cast, and whether the run is exact (grpo.exact_run)
     send_weights(run, state, send=pushing, when="start-up: ")
     if run.rank == 0:
         print(
@@ -300,6 +300,7 @@ def receive_batch(run, step: int, t: dict, state) -> tuple[dict, dict]:
         "fully_async/count/current_param_version": float(step - 1),
         "fully_async/total_wait_time": wait,
         "fully_async/overlap": min(1.0, max(0.0, 1.0 - wait / generation)) if generation > 0 else 0.0,
+        "fully_async/rollouter/wait_time": last["waited"],
         "fully_async/rollouter/idle_ratio": last["waited"] / last["iteration"] if last["iteration"] > 0 else 0.0,
     }
 
@@ -351,20 +352,20 @@ def serve(cfg: dict, parts_, state) -> int:
     stopped = catch_stop_signals()
     try:
         run = setup_rollout(cfg, parts_, state)
-        versions = run.start - 1  # the weights the engine holds: those of step start - 1
+        held = run.start - 1  # the version of the weights the engine holds: those of step start - 1
         pending, ahead = collections.deque(), run.start
         last = {"waited": 0.0, "iteration": 0.0}  # the previous step's: seconds waiting for weights, in all
         for step in range(run.start, run.total_steps + 1):
             began = time.perf_counter()
             if not pending:
-                pending.append(sample(run, ahead, versions, state))
+                pending.append(sample(run, ahead, held, state))
                 ahead += 1
             send_batches(run, pending.popleft(), last, state)
             while ahead <= min(step + k, run.total_steps):  # overlaps the trainers' step
-                pending.append(sample(run, ahead, versions, state))
+                pending.append(sample(run, ahead, held, state))
                 ahead += 1
             waited = receive_weights(run, state, step)
-            versions = step
+            held = step
             if validation_step(cfg, step, run.total_steps):
                 validate(run, step, state)
             last = {"waited": waited, "iteration": time.perf_counter() - began}
