@@ -240,33 +240,8 @@ def test_a_stop_at_staleness_1_resumes_without_losing_or_repeating_a_batch(one_s
     Each step's batch is generation batch s's prompts, as in the straight run: the one sampled ahead and lost is
     sampled again, by the resumed weights (staleness 0), and the steps before the stop are the straight run's."""
     out = tmp_path / "run"
-    args = [*SMALL, *ONE_STEP_OFF, f"trainer.output_dir={out}", f"trainer.dump_batches={out / 'dump'}"]
-    launcher = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nproc_per_node",
-        "3",
-        "--master_port",
-        str(free_port()),
-    ]
-    with open(tmp_path / "torchrun.log", "w") as log:
-        proc = subprocess.Popen(
-            [*launcher, "grpo.py", "--config", "tiny.yaml", *args, "trainer.save_every=0"],
-            cwd=ROOT,
-            env={**os.environ, "OMP_NUM_THREADS": "1"},
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
-        try:
-            wait_for_step(out, 1, proc)
-            os.kill(worker_of_rank(proc.pid, 1), signal.SIGTERM)
-            assert proc.wait(timeout=300) != 0
-        finally:
-            if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGKILL)
-    report = (tmp_path / "torchrun.log").read_text()
+    status, report = signal_a_worker(out, [], ["trainer.save_every=0"], 1, 1, signal.SIGTERM)
+    assert status != 0
     stopped = max(r["step"] for r in read_metrics(out))
     assert 1 <= stopped < 4 and f"stopped by SIGTERM after step {stopped}" in report, report[-3000:]
     run_grpo(out, 3, *ONE_STEP_OFF, f"trainer.dump_batches={out / 'dump'}", "trainer.resume=auto", env=ONE_THREAD)
@@ -289,26 +264,9 @@ def test_a_killed_rollout_rank_restarts_the_job_from_the_last_checkpoint(one_ste
     last checkpoint; each step logged once, each step's batch generation batch s's prompts as in the straight run,
     the first one after the resume sampled by the resumed weights."""
     out = tmp_path / "run"
-    args = [*SMALL, *ONE_STEP_OFF, f"trainer.output_dir={out}", f"trainer.dump_batches={out / 'dump'}"]
-    launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "3", "--max-restarts", "1"]
-    with open(tmp_path / "torchrun.log", "w") as log:
-        proc = subprocess.Popen(
-            [*launcher, "--master_port", str(free_port()), "grpo.py", "--config", "tiny.yaml", *args]
-            + ["trainer.save_every=1", "trainer.resume=auto"],
-            cwd=ROOT,
-            env={**os.environ, "OMP_NUM_THREADS": "1"},
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
-        try:
-            wait_for_step(out, 2, proc)
-            os.kill(worker_of_rank(proc.pid, 2), signal.SIGKILL)
-            assert proc.wait(timeout=600) == 0
-        finally:
-            if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGKILL)
-    report = (tmp_path / "torchrun.log").read_text()
+    options = ["trainer.save_every=1", "trainer.resume=auto"]
+    status, report = signal_a_worker(out, ["--max-restarts", "1"], options, 2, 2, signal.SIGKILL)
+    assert status == 0
     resumed = int(re.search(r"resumed from \S+ \(step (\d+)\)", report).group(1))
     assert re.search(r"^error: .*(rollout|job) rank 2 .*(ended|is gone)", report, re.M), report[-3000:]
     metrics = read_metrics(out)
@@ -317,6 +275,31 @@ def test_a_killed_rollout_rank_restarts_the_job_from_the_last_checkpoint(one_ste
     for step in range(1, 5):
         mine = torch.load(out / "dump" / f"step_{step}.pt")
         assert prompts(mine) == prompts(torch.load(one_step_off / "dump" / f"step_{step}.pt")), step
+
+
+def signal_a_worker(out, launcher_args: list, overrides: list, step: int, rank: int, signum) -> tuple[int, str]:
+    """The k = 1 run (3 processes, one thread each, dumping into out/dump) under torchrun with launcher_args: once
+    `step` is logged, signum to the worker of job rank `rank`. Returns torchrun's exit status and its output."""
+    args = [*SMALL, *ONE_STEP_OFF, f"trainer.output_dir={out}", f"trainer.dump_batches={out / 'dump'}", *overrides]
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "3", *launcher_args]
+    log_path = out.parent / "torchrun.log"
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(
+            [*launcher, "--master_port", str(free_port()), "grpo.py", "--config", "tiny.yaml", *args],
+            cwd=ROOT,
+            env={**os.environ, **ONE_THREAD},
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+        try:
+            wait_for_step(out, step, proc)
+            os.kill(worker_of_rank(proc.pid, rank), signum)
+            status = proc.wait(timeout=600)
+        finally:  # a rank that never learns of the stop waits in a collective: leave no run behind
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+    return status, log_path.read_text()
 
 
 def prompts(dump: dict) -> list[tuple[int, ...]]:
