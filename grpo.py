@@ -27,6 +27,7 @@ import argparse
 import contextlib
 import functools
 import importlib
+import itertools
 import os
 import random
 import sys
@@ -381,10 +382,10 @@ def push(llm, model, send: bool = True) -> dict:
     Mixture-of-Experts model's merged experts as the checkpoint's per-expert tensors). Returns their bit sums by
     group (sync.with_bit_sums), what sync.check_push proves the engine holds. send=False: the sums only (of the
     weights the engine loaded itself)."""
-    pushed = {}
-    tensors = sync.with_bit_sums(weights_to_push(model, sync.engine_dtype(llm)), pushed)
-    if send:
-        sync.push_weights(llm, tensors)
+    pushed, dtype = {}, sync.engine_dtype(llm)
+    tensors = sync.with_bit_sums(weights_to_push(model, dtype), pushed)
+    if send:  # then the persistent buffers (most families have none), or the reload would reset them
+        sync.push_weights(llm, itertools.chain(tensors, sync.full_buffers(model, dtype, model.checkpoint_names)))
     else:
         for _ in tensors:  # gathered and summed, not sent
             pass
@@ -750,11 +751,19 @@ def setup(cfg: dict, parts=None) -> Run:
 
 
 def start_proven_engine(run: Run, model_path: str, pushing: bool) -> None:
-    """The rank's engine (start_engine), its buffers as loaded (no push sends them: sync.check_push), and the
+    """The rank's engine (start_engine), its buffers as loaded (sync.check_push holds them there), the trainer matched
+    to the tensors the engine keeps in another dtype (engine_dtypes.py, for the few families that have any), and the
     start-up proof that it computes with the trainer's weights (pushing: after a resume or with a LoRA adapter the
     trainer's differ from model.path's, which the engine loaded, so they are pushed first)."""
     run.llm = start_engine(run.cfg, model_path, run.rank)
     run.engine_dtype, run.engine_buffers = sync.engine_dtype(run.llm), sync.engine_buffers(run.llm)
+    other_dtypes = sync.engine_dtypes(run.llm)  # layers the engine builds in another dtype (vLLM's xIELU: bf16)
+    if other_dtypes:  # the trainer computes with the engine's values of them; pushed and proven in their dtypes
+        matched = feature("engine_dtypes").match(run.policy, other_dtypes, run.engine_dtype)
+        if run.ref is not None and run.ref is not run.policy:  # the reference computes as the policy does
+            feature("engine_dtypes").match(run.ref, other_dtypes, run.engine_dtype)
+        kept = "/".join(sorted({str(dtype) for dtype in other_dtypes.values()}))
+        log0(run.rank, f"engine dtypes: the engine keeps {matched} tensors in {kept}; the trainer computes alike")
     held = sync.describe_buffers(run.engine_buffers)
     log0(run.rank, f"push proof: every push proven bit for bit; the engine's buffers held as loaded: {held}")
     sync.check_push(run.llm, push(run.llm, run.policy, send=pushing), run.engine_buffers, when="start-up: ")

@@ -30,6 +30,7 @@ FEATURES = (
     "logit_rules",
     "reward_files",
     "rollout_ranks",
+    "engine_dtypes",
 )
 COMPONENTS = ("rollout", "reward", "losses", "fsdp_train", "sync", "tiny")
 EXTENDS = {"grpo_family": {"losses"}, "rollout_correction": {"losses"}}  # a feature may import what it extends
@@ -46,6 +47,7 @@ SETUP = {  # grpo.py's set-up and finish code: where a feature's file may be imp
     "load_models",
     "model_head",
     "start_engine",
+    "start_proven_engine",
     "finish",
     "evaluate",
 }
