@@ -397,6 +397,42 @@ DROPOUTS = {
 }
 
 
+def test_the_trainer_reads_the_tensors_the_engine_keeps_in_bf16_in_bf16(family_models):
+    """engine_dtypes.match on the trainer's Apertus, with what an fp32 engine reports (sync.engine_dtypes, checked
+    against a real engine in test_push_proof): its logits are transformers' with the xIELU layers in bf16 (vLLM's
+    arithmetic) bit for bit, not transformers' fp32 ones; the gradient reaches the fp32 master weights; the push
+    sends those tensors in bf16; a tensor the trainer does not have stops in one line naming it and what to set."""
+    import engine_dtypes
+    import fsdp_train as ft
+    import sync
+
+    path = family_models("apertus")
+    ft.init_distributed()
+    model = ft.load_model(path, device=torch.device("cpu"))
+    act = [f"model.layers.{k}.mlp.act_fn.{name}" for k in range(4) for name in ("alpha_p", "alpha_n", "beta", "eps")]
+    assert engine_dtypes.match(model, dict.fromkeys(act, torch.bfloat16), torch.float32) == 16
+    reference = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    ids = torch.tensor([[(3 + 11 * i) % 400 for i in range(20)]])
+    logits = model.eval()(input_ids=ids).logits
+    with torch.no_grad():
+        in_fp32 = reference(input_ids=ids).logits
+        assert torch.equal(logits, as_vllm_computes(reference)(input_ids=ids).logits)
+    assert (logits - in_fp32).abs().max() > 1e-5  # the two arithmetics differ: the match is what makes them agree
+    logits.logsumexp(-1).sum().backward()
+    alpha = model.model.layers[0].mlp.act_fn._parameters["alpha_p"]  # the fp32 master (a read gives bf16)
+    assert alpha.dtype == torch.float32 and alpha.grad.dtype == torch.float32 and alpha.grad.abs().item() > 0
+    params = dict(sync.full_params(model, torch.float32, model.checkpoint_names, model.checkpoint_split))
+    pushed = {**params, **dict(sync.full_buffers(model, torch.float32, model.checkpoint_names))}
+    assert {name for name, t in pushed.items() if t.dtype == torch.bfloat16} == set(act)
+    with pytest.raises(engine_dtypes.EngineDtypeError) as e:
+        engine_dtypes.match(model, {"model.layers.0.mlp.act_fn.gamma": torch.bfloat16}, torch.float32)
+    assert str(e.value) == (
+        "the engine keeps model.layers.0.mlp.act_fn.gamma in torch.bfloat16, the run in torch.float32, and the "
+        "trainer has no tensor of that name to compute with its values: set rollout.dtype and model.compute_dtype "
+        "to bfloat16"
+    )
+
+
 @pytest.mark.parametrize("family", list(DROPOUTS))
 def test_the_trainer_builds_no_dropout_of_any_spelling(tiny_tokenizer, tmp_path, family):
     """Every dropout key of the family's config at 0.3 (transformers' own model, in training mode, samples other
