@@ -34,8 +34,8 @@ vLLM's with those (the sync proof; every push is also proven bit for bit on each
 Every message between a trainer rank and a rollout rank names what it answers: its kind, the job rank it is for,
 and the step or weights version it belongs to; the receiver checks them (a mismatch stops the run in one line).
 A stop signal (SIGTERM, SIGINT) to any rank ends the job after the step, with a checkpoint: a rollout rank's
-travels with its acknowledgement of the step's weights to the trainer ranks' stop vote, whose outcome every
-rollout rank then receives.
+travels with its acknowledgement of the step's weights to the trainer ranks' stop vote; on a stop, every rollout
+rank receives the outcome in place of the next weights.
 """
 
 import collections
@@ -314,15 +314,21 @@ def stop_vote(run, step: int, state) -> int:
     """stop_vote on a trainer rank, after step `step`: the stop signal of any rank of the job, the same on every
     rank (0: none). The trainer ranks' own (tools.stop_requested: their vote over their group) and the rollout
     ranks' (reported to trainer rank 0 with this step's acknowledgement of the weights: a signal to a rollout rank
-    stops the run after the step it arrived in, or the next when it arrived after that acknowledgement), which
-    trainer rank 0 then sends each rollout rank: they end with the trainer ranks."""
+    stops the run after the step it arrived in, or the next when it arrived after that acknowledgement). On a stop
+    before the last step, the rollout ranks, which go on at once (nothing is sent when the run goes on), are
+    waiting to hand over batch step + 1 and then for its weights: each trainer rank takes its batch and drops it
+    (sampled again after the resume), and trainer rank 0 sends each rollout rank the stop in place of the weights;
+    they end with the trainer ranks."""
     link = state.link
     signum = torch.tensor([max(state.tools.stop_requested(), state.signalled)], dtype=torch.int64)
     dist.broadcast(signum, src=0)  # trainer rank 0's holds the rollout ranks' signals
-    if run.rank == 0:
-        for r in link.rollouts:
-            send(link, r, "stop vote", step=step, signal=int(signum.item()))
-    return int(signum.item())
+    signum = int(signum.item())
+    if signum and step < run.total_steps:
+        from_rollout(link, server_of(link, run.rank), ("batch",), step=step + 1)  # sampled ahead: dropped
+        if run.rank == 0:
+            for r in link.rollouts:
+                send(link, r, "stop", version=step + 1, signal=signum)
+    return signum
 
 
 def receive_batch(run, step: int, t: dict, state) -> tuple[dict, dict]:
@@ -411,7 +417,7 @@ def serve(cfg: dict, parts_, state) -> int:
     """A rollout rank's whole run: its engine (after the trainers have fetched the data and built their models),
     the start-up proof, validation at step 0, then per step: send batch s to the trainer ranks it serves, sample
     ahead while they train (batches up to s + k, with the weights it holds), receive, prove and acknowledge the
-    weights of step s, validate them when it is a validation step, and learn the trainer ranks' stop vote. Returns
+    weights of step s (or the trainer ranks' stop, in their place), validate them when it is a validation step. Returns
     the exit status: 0; 128 + the signal when the job stopped on one (any rank's, this one's included: its
     acknowledgements carry it)."""
     link, tools, k = state.link, state.tools, state.k
@@ -431,14 +437,16 @@ def serve(cfg: dict, parts_, state) -> int:
             while ahead <= min(step + k, run.total_steps):  # overlaps the trainers' step
                 pending.append(sample(run, ahead, held, state))
                 ahead += 1
-            waited = receive_weights(run, state, step, stopped)
+            start = time.perf_counter()
+            first = receive(link, 0, ("tensor", "sums", "stop"), version=step)
+            waited = time.perf_counter() - start
+            if first["kind"] == "stop":  # the trainer ranks checkpoint step - 1 and end: what was sampled ahead is lost
+                tools.close(run)
+                return 128 + first["signal"]
+            receive_weights(run, state, first, stopped)
             held = step
             if validation_step(cfg, step, run.total_steps):
                 validate(run, step, state)
-            signum = receive(link, 0, ("stop vote",), step=step)["signal"]
-            if signum:  # the trainer ranks checkpoint the step and end: the batches sampled ahead are sampled again
-                tools.close(run)
-                return 128 + signum
             last = {"waited": waited, "iteration": time.perf_counter() - began}
     except LinkBroken as e:  # the trainer ranks ended: they failed (their line says why), or were killed
         if stopped["signal"]:
@@ -472,7 +480,7 @@ def setup_rollout(cfg: dict, parts_, state, stopped: dict):
     run.engine_buffers = tools.engine_buffers(run.llm)
     if link.rank == link.rollouts[0]:
         send(link, 0, "engine", dtype=tools.engine_dtype(run.llm))
-    receive_weights(run, state, run.start - 1, stopped)
+    receive_weights(run, state, receive(link, 0, ("tensor", "sums"), version=run.start - 1), stopped)
     trainer = cfg["trainer"]
     if trainer["val_before_train"] and trainer["val_every"] > 0 and run.start == 1:
         validate(run, 0, state)
@@ -519,15 +527,12 @@ def send_batches(run, messages: dict, last: dict, state) -> None:
         send(state.link, r, "batch", **message, last=last)
 
 
-def receive_weights(run, state, version: int, stopped: dict) -> float:
-    """The weights of step `version` from trainer rank 0, loaded into the engine as they arrive and proven (the
-    trainer's bit sums = the received ones = what the engine computes with), then acknowledged with the stop signal
-    this rank received, if any; returns the seconds spent waiting for the first tensor. Without tensors (the
-    start-up proof of weights the engine loaded itself) only the proof."""
-    link, tools = state.link, state.tools
-    start = time.perf_counter()
-    first = receive(link, 0, ("tensor", "sums"), version=version)
-    waited = time.perf_counter() - start
+def receive_weights(run, state, first: dict, stopped: dict) -> None:
+    """The weights whose first message (a tensor, or the bit sums alone) has come from trainer rank 0, loaded into
+    the engine as they arrive and proven (the trainer's bit sums = the received ones = what the engine computes
+    with), then acknowledged with the stop signal this rank received, if any. Without tensors (the start-up proof of
+    weights the engine loaded itself) only the proof."""
+    link, tools, version = state.link, state.tools, first["version"]
     arrived = {}
 
     def tensors(message):
@@ -549,4 +554,3 @@ def receive_weights(run, state, version: int, stopped: dict) -> float:
     tools.check_push(run.llm, trainer["sums"], run.engine_buffers, when=trainer["when"])
     run.last_proof = time.perf_counter() - t0
     send(link, 0, "loaded", version=version, signal=stopped["signal"])
-    return waited
