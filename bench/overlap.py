@@ -1,7 +1,7 @@
 """What one-step-off-policy training saves: the wall-clock per step at staleness k = 1 against k = 0, in the same
 topology (rollout ranks, rollout_ranks.py), with the cores split between the roles.
 
-    .venv/bin/python bench/overlap.py [--steps 8] [--trainers 1] [--prompts 16] [--response 48]
+    .venv/bin/python bench/overlap.py [--steps 8] [--trainers 1] [--prompts 16] [--response 48] [--rounds 1]
 
 Three torchrun runs of the demo's model and data, T trainer ranks and 1 rollout rank, each process with
 cores / (T + 1) threads; the same seeds; the rollout correction on in all (k = 1 needs it; at k = 0 it costs the
@@ -12,6 +12,8 @@ trainer.sync_check_every = 10 steps, as rollout/sync_check elsewhere, so not in 
 rollout rank's generation and scoring (gen), of the trainer's wait for its batch, of its own work (the step less
 that wait) and of the proof's pass (extra); then each k = 1 run's ratio to k = 0, and what k = 0's phase times
 predict for any machine: at k = 0 a step is the generation plus the training, at k = 1 the longer of the two.
+On a machine that others load too, --rounds N runs the three N times, interleaved, and keeps each one's fastest
+round (best of N: the load only ever slows a run down).
 """
 
 import argparse
@@ -69,25 +71,29 @@ def main():
     ap.add_argument("--trainers", type=int, default=1)
     ap.add_argument("--prompts", type=int, default=16)
     ap.add_argument("--response", type=int, default=48)
+    ap.add_argument("--rounds", type=int, default=1)
     args = ap.parse_args()
     runs = {"k = 0": (0, 10), "k = 1": (1, 10), "k = 1, proof every step": (1, 1)}
     rows = {}
     with tempfile.TemporaryDirectory() as tmp:
-        for name, (k, every) in runs.items():
-            steps = run(k, every, args, os.path.join(tmp, f"k{k}_every{every}"))
-            step, wait = mean(steps, "timing_s/step"), mean(steps, "fully_async/total_wait_time")
-            rows[name] = {
-                "step": step,
-                "gen": mean(steps, "timing_s/gen") + mean(steps, "timing_s/reward"),
-                "wait": wait,
-                "train": step - wait,
-                "sampler": mean(steps, "timing_s/sampler_log_prob"),
-                "overlap": mean(steps, "fully_async/overlap"),
-            }
+        for round_ in range(args.rounds):
+            for name, (k, every) in runs.items():
+                steps = run(k, every, args, os.path.join(tmp, f"k{k}_every{every}_{round_}"))
+                step, wait = mean(steps, "timing_s/step"), mean(steps, "fully_async/total_wait_time")
+                row = {
+                    "step": step,
+                    "gen": mean(steps, "timing_s/gen") + mean(steps, "timing_s/reward"),
+                    "wait": wait,
+                    "train": step - wait,
+                    "sampler": mean(steps, "timing_s/sampler_log_prob"),
+                    "overlap": mean(steps, "fully_async/overlap"),
+                }
+                if name not in rows or row["step"] < rows[name]["step"]:
+                    rows[name] = row
     threads = max(1, (os.cpu_count() or 1) // (args.trainers + 1))
     print(
         f"{args.trainers} trainer rank(s) + 1 rollout rank, {threads} thread(s) each; {args.prompts} prompts x 8 "
-        f"samples, <= {args.response} tokens; means of steps 2-{args.steps}"
+        f"samples, <= {args.response} tokens; means of steps 2-{args.steps}, the fastest of {args.rounds} round(s)"
     )
     print(f"{'':<24} {'s/step':>8} {'gen':>8} {'wait':>8} {'train':>8} {'extra':>8} {'overlap':>8}")
     for name, r in rows.items():
