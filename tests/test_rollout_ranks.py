@@ -278,8 +278,9 @@ def test_two_rollout_ranks_in_bypass_mode_one_step_off(tmp_path):
 
 
 def test_a_stop_at_staleness_1_resumes_without_losing_or_repeating_a_batch(one_step_off, tmp_path):
-    """SIGTERM to trainer rank 1 only during the run: the trainer ranks stop after the step with its checkpoint
-    (the rollout rank, which sampled the next batch already, says why it ends); trainer.resume=auto continues.
+    """SIGTERM to trainer rank 1 only during the run: every rank stops after the step with its checkpoint (the
+    rollout rank, which sampled the next batch already, told by the trainers' stop vote: no error line);
+    trainer.resume=auto continues.
     Each step's batch is generation batch s's prompts, as in the straight run: the one sampled ahead and lost is
     sampled again, by the resumed weights (staleness 0), and the steps before the stop are the straight run's."""
     out = tmp_path / "run"
@@ -287,6 +288,7 @@ def test_a_stop_at_staleness_1_resumes_without_losing_or_repeating_a_batch(one_s
     assert status != 0
     stopped = max(r["step"] for r in read_metrics(out))
     assert 1 <= stopped < 4 and f"stopped by SIGTERM after step {stopped}" in report, report[-3000:]
+    assert not re.search(r"^error:|the trainer ranks ended the run", report, re.M), report[-3000:]
     run_grpo(out, 3, *ONE_STEP_OFF, f"trainer.dump_batches={out / 'dump'}", "trainer.resume=auto", env=ONE_THREAD)
     metrics, straight = read_metrics(out), read_metrics(one_step_off)
     assert [m["step"] for m in metrics] == [0, 1, 2, 3, 4]
