@@ -298,6 +298,7 @@ def load_replay(run, step: int) -> dict:
     n = run.cfg["rollout"]["n"]
     run.gen_cursor = step
     dumped = torch.load(path)
-    dumped.pop("sampler_logprobs", None)  # a stale batch's (rollout ranks): the replay checks its old log-probs
-    dumped.get("layouts", {}).pop("sampler_logprobs", None)
+    for key in ("sampler_logprobs", "staleness"):  # a stale batch's (rollout ranks): the replay checks its old ones
+        dumped.pop(key, None)
+        dumped.get("layouts", {}).pop(key, None)
     return fsdp_train.select(dumped, [p * n + j for p in run.positions for j in range(n)])

@@ -104,7 +104,7 @@ def train(cfg: dict, parts=None):
         run.logger.log(step, step_metrics)
         progress.update(step_metrics)
         metrics.judge_sync(run.cfg, run.rank, step, step_metrics, run.exact)  # fp32: a mismatch stops the run
-        if signum := cluster.stop_requested():
+        if signum := run.parts.stop_vote(run, step):
             return cluster.stop(run, step, signum, progress, functools.partial(save, run))
     progress.close()
     finish(run)
@@ -526,6 +526,7 @@ def validate(run: "Run", step: int) -> dict:
 #                                                                                       ranks' broadcast
 #   validate         testing (None: no validation)              validate                None (a replay); rollout
 #                                                                                       ranks' metrics
+#   stop_vote        after a step: any rank's stop signal       stop_vote               rollout ranks' signals too
 #   pick_groups      this rank's scored groups of the step      next_groups             DAPO's dynamic sampling
 #   sample           n samples of each chat prompt              rollout.generate        multi-turn with tools
 #   score            (row, response text) -> (reward, extras)   GSM8K's (data.py)       a reward file's
@@ -584,6 +585,7 @@ def choose_parts(cfg: dict) -> types.SimpleNamespace:
         adapter=feature("lora").adapter_part(cfg) if lora_on(cfg["model"]) else no_adapter,
         update_weights=no_weights_update if replaying else update_weights,
         validate=None if replaying else validate,
+        stop_vote=stop_vote,
     )
     if rollout_cfg["n_gpus_per_node"] or cfg["async_training"]["staleness_threshold"]:  # rollout ranks
         vars(parts).update(rollout_ranks_parts(cfg))
@@ -612,6 +614,7 @@ def rollout_ranks_parts(cfg: dict) -> dict:
         positions=lambda cfg, world, rank: data.local_positions(
             cfg["data"]["train_batch_size"], cfg["actor"]["ppo_mini_batch_size"], world, rank
         ),
+        stop_requested=cluster.stop_requested,
         close=cluster.close,
     )
     return vars(ranks.parts(cfg, tools))
@@ -661,6 +664,11 @@ def no_routing_metrics(model, phase: str) -> dict:
 
 def no_correction(batch: dict, *whole_batch, apply: bool) -> dict:
     return {}
+
+
+def stop_vote(run: "Run", step: int) -> int:
+    """After each step: the stop signal any rank received (cluster.stop_requested; 0: none), the same on every rank."""
+    return cluster.stop_requested()
 
 
 def no_weights_update(run: "Run", step: int, t: dict) -> dict:
