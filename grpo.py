@@ -385,7 +385,7 @@ def push(llm, model, send: bool = True) -> dict:
     pushed, dtype = {}, sync.engine_dtype(llm)
     tensors = sync.with_bit_sums(weights_to_push(model, dtype), pushed)
     if send:  # then the persistent buffers (most families have none), or the reload would reset them
-        sync.push_weights(llm, itertools.chain(tensors, sync.full_buffers(model, dtype, model.checkpoint_names)))
+        sync.push_weights(llm, itertools.chain(tensors, buffers_to_push(model, dtype)))
     else:
         for _ in tensors:  # gathered and summed, not sent
             pass
@@ -396,6 +396,13 @@ def weights_to_push(model, dtype: torch.dtype):
     """(checkpoint name, full tensor in dtype) of each weight the engine loads (sync.full_params: gathered one at a
     time, every rank taking part)."""
     return sync.full_params(model, dtype, model.checkpoint_names, model.checkpoint_split)
+
+
+def buffers_to_push(model, dtype: torch.dtype):
+    """(checkpoint name, tensor in dtype) of each persistent buffer (sync.full_buffers; Apertus's xIELU beta and eps,
+    most families have none), sent after the weights, or the engine's reload resets them. Not summed: the proof holds
+    the engine's buffers to their values at load."""
+    return sync.full_buffers(model, dtype, model.checkpoint_names)
 
 
 def sync_gap(run: "Run") -> float:
@@ -606,11 +613,14 @@ def rollout_ranks_parts(cfg: dict) -> dict:
         compute_logprobs=compute_logprobs,
         validate=validate,
         weights_to_push=weights_to_push,
+        buffers_to_push=buffers_to_push,
         with_bit_sums=sync.with_bit_sums,
         push_weights=sync.push_weights,
         check_push=sync.check_push,
         engine_buffers=sync.engine_buffers,
         engine_dtype=sync.engine_dtype,
+        engine_dtypes=sync.engine_dtypes,
+        match_engine_dtypes=match_engine_dtypes,
         positions=lambda cfg, world, rank: data.local_positions(
             cfg["data"]["train_batch_size"], cfg["actor"]["ppo_mini_batch_size"], world, rank
         ),
@@ -765,16 +775,24 @@ def start_proven_engine(run: Run, model_path: str, pushing: bool) -> None:
     trainer's differ from model.path's, which the engine loaded, so they are pushed first)."""
     run.llm = start_engine(run.cfg, model_path, run.rank)
     run.engine_dtype, run.engine_buffers = sync.engine_dtype(run.llm), sync.engine_buffers(run.llm)
-    other_dtypes = sync.engine_dtypes(run.llm)  # layers the engine builds in another dtype (vLLM's xIELU: bf16)
-    if other_dtypes:  # the trainer computes with the engine's values of them; pushed and proven in their dtypes
-        matched = feature("engine_dtypes").match(run.policy, other_dtypes, run.engine_dtype)
-        if run.ref is not None and run.ref is not run.policy:  # the reference computes as the policy does
-            feature("engine_dtypes").match(run.ref, other_dtypes, run.engine_dtype)
-        kept = "/".join(sorted({str(dtype) for dtype in other_dtypes.values()}))
-        log0(run.rank, f"engine dtypes: the engine keeps {matched} tensors in {kept}; the trainer computes alike")
+    match_engine_dtypes(run, sync.engine_dtypes(run.llm))
     held = sync.describe_buffers(run.engine_buffers)
     log0(run.rank, f"push proof: every push proven bit for bit; the engine's buffers held as loaded: {held}")
     sync.check_push(run.llm, push(run.llm, run.policy, send=pushing), run.engine_buffers, when="start-up: ")
+
+
+def match_engine_dtypes(run: Run, other_dtypes: dict) -> None:
+    """The trainer's models matched to the tensors the engine keeps in another dtype than the run's (other_dtypes:
+    sync.engine_dtypes, {} for most families; vLLM builds Apertus's xIELU in bf16 whatever the run's dtype): they
+    compute with the engine's values, and the push sends and proves those tensors in the engine's dtype
+    (engine_dtypes.py)."""
+    if not other_dtypes:
+        return
+    matched = feature("engine_dtypes").match(run.policy, other_dtypes, run.engine_dtype)
+    if run.ref is not None and run.ref is not run.policy:  # the reference computes as the policy does
+        feature("engine_dtypes").match(run.ref, other_dtypes, run.engine_dtype)
+    kept = "/".join(sorted({str(dtype) for dtype in other_dtypes.values()}))
+    log0(run.rank, f"engine dtypes: the engine keeps {matched} tensors in {kept}; the trainer computes alike")
 
 
 def exact_run(cfg: dict, engine_dtype: torch.dtype | None) -> bool:

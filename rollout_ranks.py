@@ -234,8 +234,9 @@ def from_rollout(link, src: int, kinds: tuple, **ids) -> dict:
 # ------------------------------------------------------------------------------------------- the parts
 def parts(cfg: dict, tools: types.SimpleNamespace) -> types.SimpleNamespace:
     """The loop's parts for rollout ranks (grpo.choose_parts), after check_settings. tools: grpo's functions
-    (train, engine_run, next_groups, groups_to_batch, compute_logprobs, validate, weights_to_push, with_bit_sums,
-    push_weights, check_push, engine_buffers, engine_dtype, positions, stop_requested, close). Returns train (by
+    (train, engine_run, next_groups, groups_to_batch, compute_logprobs, validate, weights_to_push, buffers_to_push,
+    with_bit_sums, push_weights, check_push, engine_buffers, engine_dtype, engine_dtypes, match_engine_dtypes,
+    positions, stop_requested, close). Returns train (by
     role: the training loop, or serve), and the trainer's start_engine, next_batch, update_weights, validate and
     stop_vote."""
     state = types.SimpleNamespace(
@@ -270,9 +271,10 @@ def hello(run, pushing: bool, state) -> None:
     if run.rank == 0:
         for r in link.rollouts:
             send(link, r, "start", start=run.start, gen_cursor=run.gen_cursor)
-    engine = [from_rollout(link, link.rollouts[0], ("engine",))["dtype"] if run.rank == 0 else None]
+    engine = [from_rollout(link, link.rollouts[0], ("engine",)) if run.rank == 0 else None]
     dist.broadcast_object_list(engine, src=0)  # the trainer ranks' own group
-    run.engine_dtype = engine[0]  # for the weights' cast, and whether the run is exact (grpo.exact_run)
+    run.engine_dtype = engine[0]["dtype"]  # for the weights' cast, and whether the run is exact (grpo.exact_run)
+    state.tools.match_engine_dtypes(run, engine[0]["dtypes"])  # tensors the engine keeps in another dtype, if any
     send_weights(run, state, run.start - 1, pushing, when="start-up: ")
     if run.rank == 0:
         print(
@@ -289,17 +291,28 @@ def send_weights(run, state, version: int, pushing: bool, when: str) -> None:
     the stop signal that rank received, if any (for stop_vote)."""
     link, lead = state.link, run.rank == 0
     sums = {}
-    for name, tensor in state.tools.with_bit_sums(state.tools.weights_to_push(run.policy, run.engine_dtype), sums):
+    weights = state.tools.with_bit_sums(state.tools.weights_to_push(run.policy, run.engine_dtype), sums)
+    for name, tensor in weights:
         if lead and pushing:
-            tensor = tensor.contiguous().to(link.device)
-            for r in link.rollouts:
-                send(link, r, "tensor", version=version, name=name, shape=tuple(tensor.shape), dtype=tensor.dtype)
-            broadcast_tensor(link.weights, tensor)
+            send_tensor(link, version, name, tensor, buffer=False)
+    if lead and pushing:  # the persistent buffers (most families have none), or the engine's reload resets them
+        for name, tensor in state.tools.buffers_to_push(run.policy, run.engine_dtype):
+            send_tensor(link, version, name, tensor, buffer=True)
     if lead:
         for r in link.rollouts:
             send(link, r, "sums", version=version, sums=sums, when=when)  # the end of the tensors
         for r in link.rollouts:
             state.signalled = state.signalled or from_rollout(link, r, ("loaded",), version=version)["signal"]
+
+
+def send_tensor(link, version: int, name: str, tensor: torch.Tensor, buffer: bool) -> None:
+    """One tensor of the weights of step `version` from trainer rank 0 to every rollout rank: its header over the job
+    group, then its values broadcast over the weights group. buffer: a persistent buffer, loaded but not summed."""
+    tensor = tensor.contiguous().to(link.device)
+    for r in link.rollouts:
+        header = dict(version=version, name=name, shape=tuple(tensor.shape), dtype=tensor.dtype, buffer=buffer)
+        send(link, r, "tensor", **header)
+    broadcast_tensor(link.weights, tensor)
 
 
 def update_weights(run, step: int, t: dict, state) -> dict:
@@ -479,7 +492,7 @@ def setup_rollout(cfg: dict, parts_, state, stopped: dict):
     run.start, run.gen_cursor = start["start"], start["gen_cursor"]
     run.engine_buffers = tools.engine_buffers(run.llm)
     if link.rank == link.rollouts[0]:
-        send(link, 0, "engine", dtype=tools.engine_dtype(run.llm))
+        send(link, 0, "engine", dtype=tools.engine_dtype(run.llm), dtypes=tools.engine_dtypes(run.llm))
     receive_weights(run, state, receive(link, 0, ("tensor", "sums"), version=run.start - 1), stopped)
     trainer = cfg["trainer"]
     if trainer["val_before_train"] and trainer["val_every"] > 0 and run.start == 1:
@@ -535,17 +548,19 @@ def receive_weights(run, state, first: dict, stopped: dict) -> None:
     link, tools, version = state.link, state.tools, first["version"]
     arrived = {}
 
-    def tensors(message):
+    received = {}
+
+    def tensors(message):  # the weights summed as they arrive (received), the buffers after them loaded only
         while message["kind"] == "tensor":
             tensor = torch.empty(message["shape"], dtype=message["dtype"], device=link.device)
             broadcast_tensor(link.weights, tensor)
-            yield message["name"], tensor
+            named = [(message["name"], tensor)]
+            yield from named if message["buffer"] else tools.with_bit_sums(named, received)
             message = receive(link, 0, ("tensor", "sums"), version=version)
         arrived["sums"] = message
 
-    received = {}
     if first["kind"] == "tensor":
-        tools.push_weights(run.llm, tools.with_bit_sums(tensors(first), received))
+        tools.push_weights(run.llm, tensors(first))
     trainer = arrived.get("sums", first)
     t0 = time.perf_counter()
     if first["kind"] == "tensor" and received != trainer["sums"]:

@@ -48,6 +48,7 @@ SETUP = {  # grpo.py's set-up and finish code: where a feature's file may be imp
     "model_head",
     "start_engine",
     "start_proven_engine",
+    "match_engine_dtypes",
     "finish",
     "evaluate",
 }

@@ -29,6 +29,7 @@ import types
 import pytest
 import torch
 import torch.distributed as dist
+import transformers
 from safetensors.torch import load_file
 from test_cluster import wait_for_step, worker_of_rank
 from test_grpo import SMALL, comparable, read_metrics, run_grpo
@@ -37,6 +38,7 @@ from transformers import AutoModelForCausalLM
 
 import fp32_noise
 import fsdp_train
+import tiny
 from conftest import ROOT, cli_calls, free_port
 
 RANKS = ["rollout.n_gpus_per_node=1"]  # 1 rollout rank; torchrun's 3 processes leave 2 trainer ranks
@@ -275,6 +277,40 @@ def test_two_rollout_ranks_in_bypass_mode_one_step_off(tmp_path):
         dump = torch.load(tmp_path / "dump" / f"step_{step}.pt")
         assert torch.equal(dump["old_logprobs"], dump["rollout_logprobs"])
         assert set(dump["policy_version"].tolist()) == {float(max(0, step - 2))}
+
+
+def test_a_family_whose_engine_keeps_tensors_in_another_dtype_trains_with_rollout_ranks(tiny_tokenizer, tmp_path):
+    """Apertus (vLLM builds its xIELU in bf16 in an fp32 engine, and its reload resets the activation's buffers beta
+    and eps unless they are sent) with 1 trainer rank and 1 rollout rank, fp32, the weights moving every step: the
+    trainers learn the engine's dtypes from the rollout rank and compute alike, the buffers travel after the weights,
+    so the start-up proof and every push's pass (a mismatch stops the run in one line) and vLLM's log-probs are the
+    trainer's at fp32 noise (~1e-6; the xIELU left in fp32 arithmetic is ~1e-4 off). Seen failing
+    with the trainers not matched (the start-up proof names the bf16 tensors) and with the buffers not sent."""
+    path = tiny.save_random_family_model(
+        str(tmp_path / "apertus"),
+        tiny_tokenizer,
+        transformers.ApertusConfig,
+        seed=1,
+        tie_word_embeddings=False,
+        max_position_embeddings=65536,
+    )
+    out = tmp_path / "run"
+    run_grpo(
+        out,
+        2,
+        *RANKS,
+        f"model.path={path}",
+        "trainer.total_steps=2",
+        "trainer.val_every=0",
+        "trainer.export_hf=false",
+        "actor.entropy_coeff=0.01",  # the weights move though a random model scores 0
+        "actor.lr=1e-3",
+        env=ONE_THREAD,
+    )
+    steps = read_metrics(out)
+    assert [m["step"] for m in steps] == [1, 2]
+    assert steps[0]["actor/grad_norm"] > 0
+    assert all(m["rollout/logprob_diff_max"] < 1e-5 for m in steps)  # 9.5e-7 here, [m["rollout/logprob_diff_max"] for m in steps]
 
 
 def test_a_stop_at_staleness_1_resumes_without_losing_or_repeating_a_batch(one_step_off, tmp_path):
