@@ -625,9 +625,18 @@ def choose_parts(cfg: dict) -> types.SimpleNamespace:
         update_weights=no_weights_update if replaying else update_weights,
         validate=None if replaying else validate,
     )
+    if rollout_cfg["agent"]["path"]:  # an agent's episodes against an endpoint in front of the engine
+        vars(parts).update(agent_parts(cfg))
     if rollout_cfg["n_gpus_per_node"] or cfg["async_training"]["staleness_threshold"]:  # rollout ranks
         vars(parts).update(rollout_ranks_parts(cfg))
     return parts
+
+
+def agent_parts(cfg: dict) -> dict:
+    """An agent file's episodes (agent.py), sampled through an OpenAI-compatible endpoint in front of the rank's
+    engine and scored by the episodes themselves, in place of sample_and_score; their metrics (field_metrics).
+    Its settings, the agent file and the port are checked first (one line)."""
+    return vars(feature("agent").parts(cfg))
 
 
 def rollout_ranks_parts(cfg: dict) -> dict:
