@@ -161,8 +161,9 @@ def answered(ep: agent.Episode, request: dict, tokenizer, sampled: list[int]) ->
 def test_a_call_that_extends_its_history_continues_the_sample_and_one_that_rewrites_it_splits(tokenizer):
     """Call 2 sends call 1's messages, the answer as returned and a tool message: the same sample grows by the
     template's ids for the tool message (mask 0) and what is sampled (mask 1); its prompt is the sample so far, never
-    re-rendered. A call whose history differs from what the endpoint wrote (a content rewritten, the answer dropped,
-    other tools) is rendered from scratch: a new sample. Seeds follow multi_turn.generate: seed + k, then
+    re-rendered; a user follow-up extends it too. A call whose history differs from what the endpoint wrote (an answer's
+    content or an earlier answer's call rewritten, the last answer dropped, a tool's answer changed, the tools
+    dropped) is rendered from scratch: a new sample. Seeds follow multi_turn.generate: seed + k, then
     seed + (t - 1) * stride + k. The budget (80 tokens) cuts the appended ids and ends the sampling."""
     schemas = [tiny.CALCULATOR_SCHEMA]
     user = [{"role": "user", "content": "What is 6 * 7? Use the calculator."}]
@@ -177,7 +178,7 @@ def test_a_call_that_extends_its_history_continues_the_sample_and_one_that_rewri
     assert answer["message"]["tool_calls"][0]["function"]["arguments"] == '{"expression": "6 * 7"}'
     history = [*user, answer["message"], {"role": "tool", "tool_call_id": "call_0", "content": "42"}]
     second = agent.parse_request(body(messages=history, tools=schemas), MODEL)
-    plan, _ = answered(ep, second, tokenizer, [7, tokenizer.eos_token_id])
+    plan, second_answer = answered(ep, second, tokenizer, [7, tokenizer.eos_token_id])
     tool_ids = multi_turn.tool_response_ids(tokenizer, ["42"], schemas, None)
     assert plan["sample"] is sample and plan["seed"] == 100 + 32 + 5 and plan["appended"] == tool_ids
     assert plan["prompt_ids"] == sample.prompt_ids + call_ids + tool_ids
@@ -185,10 +186,23 @@ def test_a_call_that_extends_its_history_continues_the_sample_and_one_that_rewri
     assert sample.loss_mask == [1] * len(call_ids) + [0] * len(tool_ids) + [1, 1]
     assert sample.logprobs == [-0.5] * len(call_ids) + [0.0] * len(tool_ids) + [-0.5, -0.5]
     assert plan["max_tokens"] == 80 - len(call_ids) - len(tool_ids)
-    rewritten = [*user, {**answer["message"], "content": "Let me see."}, history[-1]]
-    for messages, tools in ((rewritten, schemas), (history[:1] + history[2:], schemas), (history, None)):
-        plan = ep.plan(agent.parse_request(body(messages=messages, tools=tools), MODEL), tokenizer, LIMITS)
-        assert plan["sample"] is None and plan["prompt_ids"] == tiny_prompt(tokenizer, messages, tools)
+    follow_up = {"role": "user", "content": "Sure?"}
+    said = [*history, second_answer["message"]]  # what the endpoint wrote so far
+    plan = ep.plan(agent.parse_request(body(messages=[*said, follow_up], tools=schemas), MODEL), tokenizer, LIMITS)
+    assert plan["sample"] is sample and tokenizer.decode(plan["appended"]).startswith("\n<|im_start|>user\nSure?")
+    other_call = {"type": "function", "function": {"name": "calculator", "arguments": '{"expression": "6*7"}'}}
+    rewrites = {
+        "an answer's content": [*history, {**second_answer["message"], "content": "Let me see."}, follow_up],
+        "an earlier answer's call": [*user, {**answer["message"], "tool_calls": [other_call]}, *said[2:], follow_up],
+        "the last answer dropped": [*history, follow_up],
+        "a tool's answer": [*said[:2], {**said[2], "content": "41"}, said[3], follow_up],
+    }
+    for what, messages in rewrites.items():
+        plan = ep.plan(agent.parse_request(body(messages=messages, tools=schemas), MODEL), tokenizer, LIMITS)
+        assert plan["sample"] is None and plan["prompt_ids"] == tiny_prompt(tokenizer, messages, schemas), what
+    plan = ep.plan(agent.parse_request(body(messages=[*said, follow_up]), MODEL), tokenizer, LIMITS)  # no tools
+    assert plan["sample"] is None and plan["prompt_ids"] == tiny_prompt(tokenizer, [*said, follow_up], None)
+    rewritten = rewrites["an answer's content"]
     third = agent.parse_request(body(messages=rewritten, tools=schemas), MODEL)
     _, reply = answered(ep, third, tokenizer, [9, tokenizer.eos_token_id])
     assert len(ep.samples) == 2 and ep.samples[1].calls[0]["call"] == 3 and not ep.samples[1].first
