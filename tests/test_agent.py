@@ -9,7 +9,7 @@ tiny_tools model.
 - One 2-rank run of grpo.py (fp32, 2 steps of 2 mini-batches, dumped) whose agent does one of each hostile thing
   (HOSTILE) and otherwise runs the example: every step completes, each case is counted, vLLM's log-probs are the
   trainer's, each dumped sample is the concatenation of its calls, the example's samples are multi_turn's at 2
-  ranks; its replay at 1 rank.
+  ranks; its replay at 1 rank; one step of the example with 2 trainer ranks and 1 rollout rank.
 """
 
 import json
@@ -430,7 +430,8 @@ def episode(client, row):
 @pytest.fixture(scope="module")
 def agent_run(tools_build, tmp_path_factory):  # noqa: F811
     """The 2-rank run with HOSTILE's agent (a 20 s limit per episode, 8 requests, 4 workers per rank), dumped; its
-    replay at 1 rank; then tests/agent_worker.py (one engine, the example agent against multi_turn)."""
+    replay at 1 rank; step 1 of the example agent with rollout ranks (2 trainers, 1 rollout rank), dumped; then
+    tests/agent_worker.py (one engine, the example agent against multi_turn)."""
     root = tmp_path_factory.mktemp("agent-run")
     agents = root / "agents"
     agents.mkdir()
@@ -441,6 +442,9 @@ def agent_run(tools_build, tmp_path_factory):  # noqa: F811
     )
     run_grpo(root / "replay", 1, *RUN, f"rollout.agent.path={agents / 'hostile.py'}",
              f"trainer.replay_batches={root / 'dump'}")  # fmt: skip
+    example = os.path.join(ROOT, "examples", "gsm8k_calculator_agent.py")
+    one_step = ["trainer.total_steps=1", "trainer.val_every=0", f"trainer.dump_batches={root / 'rr_dump'}"]
+    run_grpo(root / "rollout_ranks", 3, *RUN, f"rollout.agent.path={example}", "rollout.n_gpus_per_node=1", *one_step)
     run_python("tests/agent_worker.py", os.path.dirname(tools_build["model"]), str(agents), str(root / "engine.json"))
     with open(root / "engine.json") as f:
         engine = json.load(f)
@@ -511,6 +515,19 @@ def test_a_two_rank_agent_run_samples_what_multi_turn_samples(agent_run, tools_b
     assert len(dumped) >= 16
     assert without_logprobs(dumped) == without_logprobs(expected)
     logprobs_at_fp32_noise({"the run": dumped, "multi_turn": expected}, tools_build["model"])
+
+
+def test_a_rollout_rank_runs_the_episodes_of_the_trainer_ranks_it_serves(agent_run, tools_build):  # noqa: F811
+    """2 trainer ranks and 1 rollout rank (rollout.n_gpus_per_node=1), the example agent: the rollout rank's endpoint
+    runs each trainer rank's episodes with that rank's prompts and seeds, so step 1's batch is multi_turn's, sample
+    for sample, as the colocated 2-rank run's is."""
+    root, _, _, engine = agent_run
+    b = torch.load(root / "rr_dump" / "step_1.pt")
+    dumped = [as_row(b, i) for i in range(len(b["agent_error"]))]
+    expected = [engine["two_ranks"][str(e // 4)][e % 4] for e in b["episode"].tolist()]
+    assert len(dumped) == 32 and not any(b["agent_error"])
+    assert without_logprobs(dumped) == without_logprobs(expected)
+    logprobs_at_fp32_noise({"rollout ranks": dumped, "multi_turn": expected}, tools_build["model"])
 
 
 def test_vllms_log_probs_are_the_trainers_on_every_agent_token(agent_run, tools_build):  # noqa: F811
