@@ -14,10 +14,11 @@ veRL's agent loop with an outside agent (its RemoteAgentLoop proxy), TRL's rollo
 
 The endpoint. http://127.0.0.1:PORT/<episode id>/v1: POST chat/completions, GET models. The URL names the episode
 (as veRL's proxy does): every request is matched to its episode by that id, never by order. Handler threads only
-queue a request; ONE thread (the rank's own, in run_episodes) calls the engine: the requests queued together go to
-vLLM in one llm.generate call. A request is rendered with the model's chat template (its tools= too, and
-data.apply_chat_template_kwargs, add_generation_prompt), sampled with the run's settings (rollout.temperature,
-top_p, top_k: not the request's), and Hermes tool calls in the output become OpenAI tool_calls.
+queue a request; ONE thread (the rank's own, in run_episodes) calls the engine, step by step: a request joins the
+running batch at the next step (vLLM's continuous batching, as its server does). A request is rendered with the
+model's chat template (its tools= too, and data.apply_chat_template_kwargs, add_generation_prompt), sampled with the
+run's settings (rollout.temperature, top_p, top_k: not the request's), and Hermes tool calls in the output become
+OpenAI tool_calls.
 
 Token for token. Each call's prompt ids, sampled ids and vLLM's log-probs are recorded. A later call whose messages
 are the previous call's messages, plus the assistant message the endpoint returned, plus new messages (compared
@@ -302,8 +303,8 @@ class Episode:
 # ------------------------------------------------------------------------------------------ the endpoint
 class Endpoint:
     """An OpenAI-compatible endpoint in front of one engine, on 127.0.0.1 (port 0: a free one, the OS's pick). Its
-    HTTP threads queue each chat-completions request (submit); run_episodes, on the calling thread, answers them in
-    batches (serve: one llm.generate per batch) while the episodes run in their workers."""
+    HTTP threads queue each chat-completions request (submit); run_episodes, on the calling thread, takes them
+    (serve) into the engine's running batch and steps the engine (step) while the episodes run in their workers."""
 
     def __init__(self, llm, *, model: str, port: int, max_prompt_length: int, max_model_len: int,
                  max_requests: int, template_kwargs: dict | None):  # fmt: skip
@@ -313,7 +314,8 @@ class Endpoint:
         self.episodes, self.inbox, self.lock = {}, [], threading.Lock()
         self.wake_read, self.wake_write = os.pipe()
         os.set_blocking(self.wake_read, False)
-        self.batch_sizes = []  # the size of every llm.generate call (bench/agent_endpoint.py)
+        self.running = {}  # the engine's request id -> (call, episode, request, plan) of each call being sampled
+        self.batch_sizes = []  # the calls in each engine step (bench/agent_endpoint.py)
         try:
             self.server = http.server.ThreadingHTTPServer(("127.0.0.1", port), Handler)
         except OSError as e:
@@ -342,14 +344,20 @@ class Endpoint:
         with self.lock:
             self.episodes = {e.id: e for e in episodes}
         try:
-            workers.run([(e, self.url(e)) for e in episodes], self.wake_read, self.serve)
+            workers.run([(e, self.url(e)) for e in episodes], self)
         finally:
             with self.lock:
                 self.episodes = {}
-            self.serve()  # what is still queued: refused (404 for an episode that is over)
+            self.serve()  # what is still queued: refused (404: no episode runs)
+            if self.running:  # the calls of episodes that ended meanwhile (timed out, exited): never answered
+                self.llm.llm_engine.abort_request(list(self.running))
+                for call, episode, _, _ in self.running.values():
+                    self._answer(call, _over(call, episode).status, _over(call, episode).body)
+                self.running = {}
 
     def serve(self) -> None:
-        """Answer every queued request: refused ones at once, the others sampled in ONE llm.generate call."""
+        """Take every queued request: a refused one is answered at once, the others join the engine's running batch
+        (step)."""
         try:
             while os.read(self.wake_read, 4096):  # drain the wake-ups (one byte per request)
                 pass
@@ -362,10 +370,7 @@ class Endpoint:
             episode = self.episodes.get(call["episode"])
             try:
                 if episode is None or episode.over or episode.error is not None:
-                    reason = "is over" if episode is None or episode.over else f"has failed: {episode.error}"
-                    raise RequestError(
-                        400 if episode else 404, f"episode {call['episode']} {reason}", code="episode_over"
-                    )
+                    raise _over(call, episode)
                 episode.requests += 1
                 if episode.requests > self.limits["max_requests"]:
                     message = f"more than {self.limits['max_requests']} requests (rollout.agent.max_requests)"
@@ -385,30 +390,39 @@ class Endpoint:
             else:
                 todo.append((call, episode, request, plan))
         if todo:
-            self._generate(todo)
+            from vllm import SamplingParams
+            from vllm.inputs import TokensPrompt
+            from vllm.sampling_params import RequestOutputKind
 
-    def _generate(self, todo: list) -> None:
-        """One llm.generate for every planned call, each with its seed and the run's sampling settings."""
-        from vllm import SamplingParams
-        from vllm.inputs import TokensPrompt
+            params = [
+                SamplingParams(n=1, max_tokens=plan["max_tokens"], seed=plan["seed"], logprobs=0,
+                               detokenize=bool(request["stop"]), stop=request["stop"], **episode.sampling)
+                for _, episode, request, plan in todo
+            ]  # fmt: skip
+            for (call, episode, request, plan), sampling in zip(todo, params, strict=True):
+                request_id = f"agent-{episode.id}-{episode.requests}"  # the engine's id of this call
+                sampling.output_kind = RequestOutputKind.FINAL_ONLY  # one output per call, when it is done
+                self.llm.llm_engine.add_request(request_id, TokensPrompt(prompt_token_ids=plan["prompt_ids"]), sampling)
+                self.running[request_id] = (call, episode, request, plan)
 
-        params = [
-            SamplingParams(n=1, max_tokens=plan["max_tokens"], seed=plan["seed"], logprobs=0,
-                           detokenize=bool(request["stop"]), stop=request["stop"], **episode.sampling)
-            for _, episode, request, plan in todo
-        ]  # fmt: skip
-        prompts = [TokensPrompt(prompt_token_ids=plan["prompt_ids"]) for _, _, _, plan in todo]
-        self.batch_sizes.append(len(prompts))
-        outputs = self.llm.generate(prompts, params, use_tqdm=False)
-        for (call, episode, request, plan), output in zip(todo, outputs, strict=True):
-            completion = output.outputs[0]
-            sampled = list(completion.token_ids)
-            logprobs = [lp[token].logprob for token, lp in zip(sampled, completion.logprobs, strict=True)]
-            if isinstance(completion.stop_reason, str):  # a stop string: vLLM's text ends before it
-                text = completion.text
-            else:  # the text of the ids, without the eos (or stop token) that ended them
-                text = self.tokenizer.decode(sampled[:-1] if completion.finish_reason == "stop" else sampled)
-            self._reply(call, episode, request, plan, sampled, logprobs, completion.finish_reason, text)
+    def step(self) -> None:
+        """One step of the engine (vLLM's continuous batching: every running call advances by a token, and a call
+        queued since joins them); each finished call answered and recorded in its episode, unless that is over."""
+        self.batch_sizes.append(len(self.running))
+        for output in self.llm.llm_engine.step():
+            if output.finished:
+                call, episode, request, plan = self.running.pop(output.request_id)
+                if episode.over:  # timed out or exited while sampled: nothing recorded
+                    self._answer(call, _over(call, episode).status, _over(call, episode).body)
+                    continue
+                completion = output.outputs[0]
+                sampled = list(completion.token_ids)
+                logprobs = [lp[token].logprob for token, lp in zip(sampled, completion.logprobs, strict=True)]
+                if isinstance(completion.stop_reason, str):  # a stop string: vLLM's text ends before it
+                    text = completion.text
+                else:  # the text of the ids, without the eos (or stop token) that ended them
+                    text = self.tokenizer.decode(sampled[:-1] if completion.finish_reason == "stop" else sampled)
+                self._reply(call, episode, request, plan, sampled, logprobs, completion.finish_reason, text)
 
     def _reply(self, call, episode, request, plan, sampled, logprobs, finish, text="") -> None:
         """The chat completion of a call (assistant_message of its text), recorded in its episode, sent."""
@@ -436,6 +450,14 @@ class Endpoint:
     def close(self) -> None:
         self.server.shutdown()
         self.server.server_close()
+
+
+def _over(call: dict, episode: "Episode | None" = None) -> RequestError:
+    """The refusal of a request of an episode that is not running (404), is over or has failed (400)."""
+    if episode is None:
+        return RequestError(404, f"episode {call['episode']} is not running", code="episode_over")
+    reason = "is over" if episode.error is None else f"has failed: {episode.error}"
+    return RequestError(400, f"episode {call['episode']} {reason}", code="episode_over")
 
 
 class Handler(http.server.BaseHTTPRequestHandler):
@@ -740,12 +762,13 @@ class EpisodeWorkers:
         self.idle.append(worker)
         self._start_more()
 
-    def run(self, jobs: list, wake: int, on_wake) -> None:
+    def run(self, jobs: list, endpoint: "Endpoint") -> None:
         """Runs each job (episode, base_url) in a worker until each episode has ended: its worker's answer sets its
-        reward or error; a late one is killed (a timeout), one that ends is an error. on_wake() runs whenever the
-        file descriptor `wake` is readable (the endpoint's queued requests)."""
+        reward or error; a late one is killed (a timeout), one that ends is an error. Meanwhile the endpoint takes
+        its queued requests whenever its wake-up pipe is readable (serve) and steps the engine while calls are
+        running (step)."""
         self.selector = selectors.DefaultSelector()
-        self.selector.register(wake, selectors.EVENT_READ, None)
+        self.selector.register(endpoint.wake_read, selectors.EVENT_READ, None)
         for worker in self.idle + list(self.starting):
             self.selector.register(worker.stdout, selectors.EVENT_READ, worker)
         queue = list(jobs)
@@ -755,11 +778,13 @@ class EpisodeWorkers:
                     self._assign(self.idle.pop(0), *queue.pop(0))
                 deadlines = [d for _, d in self.busy.values()] + list(self.starting.values())
                 wait = max(0.0, min(deadlines) - time.monotonic()) if deadlines else None
-                for key, _ in self.selector.select(wait):
+                for key, _ in self.selector.select(0.0 if endpoint.running else wait):
                     if key.data is None:
-                        on_wake()
+                        endpoint.serve()
                     elif key.data in self.idle or key.data in self.busy or key.data in self.starting:
                         self._read(key.data)
+                if endpoint.running:
+                    endpoint.step()
                 now = time.monotonic()
                 for worker in [w for w, (_, deadline) in self.busy.items() if deadline <= now]:
                     episode = self.busy[worker][0]
