@@ -221,7 +221,8 @@ class Episode:
         self.k, self.row, self.budget, self.seed, self.stride, self.sampling = k, row, budget, seed, stride, sampling
         self.id = f"{k}-{secrets.token_hex(8)}"  # unguessable: no episode can address another's
         self.samples: list[AgentSample] = []
-        self.calls = self.requests = self.used = 0  # answered calls, requests received, budget used
+        self.calls = self.planned = self.requests = self.used = 0  # calls answered, planned; requests; budget used
+        self.in_flight = 0  # calls planned and not yet answered (an agent may send several at once)
         self.history = None  # (messages + the answer, normalised; tools) of the last answered call
         self.current = None  # the sample that call wrote to (None: it sampled nothing and started none)
         self.reward = None
@@ -233,13 +234,17 @@ class Episode:
         self.refused = self.refused or refused
 
     def plan(self, request: dict, tokenizer, limits: dict) -> dict:
-        """What call self.calls + 1 samples: {"sample" (the one it continues, or None for a new one), "appended" (ids
-        between the sample's tokens and the sampled ones), "prompt_ids", "max_tokens", "seed"}. RequestError for a
-        prompt the model cannot take or a template that cannot render it."""
+        """What the episode's next call samples: {"sample" (the one it continues, or None for a new one), "appended"
+        (ids between the sample's tokens and the sampled ones), "prompt_ids", "max_tokens", "seed"}. A call sent while
+        another of the episode is being sampled (in_flight) starts a new sample. RequestError for a prompt the model
+        cannot take or a template that cannot render it."""
         messages, tools = request["messages"], request["tools"]
         seen = [normalised(m) for m in messages]
         appended = None
-        if self.current is not None and self.history[1] == tools and seen[: len(self.history[0])] == self.history[0]:
+        extends = (
+            self.current is not None and self.history[1] == tools and seen[: len(self.history[0])] == self.history[0]
+        )
+        if extends and not self.in_flight:  # a call still being sampled would be written between: never extended
             new = messages[len(self.history[0]) :]
             appended = render_after_assistant(tokenizer, new, tools, limits["template_kwargs"])
         if appended is not None:  # the same sample, token for token
@@ -262,7 +267,8 @@ class Episode:
         left = self.budget - self.used - len(appended or [])
         cap = request["max_tokens"] or left
         max_tokens = min(left, cap, limits["max_model_len"] - len(prompt_ids))
-        t = self.calls + 1
+        self.planned += 1
+        t = self.planned  # call t of the episode
         seed = None if self.seed is None else self.seed + (t - 1) * self.stride + self.k
         return {"sample": sample, "appended": appended or [], "prompt_ids": prompt_ids, "max_tokens": max_tokens,
                 "seed": seed}  # fmt: skip
@@ -352,7 +358,8 @@ class Endpoint:
             if self.running:  # the calls of episodes that ended meanwhile (timed out, exited): never answered
                 self.llm.llm_engine.abort_request(list(self.running))
                 for call, episode, _, _ in self.running.values():
-                    self._answer(call, _over(call, episode).status, _over(call, episode).body)
+                    refusal = _over(call, episode)
+                    self._answer(call, refusal.status, refusal.body)
                 self.running = {}
 
     def serve(self) -> None:
@@ -404,6 +411,7 @@ class Endpoint:
                 sampling.output_kind = RequestOutputKind.FINAL_ONLY  # one output per call, when it is done
                 self.llm.llm_engine.add_request(request_id, TokensPrompt(prompt_token_ids=plan["prompt_ids"]), sampling)
                 self.running[request_id] = (call, episode, request, plan)
+                episode.in_flight += 1
 
     def step(self) -> None:
         """One step of the engine (vLLM's continuous batching: every running call advances by a token, and a call
@@ -412,8 +420,10 @@ class Endpoint:
         for output in self.llm.llm_engine.step():
             if output.finished:
                 call, episode, request, plan = self.running.pop(output.request_id)
+                episode.in_flight -= 1
                 if episode.over:  # timed out or exited while sampled: nothing recorded
-                    self._answer(call, _over(call, episode).status, _over(call, episode).body)
+                    refusal = _over(call, episode)
+                    self._answer(call, refusal.status, refusal.body)
                     continue
                 completion = output.outputs[0]
                 sampled = list(completion.token_ids)

@@ -163,8 +163,9 @@ def test_a_call_that_extends_its_history_continues_the_sample_and_one_that_rewri
     template's ids for the tool message (mask 0) and what is sampled (mask 1); its prompt is the sample so far, never
     re-rendered; a user follow-up extends it too. A call whose history differs from what the endpoint wrote (an answer's
     content or an earlier answer's call rewritten, the last answer dropped, a tool's answer changed, the tools
-    dropped) is rendered from scratch: a new sample. Seeds follow multi_turn.generate: seed + k, then
-    seed + (t - 1) * stride + k. The budget (80 tokens) cuts the appended ids and ends the sampling."""
+    dropped), or sent while another call of the episode is being sampled, is rendered from scratch: a new sample.
+    Seeds follow multi_turn.generate: seed + k, then seed + (t - 1) * stride + k for the episode's call t. The budget
+    (80 tokens) cuts the appended ids and ends the sampling."""
     schemas = [tiny.CALCULATOR_SCHEMA]
     user = [{"role": "user", "content": "What is 6 * 7? Use the calculator."}]
     call_ids = tokenizer('<tool_call>\n{"name": "calculator", "arguments": {"expression": "6 * 7"}}\n</tool_call>',
@@ -202,6 +203,12 @@ def test_a_call_that_extends_its_history_continues_the_sample_and_one_that_rewri
         assert plan["sample"] is None and plan["prompt_ids"] == tiny_prompt(tokenizer, messages, schemas), what
     plan = ep.plan(agent.parse_request(body(messages=[*said, follow_up]), MODEL), tokenizer, LIMITS)  # no tools
     assert plan["sample"] is None and plan["prompt_ids"] == tiny_prompt(tokenizer, [*said, follow_up], None)
+    ep.in_flight = 1  # another call of the episode is being sampled: its tokens would come between
+    concurrent = ep.plan(
+        agent.parse_request(body(messages=[*said, follow_up], tools=schemas), MODEL), tokenizer, LIMITS
+    )
+    assert concurrent["sample"] is None and concurrent["seed"] == 100 + (ep.planned - 1) * 32 + 5 != plan["seed"]
+    ep.in_flight = 0
     rewritten = rewrites["an answer's content"]
     third = agent.parse_request(body(messages=rewritten, tools=schemas), MODEL)
     _, reply = answered(ep, third, tokenizer, [9, tokenizer.eos_token_id])
