@@ -21,12 +21,13 @@ run's settings (rollout.temperature, top_p, top_k: not the request's), and Herme
 OpenAI tool_calls.
 
 Token for token. Each call's prompt ids, sampled ids and vLLM's log-probs are recorded. A later call whose messages
-are the previous call's messages, plus the assistant message the endpoint returned, plus new messages (compared
-normalised: role, content, tool calls' names and parsed arguments), continues the same sample: its prompt is the
-previous prompt + the sampled ids + the chat template's ids for the new messages alone (the text after the assistant
-turn's eos, tokenised once, as multi_turn.tool_response_ids does), never re-rendered. Any other call (the agent
-rewrote or trimmed its history, changed its tools) is rendered from scratch and starts a new sample of the same
-episode, with its reward: a split, counted (agent/split_rate), never aligned by guesswork.
+are a sample's last call's messages, plus the assistant message the endpoint returned to it, plus new messages
+(compared normalised: role, content, tool calls' names and parsed arguments), continues that sample: its prompt is
+the sample so far + the chat template's ids for the new messages alone (the text after the assistant turn's eos,
+tokenised once, as multi_turn.tool_response_ids does), never re-rendered. Any other call (the agent rewrote or
+trimmed its history, changed its tools, or sent it while that sample's call was being sampled) is rendered from
+scratch and starts a new sample of the same episode, with its reward: a split, counted (agent/split_rate), never
+aligned by guesswork.
 
     episode:   call 1                 call 2 (extends call 1)                    call 3 (rewrote history: a split)
     sample 0:  [prompt 1][sampled 1]  [tool message ids][sampled 2]
@@ -191,6 +192,8 @@ class AgentSample:
     truncated: bool = False
     reward: float = 0.0
     outcome: dict = field(default_factory=dict)  # the episode's: error, timeout, refused, splits
+    history: tuple = ()  # (messages + the answer, normalised; tools) of its last call: what a next call extends
+    in_flight: int = 0  # its calls being sampled (a call that extends it meanwhile starts a new sample)
 
     @property
     def fields(self) -> dict:
@@ -222,9 +225,6 @@ class Episode:
         self.id = f"{k}-{secrets.token_hex(8)}"  # unguessable: no episode can address another's
         self.samples: list[AgentSample] = []
         self.calls = self.planned = self.requests = self.used = 0  # calls answered, planned; requests; budget used
-        self.in_flight = 0  # calls planned and not yet answered (an agent may send several at once)
-        self.history = None  # (messages + the answer, normalised; tools) of the last answered call
-        self.current = None  # the sample that call wrote to (None: it sampled nothing and started none)
         self.reward = None
         self.error, self.timeout, self.refused, self.over = None, False, False, False
 
@@ -235,20 +235,19 @@ class Episode:
 
     def plan(self, request: dict, tokenizer, limits: dict) -> dict:
         """What the episode's next call samples: {"sample" (the one it continues, or None for a new one), "appended"
-        (ids between the sample's tokens and the sampled ones), "prompt_ids", "max_tokens", "seed"}. A call sent while
-        another of the episode is being sampled (in_flight) starts a new sample. RequestError for a prompt the model
-        cannot take or a template that cannot render it."""
+        (ids between the sample's tokens and the sampled ones), "prompt_ids", "max_tokens", "seed"}. The call continues
+        the sample whose last call it extends (that call's messages, its answer as returned, new messages; the longest
+        such history), unless a call of that sample is still being sampled. RequestError for a prompt the model cannot
+        take or a template that cannot render it."""
         messages, tools = request["messages"], request["tools"]
         seen = [normalised(m) for m in messages]
+        extended = [s for s in self.samples if s.history[1] == tools and seen[: len(s.history[0])] == s.history[0]]
+        sample = max((s for s in extended if not s.in_flight), key=lambda s: len(s.history[0]), default=None)
         appended = None
-        extends = (
-            self.current is not None and self.history[1] == tools and seen[: len(self.history[0])] == self.history[0]
-        )
-        if extends and not self.in_flight:  # a call still being sampled would be written between: never extended
-            new = messages[len(self.history[0]) :]
+        if sample is not None:
+            new = messages[len(sample.history[0]) :]
             appended = render_after_assistant(tokenizer, new, tools, limits["template_kwargs"])
         if appended is not None:  # the same sample, token for token
-            sample = self.current
             room = min(self.budget - self.used, limits["max_model_len"] - len(sample.prompt_ids + sample.response_ids))
             appended = appended[: max(0, room)]
             prompt_ids = sample.prompt_ids + sample.response_ids + appended
@@ -274,8 +273,8 @@ class Episode:
                 "seed": seed}  # fmt: skip
 
     def record(self, request: dict, plan: dict, sampled: list[int], logprobs: list[float], answer: dict) -> None:
-        """Call plan's tokens into its sample (a new one unless it continues one), and the call as the history that
-        the next call may extend. answer: the assistant message returned, with its finish reason."""
+        """Call plan's tokens into its sample (a new one unless it continues one), and the call as the sample's history
+        that a next call may extend. answer: the assistant message returned, with its finish reason."""
         self.calls += 1
         sample = plan["sample"]
         if sample is None and (sampled or not self.samples):  # a new sample (a split after the first)
@@ -289,9 +288,9 @@ class Episode:
             sample.truncated = answer["finish_reason"] == "length"
             sample.calls.append({"call": self.calls, "prompt_ids": plan["prompt_ids"], "sampled_ids": sampled,
                                  "logprobs": logprobs, "finish": answer["finish_reason"]})  # fmt: skip
+            said = [normalised(m) for m in request["messages"]] + [normalised(template_message(answer["message"], 0))]
+            sample.history = (said, request["tools"])
         self.used += len(plan["appended"]) + len(sampled)
-        messages = [normalised(m) for m in request["messages"]] + [normalised(template_message(answer["message"], 0))]
-        self.history, self.current = (messages, request["tools"]), sample
 
     def finish(self, endpoint: "Endpoint") -> list[AgentSample]:
         """The episode's samples, each with its reward (0 after a failure) and its outcome; an episode that called
@@ -302,7 +301,7 @@ class Episode:
         reward = 0.0 if self.error is not None else self.reward
         outcome = {"error": self.error, "timeout": self.timeout, "refused": self.refused, "samples": len(self.samples)}
         for sample in self.samples:
-            sample.reward, sample.outcome = reward, outcome
+            sample.reward, sample.outcome, sample.history = reward, outcome, ()  # (the history stays here)
         return self.samples
 
 
@@ -321,6 +320,7 @@ class Endpoint:
         self.wake_read, self.wake_write = os.pipe()
         os.set_blocking(self.wake_read, False)
         self.running = {}  # the engine's request id -> (call, episode, request, plan) of each call being sampled
+        self.added = 0  # calls given to the engine so far (their ids)
         self.batch_sizes = []  # the calls in each engine step (bench/agent_endpoint.py)
         try:
             self.server = http.server.ThreadingHTTPServer(("127.0.0.1", port), Handler)
@@ -398,7 +398,7 @@ class Endpoint:
                 todo.append((call, episode, request, plan))
         if todo:
             from vllm import SamplingParams
-            from vllm.inputs import TokensPrompt
+            from vllm.inputs import tokens_input
             from vllm.sampling_params import RequestOutputKind
 
             params = [
@@ -407,11 +407,13 @@ class Endpoint:
                 for _, episode, request, plan in todo
             ]  # fmt: skip
             for (call, episode, request, plan), sampling in zip(todo, params, strict=True):
-                request_id = f"agent-{episode.id}-{episode.requests}"  # the engine's id of this call
+                self.added += 1
+                request_id = f"agent-{self.added}"  # the engine's id of this call
                 sampling.output_kind = RequestOutputKind.FINAL_ONLY  # one output per call, when it is done
-                self.llm.llm_engine.add_request(request_id, TokensPrompt(prompt_token_ids=plan["prompt_ids"]), sampling)
+                self.llm.llm_engine.add_request(request_id, tokens_input(plan["prompt_ids"]), sampling)
                 self.running[request_id] = (call, episode, request, plan)
-                episode.in_flight += 1
+                if plan["sample"] is not None:
+                    plan["sample"].in_flight += 1
 
     def step(self) -> None:
         """One step of the engine (vLLM's continuous batching: every running call advances by a token, and a call
@@ -420,7 +422,8 @@ class Endpoint:
         for output in self.llm.llm_engine.step():
             if output.finished:
                 call, episode, request, plan = self.running.pop(output.request_id)
-                episode.in_flight -= 1
+                if plan["sample"] is not None:
+                    plan["sample"].in_flight -= 1
                 if episode.over:  # timed out or exited while sampled: nothing recorded
                     refusal = _over(call, episode)
                     self._answer(call, refusal.status, refusal.body)

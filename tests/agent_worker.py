@@ -12,13 +12,15 @@ python tests/agent_worker.py TINY_TOOLS_DIR AGENTS_DIR OUT
                  content as a list of text parts, tool_choice none and auto, tool messages with their ids, user
                  follow-ups, its own client from OPENAI_BASE_URL, temperature / top_p / seed / max_tokens set), 2 test
                  prompts x 2: its samples and what it logged (AGENTS_DIR/shapes.jsonl)
-  "batches":     the size of every engine call the endpoint made
+  "batches":     the calls in each engine step of the endpoint
+  "together":    two requests of one episode queued together: both answered, two samples, two seeds
 """
 
 import dataclasses
 import json
 import os
 import sys
+import threading
 import types
 
 import agent
@@ -45,6 +47,27 @@ def config(path: str, workers: int = 4) -> dict:
 def as_dict(s, score: float) -> dict:
     return {"prompt_ids": s.prompt_ids, "response_ids": s.response_ids, "loss_mask": s.loss_mask,
             "logprobs": s.logprobs, "reward": score}  # fmt: skip
+
+
+def together(endpoint, row: dict, tokenizer) -> dict:
+    """Two requests of one episode queued together (as two threads of an agent send them), taken by one serve() and
+    sampled side by side: their statuses, the episode's samples and each call's seed."""
+    episode = agent.Episode(0, row, budget=96, seed=5, stride=1, sampling=dict(temperature=1.0, top_p=1.0, top_k=-1))
+    endpoint.episodes = {episode.id: episode}
+    body = json.dumps({"model": "tiny_tools", "messages": row["prompt"], "max_tokens": 8}).encode()
+    calls = [{"episode": episode.id, "body": body, "done": threading.Event()} for _ in range(2)]
+    endpoint.inbox = list(calls)
+    endpoint.serve()
+    seeds = [plan["seed"] for _, _, _, plan in endpoint.running.values()]
+    while endpoint.running:
+        endpoint.step()
+    endpoint.episodes = {}
+    return {
+        "statuses": [c["status"] for c in calls],
+        "seeds": seeds,
+        "samples": [{"prompt_ids": s.prompt_ids, "calls": len(s.calls)} for s in episode.samples],
+        "prompt_ids": rollout.render_prompt(tokenizer, row["prompt"]),
+    }
 
 
 def main(model_dir: str, agents: str, out: str) -> None:
@@ -88,6 +111,7 @@ def main(model_dir: str, agents: str, out: str) -> None:
         "rewards": rewards.tolist(),
     }
     results["batches"] = calculator.state["endpoint"].batch_sizes
+    results["together"] = together(calculator.state["endpoint"], test_rows[0], tokenizer)
     with open(out, "w") as f:
         json.dump(results, f)
 

@@ -163,7 +163,8 @@ def test_a_call_that_extends_its_history_continues_the_sample_and_one_that_rewri
     template's ids for the tool message (mask 0) and what is sampled (mask 1); its prompt is the sample so far, never
     re-rendered; a user follow-up extends it too. A call whose history differs from what the endpoint wrote (an answer's
     content or an earlier answer's call rewritten, the last answer dropped, a tool's answer changed, the tools
-    dropped), or sent while another call of the episode is being sampled, is rendered from scratch: a new sample.
+    dropped), or sent while a call that extends the same sample is being sampled, is rendered from scratch: a new
+    sample; a later call that extends the first sample's last call continues it.
     Seeds follow multi_turn.generate: seed + k, then seed + (t - 1) * stride + k for the episode's call t. The budget
     (80 tokens) cuts the appended ids and ends the sampling."""
     schemas = [tiny.CALCULATOR_SCHEMA]
@@ -203,16 +204,18 @@ def test_a_call_that_extends_its_history_continues_the_sample_and_one_that_rewri
         assert plan["sample"] is None and plan["prompt_ids"] == tiny_prompt(tokenizer, messages, schemas), what
     plan = ep.plan(agent.parse_request(body(messages=[*said, follow_up]), MODEL), tokenizer, LIMITS)  # no tools
     assert plan["sample"] is None and plan["prompt_ids"] == tiny_prompt(tokenizer, [*said, follow_up], None)
-    ep.in_flight = 1  # another call of the episode is being sampled: its tokens would come between
+    sample.in_flight = 1  # a call that extends it is being sampled: its tokens would come between
     concurrent = ep.plan(
         agent.parse_request(body(messages=[*said, follow_up], tools=schemas), MODEL), tokenizer, LIMITS
     )
     assert concurrent["sample"] is None and concurrent["seed"] == 100 + (ep.planned - 1) * 32 + 5 != plan["seed"]
-    ep.in_flight = 0
+    sample.in_flight = 0
     rewritten = rewrites["an answer's content"]
     third = agent.parse_request(body(messages=rewritten, tools=schemas), MODEL)
     _, reply = answered(ep, third, tokenizer, [9, tokenizer.eos_token_id])
     assert len(ep.samples) == 2 and ep.samples[1].calls[0]["call"] == 3 and not ep.samples[1].first
+    back = ep.plan(agent.parse_request(body(messages=[*said, follow_up], tools=schemas), MODEL), tokenizer, LIMITS)
+    assert back["sample"] is sample  # each sample extends from its own last call: an agent's two conversations
     assert ep.used == len(sample.response_ids) + 2
     long_answer = {"role": "tool", "tool_call_id": "call_0", "content": "1234567890" * 20}  # more than the budget left
     fourth = agent.parse_request(body(messages=[*rewritten, reply["message"], long_answer], tools=schemas), MODEL)
@@ -390,8 +393,9 @@ REASONS = {  # case -> how its episode's failure reads in the dump (agent_error)
     "no_number": r"returned 'a string', not a number",
 }
 SHAPES = '''"""Requests as other agents write them (tests/test_agent.py): a system (or developer) message, content as
-text parts, sampling fields set, tool_choice none then auto, tool messages with their ids, user follow-ups, and a client
-of its own made from OPENAI_BASE_URL; what it saw in shapes.jsonl."""
+text parts, sampling fields set, two drafts at once (one with a stop string), tool_choice none then auto, tool messages
+with their ids, user follow-ups, and a client of its own made from OPENAI_BASE_URL; what it saw in shapes.jsonl."""
+import concurrent.futures
 import json
 import os
 import sys
@@ -404,6 +408,12 @@ from gsm8k_calculator_agent import CALCULATOR  # noqa: E402
 LOG = os.path.join(os.path.dirname(os.path.abspath(__file__)), "shapes.jsonl")
 
 
+def _seen(reply):
+    choice = reply.choices[0]
+    return {"finish": choice.finish_reason, "tokens": reply.usage.completion_tokens, "content": choice.message.content,
+            "calls": [c.function.name for c in choice.message.tool_calls or []], "id": reply.id, "object": reply.object}
+
+
 def episode(client, row):
     own = openai.OpenAI()  # OPENAI_BASE_URL, OPENAI_API_KEY: the episode's
     model = own.models.list().data[0].id
@@ -411,14 +421,16 @@ def episode(client, row):
     question = row["prompt"][0]["content"]
     messages = [{"role": "developer" if "gets" in question else "system", "content": "You are a careful calculator."},
                 {"role": "user", "content": [{"type": "text", "text": question}]}]
-    seen = []
-    reply = own.chat.completions.create(model=model, messages=messages, tools=[CALCULATOR], tool_choice="none",
-                                        temperature=0.3, top_p=0.5, seed=11, max_tokens=20)
-    for turn in range(3):
+    drafts = [dict(tool_choice="none", temperature=0.3, top_p=0.5, seed=11, max_tokens=20),
+              dict(max_tokens=20, stop=["\\n"])]
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:  # at once: two samples of the episode
+        reply, other = pool.map(
+            lambda kw: own.chat.completions.create(model=model, messages=messages, tools=[CALCULATOR], **kw), drafts
+        )
+    seen = [{**_seen(other), "draft": True}]
+    for turn in range(3):  # the conversation goes on from the first draft
+        seen.append(_seen(reply))
         choice = reply.choices[0]
-        seen.append({"finish": choice.finish_reason, "tokens": reply.usage.completion_tokens,
-                     "calls": [c.function.name for c in choice.message.tool_calls or []],
-                     "content": choice.message.content, "id": reply.id, "object": reply.object})
         messages.append(choice.message.model_dump(exclude_none=True))
         if turn == 2 or (choice.finish_reason == "length" and not reply.usage.completion_tokens):
             break
@@ -505,6 +517,15 @@ def test_the_example_agent_samples_what_multi_turn_samples(agent_run, tools_buil
     assert sum(0 in s["loss_mask"] for s in direct) >= 8  # calls answered: the tool's ids in the trajectories
     assert any(s["loss_mask"].count(0) > 0 and s["loss_mask"][-1] == 1 for s in direct)  # it wrote after them
     assert max(engine["batches"]) > 1
+
+
+def test_two_calls_of_an_episode_sent_together_are_two_samples(agent_run):
+    """Two requests of one episode taken by the engine's thread together (an agent's two threads): both answered, each
+    with its own seed, each a sample of its own from the rendered prompt; neither written into the other."""
+    _, _, _, engine = agent_run
+    together = engine["together"]
+    assert together["statuses"] == [200, 200] and len(set(together["seeds"])) == 2
+    assert together["samples"] == [{"prompt_ids": together["prompt_ids"], "calls": 1}] * 2
 
 
 def test_a_two_rank_agent_run_samples_what_multi_turn_samples(agent_run, tools_build):  # noqa: F811
@@ -640,19 +661,25 @@ def test_an_agent_run_replays_at_one_rank_with_the_same_update(agent_run):
 
 
 def test_requests_as_other_agents_write_them_are_served(agent_run):
-    """tests/agent_worker.py's "shapes": a developer or system message, text parts, tool_choice none then auto, tool
-    messages with their ids, user follow-ups, temperature / top_p / seed / max_tokens set, a client of its own: every
-    call answered (chat.completion objects, max_tokens honoured), one sample per episode (each call extended the
-    last), its ids the concatenation of its calls, reward 1."""
+    """tests/agent_worker.py's "shapes": a developer or system message, text parts, temperature / top_p / seed /
+    max_tokens / stop set, two drafts at once, tool_choice none then auto, tool messages with their ids, user
+    follow-ups, a client of its own: every call answered (chat.completion objects, max_tokens and the stop string
+    honoured), two samples per episode (the drafts; each later call extended the first), each sample's ids the
+    concatenation of its calls, reward 1."""
     root, _, _, engine = agent_run
     samples = engine["shapes"]["samples"]
-    assert engine["shapes"]["rewards"] == [1.0] * 4 and [s["episode"] for s in samples] == [0, 1, 2, 3]
+    assert engine["shapes"]["rewards"] == [1.0] * 8 and [s["episode"] for s in samples] == [0, 0, 1, 1, 2, 2, 3, 3]
+    for first, second in zip(samples[::2], samples[1::2], strict=True):
+        assert sorted([len(first["calls"]), len(second["calls"])])[0] == 1  # the other draft: one call
+        assert max(len(first["calls"]), len(second["calls"])) >= 2 and first["first"] and not second["first"]
     for s in samples:
-        assert s["outcome"]["error"] is None and s["fields"]["num_calls"] == len(s["calls"]) >= 2
+        assert s["outcome"] == {"error": None, "timeout": False, "refused": False, "samples": 2}
         assert len(s["calls"][0]["sampled_ids"]) <= 20 and all(len(c["sampled_ids"]) <= 30 for c in s["calls"][1:])
         for call in s["calls"]:
             assert (s["prompt_ids"] + s["response_ids"])[: len(call["prompt_ids"])] == call["prompt_ids"]
+        assert s["prompt_ids"] + s["response_ids"] == s["calls"][-1]["prompt_ids"] + s["calls"][-1]["sampled_ids"]
     with open(root / "agents" / "shapes.jsonl") as f:
         replies = [turn for line in f for turn in json.loads(line)]
     assert all(r["object"] == "chat.completion" and r["id"].startswith("chatcmpl-") for r in replies)
     assert all(r["finish"] in ("stop", "length", "tool_calls") for r in replies)
+    assert all("\n" not in (r["content"] or "") for r in replies if r.get("draft"))  # stop=["\n"]
