@@ -344,7 +344,7 @@ def update_actor(run: "Run", batch: dict, t: dict) -> dict:
     with timed(t, "update_actor"):
         results = []
         for _ in range(actor["ppo_epochs"]):
-            for first in range(0, len(run.positions), share):  # the rows of this rank's prompts first, first + 1, ...
+            for first in range(0, max(prompts) + 1, share):  # the rows of this rank's prompts first, first + 1, ...
                 rows = [k for k, prompt in enumerate(prompts) if first <= prompt < first + share]
                 mini_batch = fsdp_train.select(batch, rows)
                 step_metrics = fsdp_train.train_step(
