@@ -47,6 +47,7 @@ import importlib.util
 import inspect
 import json
 import math
+import numbers
 import os
 import re
 import secrets
@@ -609,11 +610,7 @@ def template_message(message, index: int) -> dict:
     if calls:
         if not isinstance(calls, list) or not all(_is_call(c) for c in calls):
             raise RequestError(400, f"{where}: malformed tool_calls", param=where, code="invalid")
-        out["tool_calls"] = [
-            {"id": c.get("id"), "type": "function", "function": {"name": c["function"]["name"], "arguments": arguments}}
-            for c in calls
-            for arguments in [_arguments(c["function"].get("arguments"))]
-        ]
+        out["tool_calls"] = [_template_call(c) for c in calls]
     for key in ("tool_call_id", "name"):
         if isinstance(message.get(key), str):
             out[key] = message[key]
@@ -623,6 +620,13 @@ def template_message(message, index: int) -> dict:
 def _is_call(call) -> bool:
     function = call.get("function") if isinstance(call, dict) else None
     return isinstance(function, dict) and isinstance(function.get("name"), str)
+
+
+def _template_call(call: dict) -> dict:
+    """An OpenAI tool call as a chat template reads it: its JSON arguments parsed (as vLLM does), or as sent if not
+    JSON; '{"expression": "1+2"}' -> {"expression": "1+2"}."""
+    function = {"name": call["function"]["name"], "arguments": _arguments(call["function"].get("arguments"))}
+    return {"id": call.get("id"), "type": "function", "function": function}
 
 
 def _arguments(arguments):
@@ -906,7 +910,7 @@ def serve_episodes(path: str, name: str) -> None:
         client = shared.with_options(base_url=job["base_url"])
         try:
             reward = function(client, job["row"])
-            if isinstance(reward, (int, float)) and math.isfinite(reward):
+            if isinstance(reward, numbers.Real) and math.isfinite(reward):  # a float, an int, numpy's
                 answer = {"reward": float(reward)}
             else:
                 answer = {"error": f"returned {str(reward)[:200]!r}, not a number (an episode returns its reward)"}
