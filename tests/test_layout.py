@@ -31,6 +31,7 @@ FEATURES = (
     "reward_files",
     "rollout_ranks",
     "engine_dtypes",
+    "agent",
 )
 COMPONENTS = ("rollout", "reward", "losses", "fsdp_train", "sync", "tiny")
 EXTENDS = {"grpo_family": {"losses"}, "rollout_correction": {"losses"}}  # a feature may import what it extends
@@ -38,6 +39,7 @@ SETUP = {  # grpo.py's set-up and finish code: where a feature's file may be imp
     "main",
     "choose_parts",
     "rollout_ranks_parts",
+    "agent_parts",
     "feature",
     "lora_on",
     "setup",
@@ -62,6 +64,7 @@ FEATURE_KEYS = {  # the keys that turn an optional feature on or set it
     "custom_reward_function",  # a reward file
     "replay_batches", "dump_batches",  # dumps and their replay
     "nnodes", "n_gpus_per_node", "async_training", "staleness_threshold",  # rollout ranks
+    "agent",  # an agent's episodes
 }  # fmt: skip
 
 
