@@ -194,17 +194,25 @@ def restore_rng(state: dict):
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-def global_rows(tensors: list[torch.Tensor], positions: list[int], n: int) -> tuple[list[torch.Tensor], list[int]]:
+def global_rows(
+    tensors: list[torch.Tensor], positions: list[int], n: int, episodes: list[int] | None = None
+) -> tuple[list[torch.Tensor], list[int]]:
     """Each rank's [b, R_rank] tensors -> the WHOLE batch's [B, R] tensors on every rank (sample j of the prompt
     at position p is row p * n + j; R is the widest rank's, zero-padded), and the rows that are this rank's.
-    The same tensors at any world size, so whole-batch statistics (rollout correction) do not depend on it."""
-    mine = [p * n + j for p in positions for j in range(n)]
+    The same tensors at any world size, so whole-batch statistics (rollout correction) do not depend on it.
+    episodes: each local row's episode i * n + j (sample j of this rank's i-th prompt; None: row k is episode k); an
+    agent's episode of several rows keeps them together, in order, where its one row would be."""
+    episodes = range(len(tensors[0])) if episodes is None else episodes
+    keys = [positions[e // n] * n + e % n for e in episodes]  # each row's place: p * n + j
     parts = [None] * dist.get_world_size()
-    dist.all_gather_object(parts, (mine, [t.cpu() for t in tensors]))
+    dist.all_gather_object(parts, (keys, [t.cpu() for t in tensors]))
     width = max(t.shape[1] for _, ts in parts for t in ts)
-    order = torch.tensor([r for rows, _ in parts for r in rows])
+    every_key = [key for part_keys, _ in parts for key in part_keys]
+    order = sorted(range(len(every_key)), key=every_key.__getitem__)  # stable: an episode's rows stay in order
+    place = {row: i for i, row in enumerate(order)}  # gathered row -> its row in the whole batch
+    offset = sum(len(part_keys) for part_keys, _ in parts[: dist.get_rank()])
     out = []
     for k in range(len(tensors)):
         stacked = torch.cat([torch.nn.functional.pad(ts[k], (0, width - ts[k].shape[1])) for _, ts in parts])
-        out.append(torch.empty_like(stacked).index_copy_(0, order, stacked))  # [B, R]
-    return out, mine
+        out.append(stacked[order])  # [B, R]
+    return out, [place[offset + k] for k in range(len(keys))]

@@ -96,6 +96,16 @@ SCHEMA = {
             "tool_timeout": (5.0, "> 0 (seconds a tool call may take; then its worker is killed)"),
             "tool_workers": (4, ">= 1 (tool calls running at once on a rank, each in a worker process)"),
         },
+        # an agent written with the openai client, against an endpoint in front of each rank's engine (agent.py),
+        # veRL's actor_rollout_ref.rollout.agent.*: docs/features.md "Bring your agent"
+        "agent": {
+            "path": (None, str),
+            "name": "episode",
+            "num_workers": (8, ">= 1 (episodes running at once on a rank, each in a worker process)"),
+            "timeout": (600.0, "> 0 (seconds an episode may take; then its worker is killed)"),
+            "max_requests": (64, ">= 1 (requests an episode may send; past it the episode has failed)"),
+            "port": (0, "0 (a free port) or 1024 <= value <= 65535 (rank r: port + its local rank)"),
+        },
     },
     "actor": {
         "lr": (1e-5, POS),

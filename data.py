@@ -233,7 +233,10 @@ def dump_batch(run, step: int, batch: dict):
     rows = []
     for i in range(batch["input_ids"].shape[0]):
         row = {k: v[i] for k, v in batch.items() if k not in SKIPPED}
-        row["position"] = run.positions[i // n]  # the prompt's place in the step's prompt list
+        episode = batch["episode"][i].item() if "episode" in batch else i  # an agent's, i * n + j; else row i
+        row["position"] = run.positions[episode // n]  # the prompt's place in the step's prompt list
+        if "episode" in batch:  # an agent's episode of several rows: position * n + j in the dump, for its replay
+            row["episode"] = torch.tensor(row["position"] * n + episode % n)
         rows.append(row)
     gathered = [None] * run.world
     dist.all_gather_object(gathered, (batch.get("layouts", {}), rows))
@@ -298,6 +301,13 @@ def load_replay(run, step: int) -> dict:
     n = run.cfg["rollout"]["n"]
     run.gen_cursor = step
     dumped = torch.load(path)
-    dumped.pop("sampler_logprobs", None)  # a stale batch's (rollout ranks): the replay checks its old log-probs
-    dumped.get("layouts", {}).pop("sampler_logprobs", None)
-    return fsdp_train.select(dumped, [p * n + j for p in run.positions for j in range(n)])
+    for key in ("sampler_logprobs", "staleness"):  # a stale batch's (rollout ranks): the replay checks its old ones
+        dumped.pop(key, None)
+        dumped.get("layouts", {}).pop(key, None)
+    if "episode" not in dumped:  # n rows per prompt, in position order
+        return fsdp_train.select(dumped, [p * n + j for p in run.positions for j in range(n)])
+    episodes = dumped["episode"].tolist()  # an agent's dump: position * n + j, an episode's rows together
+    batch = fsdp_train.select(dumped, [k for p in run.positions for k, e in enumerate(episodes) if e // n == p])
+    local = {p: i for i, p in enumerate(run.positions)}  # back to this rank's episodes, i * n + j
+    batch["episode"] = torch.tensor([local[e // n] * n + e % n for e in batch["episode"].tolist()])
+    return batch

@@ -27,6 +27,7 @@ import argparse
 import contextlib
 import functools
 import importlib
+import itertools
 import os
 import random
 import sys
@@ -103,7 +104,7 @@ def train(cfg: dict, parts=None):
         run.logger.log(step, step_metrics)
         progress.update(step_metrics)
         metrics.judge_sync(run.cfg, run.rank, step, step_metrics, run.exact)  # fp32: a mismatch stops the run
-        if signum := cluster.stop_requested():
+        if signum := run.parts.stop_vote(run, step):
             return cluster.stop(run, step, signum, progress, functools.partial(save, run))
     progress.close()
     finish(run)
@@ -191,32 +192,54 @@ def groups_to_batch(groups: list[dict], pad_id: int) -> dict:
 
 
 def sample_groups(run: "Run", prompts: list[dict], t: dict) -> list[dict]:
-    """n samples of each prompt from vLLM (run.parts.sample: rollout.generate, or a multi-turn rollout), scored: one
-    group {"samples", "rewards" [n], "extras"} per prompt. Seeded per (generation batch, rank): a resumed run
-    resamples the same (on CPU; docs/running.md)."""
+    """n samples of each prompt, scored (run.parts.scored_samples: vLLM's samples and the run's scorer, or an agent's
+    episodes): one group {"samples", "rewards" [n], "extras"} per prompt. Seeded per (generation batch, rank): a
+    resumed run resamples the same (on CPU; docs/running.md). An agent's episode split into several samples gives
+    its prompt more than n (sample_episodes)."""
     sampling, n = run.cfg["rollout"], run.cfg["rollout"]["n"]
-    with timed(t, "gen"):
-        seed = sample_seed(run.cfg["trainer"]["seed"], run.gen_cursor, run.rank) if sampling["seed_samples"] else None
-        samples = run.parts.sample(
-            run.llm,
-            [p["prompt"] for p in prompts],
-            n=n,
-            temperature=sampling["temperature"],
-            top_p=sampling["top_p"],
-            top_k=sampling["top_k"],
-            max_tokens=run.cfg["data"]["max_response_length"],
-            seed=seed,
+    seed = sample_seed(run.cfg["trainer"]["seed"], run.gen_cursor, run.rank) if sampling["seed_samples"] else None
+    samples, rewards, extras = run.parts.scored_samples(
+        run,
+        prompts,
+        t,
+        n=n,
+        temperature=sampling["temperature"],
+        top_p=sampling["top_p"],
+        top_k=sampling["top_k"],
+        max_tokens=run.cfg["data"]["max_response_length"],
+        seed=seed,
+    )
+    answers = [episode // n for episode in sample_episodes(samples)]  # sample k answers prompt k // n by default
+    groups = []
+    for i in range(len(prompts)):
+        mine = [k for k, prompt in enumerate(answers) if prompt == i]
+        groups.append(
+            {"samples": [samples[k] for k in mine], "rewards": rewards[mine], "extras": [extras[k] for k in mine]}
         )
+    return groups
+
+
+def sample_and_score(run: "Run", prompts: list[dict], t: dict, **sampling) -> tuple[list, torch.Tensor, list[dict]]:
+    """gen + reward, the default scored_samples: n samples of each prompt from vLLM (run.parts.sample:
+    rollout.generate, or a multi-turn rollout) with the sampling settings (n, temperature, top_p, top_k, max_tokens,
+    seed), scored (score_samples). Returns (samples, rewards [N], extras), sample k answering prompt k // n."""
+    with timed(t, "gen"):
+        samples = run.parts.sample(run.llm, [p["prompt"] for p in prompts], **sampling)
     with timed(t, "reward"):
         rewards, extras = score_samples(run, samples, prompts)
-    return [
-        {
-            "samples": samples[i * n : (i + 1) * n],
-            "rewards": rewards[i * n : (i + 1) * n],
-            "extras": extras[i * n : (i + 1) * n],
-        }
-        for i in range(len(prompts))
-    ]
+    return samples, rewards, extras
+
+
+def sample_episodes(samples: list) -> list[int]:
+    """Each sample's episode, i * n + j for sample j of prompt i: sample k is episode k, unless an agent's episode gave
+    several samples (its samples' field "episode": the agent rewrote its history, docs/features.md)."""
+    return [s.fields["episode"][1] if "episode" in s.fields else k for k, s in enumerate(samples)]
+
+
+def row_episodes(batch: dict) -> list[int]:
+    """Each row's episode, i * n + j for sample j of this rank's prompt i: row k is episode k, unless an agent's
+    episode gave several rows (batch["episode"] [B], sample_episodes)."""
+    return batch["episode"].tolist() if "episode" in batch else list(range(batch["input_ids"].shape[0]))
 
 
 def score_samples(run: "Run", samples: list, prompts: list[dict]) -> tuple[torch.Tensor, list[dict]]:
@@ -279,7 +302,8 @@ def correct_rollout(run: "Run", batch: dict, old: torch.Tensor, apply: bool = Tr
     width = batch["response_mask"].shape[1]
     sampled = batch["attention_mask"][:, -width:].float()  # [B, R]: every sampled token, before rejection
     local = [old, batch["rollout_logprobs"], sampled, batch["response_mask"]]
-    (g_old, g_roll, g_sampled, g_mask), mine = cluster.global_rows(local, run.positions, run.cfg["rollout"]["n"])
+    n = run.cfg["rollout"]["n"]
+    (g_old, g_roll, g_sampled, g_mask), mine = cluster.global_rows(local, run.positions, n, row_episodes(batch))
     out = losses.offpolicy_metrics(g_old, g_roll, g_sampled)
     out.update(run.parts.correct(batch, g_old, g_roll, g_sampled, g_mask, mine, apply=apply))
     return {f"rollout_corr/{k}": v for k, v in out.items()}
@@ -288,10 +312,19 @@ def correct_rollout(run: "Run", batch: dict, old: torch.Tensor, apply: bool = Tr
 def grpo_advantages(run: "Run", batch: dict) -> dict:
     """adv: GRPO's advantage of each response, its reward normalised within its group (losses.grpo_advantages),
     broadcast over its tokens of the response mask: batch["advantages"] [B, R]. A rank owns whole groups, so
-    this needs no other rank's rows. (The GRPO family's estimators and the KL in the reward: grpo_family.py.)"""
+    this needs no other rank's rows. The group is a prompt's n episodes: an agent's episode of several rows (which
+    share its reward) counts once, and each of its rows gets its advantage (veRL's multi-trajectory groups). (The
+    GRPO family's estimators and the KL in the reward: grpo_family.py.)"""
     algorithm, n = run.cfg["algorithm"], run.cfg["rollout"]["n"]
-    groups = [k // n for k in range(len(batch["rewards"]))]  # row k answers this rank's prompt k // n
-    per_response = losses.grpo_advantages(batch["rewards"], groups, norm_by_std=algorithm["norm_adv_by_std_in_grpo"])
+    episodes = row_episodes(batch)  # [B]: row k is episode k, sample k % n of this rank's prompt k // n
+    first_row = {}  # episode -> its first row
+    for k, episode in enumerate(episodes):
+        first_row.setdefault(episode, k)
+    rewards = batch["rewards"][list(first_row.values())]  # [E]: one per episode
+    groups = [episode // n for episode in first_row]
+    per_episode = losses.grpo_advantages(rewards, groups, norm_by_std=algorithm["norm_adv_by_std_in_grpo"])  # [E]
+    index = {episode: i for i, episode in enumerate(first_row)}
+    per_response = per_episode[[index[episode] for episode in episodes]]  # [B]
     batch["advantages"] = per_response[:, None] * batch["response_mask"]  # [B, R]
     return {}
 
@@ -303,7 +336,8 @@ def update_actor(run: "Run", batch: dict, t: dict) -> dict:
     (update_logprobs) and logged as that pass would have logged them; the sync proof rollout/logprob_diff_* from the
     rows whose forward ran before the step's first optimizer step (first_update_rows)."""
     actor, sampling = run.cfg["actor"], run.cfg["rollout"]
-    rows = actor["ppo_mini_batch_size"] // run.world * sampling["n"]  # this rank's rows of one mini-batch
+    share = actor["ppo_mini_batch_size"] // run.world  # this rank's prompts in one mini-batch
+    prompts = [episode // sampling["n"] for episode in row_episodes(batch)]  # [B]: row k answers prompt k // n
     loss_fn = grpo_loss_fn(run.cfg, run.parts.policy_term)
     need_entropy = actor["entropy_coeff"] or run.capture  # in the loss, or logged in place of the old pass's
     update_logprobs, update_entropy = torch.zeros_like(batch["response_mask"]), torch.zeros_like(batch["response_mask"])
@@ -311,8 +345,9 @@ def update_actor(run: "Run", batch: dict, t: dict) -> dict:
     with timed(t, "update_actor"):
         results = []
         for _ in range(actor["ppo_epochs"]):
-            for j in range(0, batch["input_ids"].shape[0], rows):
-                mini_batch = fsdp_train.select(batch, list(range(j, j + rows)))
+            for first in range(0, max(prompts) + 1, share):  # the rows of this rank's prompts first, first + 1, ...
+                rows = [k for k, prompt in enumerate(prompts) if first <= prompt < first + share]
+                mini_batch = fsdp_train.select(batch, rows)
                 step_metrics = fsdp_train.train_step(
                     run.policy,
                     run.optimizer,
@@ -328,8 +363,8 @@ def update_actor(run: "Run", batch: dict, t: dict) -> dict:
                 )
                 if run.capture:  # [b, R_mini] each: this mini-batch's rows of the update's forward
                     logp, entropy = step_metrics.pop("logprobs"), step_metrics.pop("entropy")
-                    update_logprobs[j : j + rows, : logp.shape[1]] = logp
-                    update_entropy[j : j + rows, : entropy.shape[1]] = entropy
+                    update_logprobs[rows, : logp.shape[1]] = logp
+                    update_entropy[rows, : entropy.shape[1]] = entropy
                     first_logprobs = update_logprobs.clone() if first_logprobs is None else first_logprobs
                 results.append(step_metrics)
         run.scheduler.step()
@@ -353,8 +388,8 @@ def first_update_rows(run: "Run", batch: dict) -> dict:
     zeroed (bypass mode with several mini-batches or epochs: later forwards meet an updated policy, which veRL's
     rollout_corr/* diagnostics read as they evolve). With one mini-batch and one epoch (the on-policy shortcut),
     the whole batch."""
-    rows = run.cfg["actor"]["ppo_mini_batch_size"] // run.world * run.cfg["rollout"]["n"]
-    first = (torch.arange(batch["response_mask"].shape[0]) < rows)[:, None]  # [B, 1]
+    share, n = run.cfg["actor"]["ppo_mini_batch_size"] // run.world, run.cfg["rollout"]["n"]
+    first = torch.tensor([episode // n < share for episode in row_episodes(batch)])[:, None]  # [B, 1]
     return {**batch, "attention_mask": batch["attention_mask"] * first, "response_mask": batch["response_mask"] * first}
 
 
@@ -381,10 +416,10 @@ def push(llm, model, send: bool = True) -> dict:
     Mixture-of-Experts model's merged experts as the checkpoint's per-expert tensors). Returns their bit sums by
     group (sync.with_bit_sums), what sync.check_push proves the engine holds. send=False: the sums only (of the
     weights the engine loaded itself)."""
-    pushed = {}
-    tensors = sync.with_bit_sums(weights_to_push(model, sync.engine_dtype(llm)), pushed)
-    if send:
-        sync.push_weights(llm, tensors)
+    pushed, dtype = {}, sync.engine_dtype(llm)
+    tensors = sync.with_bit_sums(weights_to_push(model, dtype), pushed)
+    if send:  # then the persistent buffers (most families have none), or the reload would reset them
+        sync.push_weights(llm, itertools.chain(tensors, buffers_to_push(model, dtype)))
     else:
         for _ in tensors:  # gathered and summed, not sent
             pass
@@ -395,6 +430,13 @@ def weights_to_push(model, dtype: torch.dtype):
     """(checkpoint name, full tensor in dtype) of each weight the engine loads (sync.full_params: gathered one at a
     time, every rank taking part)."""
     return sync.full_params(model, dtype, model.checkpoint_names, model.checkpoint_split)
+
+
+def buffers_to_push(model, dtype: torch.dtype):
+    """(checkpoint name, tensor in dtype) of each persistent buffer (sync.full_buffers; Apertus's xIELU beta and eps,
+    most families have none), sent after the weights, or the engine's reload resets them. Not summed: the proof holds
+    the engine's buffers to their values at load."""
+    return sync.full_buffers(model, dtype, model.checkpoint_names)
 
 
 def sync_gap(run: "Run") -> float:
@@ -485,11 +527,12 @@ def validate(run: "Run", step: int) -> dict:
     sampling, rows, n = run.cfg["rollout"], run.val_rows, run.cfg["rollout"]["val_n"]
     lo, hi = len(rows) * run.rank // run.world, len(rows) * (run.rank + 1) // run.world
     mine = rows[lo:hi]
-    samples = []
+    samples, rewards, extras = [], torch.zeros(0), []
     if mine:
-        samples = run.parts.sample(
-            run.llm,
-            [r["prompt"] for r in mine],
+        samples, rewards, extras = run.parts.scored_samples(
+            run,
+            mine,
+            {},
             n=n,
             temperature=sampling["val_temperature"],
             top_p=sampling["val_top_p"],
@@ -497,11 +540,15 @@ def validate(run: "Run", step: int) -> dict:
             max_tokens=run.cfg["data"]["max_response_length"],
             seed=run.cfg["trainer"]["seed"] + lo * n if sampling["val_temperature"] > 0 else None,
         )
-    rewards, extras = score_samples(run, samples, mine)
-    scores, generations = [], []  # one per sample: what the metrics read; what validation_data_dir writes
+    episodes = sample_episodes(samples)
+    scores, generations = [], []  # one per episode: what the metrics read; what validation_data_dir writes
     for k, sample in enumerate(samples):
-        row = mine[k // n]
-        scores.append({"data_source": row["data_source"], "uid": lo + k // n, "reward": rewards[k].item(), **extras[k]})
+        if k + 1 < len(samples) and episodes[k + 1] == episodes[k]:
+            continue  # an agent's episode of several samples: scored once, by its last
+        row = mine[episodes[k] // n]
+        scores.append(
+            {"data_source": row["data_source"], "uid": lo + episodes[k] // n, "reward": rewards[k].item(), **extras[k]}
+        )
         prompt = run.tokenizer.decode(sample.prompt_ids, skip_special_tokens=True)  # veRL's: the rendered prompt
         generations.append({"input": prompt, "output": sample.text, "gts": row["ground_truth"]})
     parts = [None] * run.world
@@ -525,7 +572,9 @@ def validate(run: "Run", step: int) -> dict:
 #                                                                                       ranks' broadcast
 #   validate         testing (None: no validation)              validate                None (a replay); rollout
 #                                                                                       ranks' metrics
+#   stop_vote        after a step: any rank's stop signal       stop_vote               rollout ranks' signals too
 #   pick_groups      this rank's scored groups of the step      next_groups             DAPO's dynamic sampling
+#   scored_samples   n samples of each prompt, scored           sample_and_score        an agent's episodes
 #   sample           n samples of each chat prompt              rollout.generate        multi-turn with tools
 #   score            (row, response text) -> (reward, extras)   GSM8K's (data.py)       a reward file's
 #   shape_rewards    rewards [N], samples -> rewards [N]        as they are             DAPO's overlong penalty
@@ -565,6 +614,7 @@ def choose_parts(cfg: dict) -> types.SimpleNamespace:
         start_engine=start_proven_engine,
         next_batch=replayed_batch if replaying else sample_batch,
         pick_groups=feature("dapo").group_picker(cfg, next_prompts, sample_groups) if dynamic_sampling else next_groups,
+        scored_samples=sample_and_score,
         sample=feature("multi_turn").sampler(cfg, rollout.render_prompt)
         if multi_turn["enable"]
         else rollout_samples(cfg),
@@ -583,10 +633,20 @@ def choose_parts(cfg: dict) -> types.SimpleNamespace:
         adapter=feature("lora").adapter_part(cfg) if lora_on(cfg["model"]) else no_adapter,
         update_weights=no_weights_update if replaying else update_weights,
         validate=None if replaying else validate,
+        stop_vote=stop_vote,
     )
+    if rollout_cfg["agent"]["path"]:  # an agent's episodes against an endpoint in front of the engine
+        vars(parts).update(agent_parts(cfg))
     if rollout_cfg["n_gpus_per_node"] or cfg["async_training"]["staleness_threshold"]:  # rollout ranks
         vars(parts).update(rollout_ranks_parts(cfg))
     return parts
+
+
+def agent_parts(cfg: dict) -> dict:
+    """An agent file's episodes (agent.py), sampled through an OpenAI-compatible endpoint in front of the rank's
+    engine and scored by the episodes themselves, in place of sample_and_score; their metrics (field_metrics).
+    Its settings, the agent file and the port are checked first (one line)."""
+    return vars(feature("agent").parts(cfg))
 
 
 def rollout_ranks_parts(cfg: dict) -> dict:
@@ -603,14 +663,18 @@ def rollout_ranks_parts(cfg: dict) -> dict:
         compute_logprobs=compute_logprobs,
         validate=validate,
         weights_to_push=weights_to_push,
+        buffers_to_push=buffers_to_push,
         with_bit_sums=sync.with_bit_sums,
         push_weights=sync.push_weights,
         check_push=sync.check_push,
         engine_buffers=sync.engine_buffers,
         engine_dtype=sync.engine_dtype,
+        engine_dtypes=sync.engine_dtypes,
+        match_engine_dtypes=match_engine_dtypes,
         positions=lambda cfg, world, rank: data.local_positions(
             cfg["data"]["train_batch_size"], cfg["actor"]["ppo_mini_batch_size"], world, rank
         ),
+        stop_requested=cluster.stop_requested,
         close=cluster.close,
     )
     return vars(ranks.parts(cfg, tools))
@@ -660,6 +724,11 @@ def no_routing_metrics(model, phase: str) -> dict:
 
 def no_correction(batch: dict, *whole_batch, apply: bool) -> dict:
     return {}
+
+
+def stop_vote(run: "Run", step: int) -> int:
+    """After each step: the stop signal any rank received (cluster.stop_requested; 0: none), the same on every rank."""
+    return cluster.stop_requested()
 
 
 def no_weights_update(run: "Run", step: int, t: dict) -> dict:
@@ -750,14 +819,30 @@ def setup(cfg: dict, parts=None) -> Run:
 
 
 def start_proven_engine(run: Run, model_path: str, pushing: bool) -> None:
-    """The rank's engine (start_engine), its buffers as loaded (no push sends them: sync.check_push), and the
+    """The rank's engine (start_engine), its buffers as loaded (sync.check_push holds them there), the trainer matched
+    to the tensors the engine keeps in another dtype (engine_dtypes.py, for the few families that have any), and the
     start-up proof that it computes with the trainer's weights (pushing: after a resume or with a LoRA adapter the
     trainer's differ from model.path's, which the engine loaded, so they are pushed first)."""
     run.llm = start_engine(run.cfg, model_path, run.rank)
     run.engine_dtype, run.engine_buffers = sync.engine_dtype(run.llm), sync.engine_buffers(run.llm)
+    match_engine_dtypes(run, sync.engine_dtypes(run.llm))
     held = sync.describe_buffers(run.engine_buffers)
     log0(run.rank, f"push proof: every push proven bit for bit; the engine's buffers held as loaded: {held}")
     sync.check_push(run.llm, push(run.llm, run.policy, send=pushing), run.engine_buffers, when="start-up: ")
+
+
+def match_engine_dtypes(run: Run, other_dtypes: dict) -> None:
+    """The trainer's models matched to the tensors the engine keeps in another dtype than the run's (other_dtypes:
+    sync.engine_dtypes, {} for most families; vLLM builds Apertus's xIELU in bf16 whatever the run's dtype): they
+    compute with the engine's values, and the push sends and proves those tensors in the engine's dtype
+    (engine_dtypes.py)."""
+    if not other_dtypes:
+        return
+    matched = feature("engine_dtypes").match(run.policy, other_dtypes, run.engine_dtype)
+    if run.ref is not None and run.ref is not run.policy:  # the reference computes as the policy does
+        feature("engine_dtypes").match(run.ref, other_dtypes, run.engine_dtype)
+    kept = "/".join(sorted({str(dtype) for dtype in other_dtypes.values()}))
+    log0(run.rank, f"engine dtypes: the engine keeps {matched} tensors in {kept}; the trainer computes alike")
 
 
 def exact_run(cfg: dict, engine_dtype: torch.dtype | None) -> bool:

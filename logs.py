@@ -156,10 +156,11 @@ class Progress:
         if self.rank != 0:
             return
         kl = f"  kl {m['actor/kl_loss']:.2e}" if "actor/kl_loss" in m else ""
+        proof = m.get("rollout/logprob_diff_max")  # none on a stale batch between sync checks (rollout ranks)
         write_line(
             f"step {m['training/global_step']:>4}  score {m['critic/score/mean']:.3f}  "
             f"len {m['response_length/mean']:.0f}  entropy {m['actor/entropy']:.3f}{kl}  "
-            f"grad_norm {m['actor/grad_norm']:.3f}  logprob_diff_max {m['rollout/logprob_diff_max']:.1e}  "
+            f"grad_norm {m['actor/grad_norm']:.3f}  logprob_diff_max {'-' if proof is None else f'{proof:.1e}'}  "
             f"{m['perf/time_per_step']:.2f} s/step"
         )
         if self.bar is not None:

@@ -185,7 +185,8 @@ def old_logprob_metrics(batch: dict, old_logp, entropy, cfg: dict) -> dict:
     run-time sync proof rollout/logprob_diff_*: that pass against the log-probs it must reproduce, vLLM's
     sampling ones (or, for a replayed batch, the dumped old ones); for a batch sampled by older weights
     (rollout ranks, async_training.staleness_threshold >= 1), batch["sampler_logprobs"], its log-probs under
-    those. With GLOBAL counts each rank's agg_loss is its share of the sum."""
+    those; a stale batch without them (batch["staleness"] > 0: its pass runs on sync-check steps only) has no proof.
+    With GLOBAL counts each rank's agg_loss is its share of the sum."""
     mask = batch["response_mask"]
     tokens = fsdp_train.all_reduce(mask.sum())
     seqs = fsdp_train.all_reduce((mask.sum(-1) > 0).sum())
@@ -204,6 +205,8 @@ def old_logprob_metrics(batch: dict, old_logp, entropy, cfg: dict) -> dict:
         num_seqs=seqs,
         scale_factor=config.loss_scale_factor(cfg),
     )
+    if "staleness" in batch and "sampler_logprobs" not in batch and batch["staleness"].any():
+        return {"actor/entropy": fsdp_train.all_reduce(entropy)}  # vLLM's are an older policy's: no proof here
     return {
         "actor/entropy": fsdp_train.all_reduce(entropy),
         "rollout/logprob_diff_max": fsdp_train.all_reduce(diff.max(), op=dist.ReduceOp.MAX),

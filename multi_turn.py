@@ -61,7 +61,7 @@ class Trajectory:
     logprobs: list[float] = field(default_factory=list)  # vLLM's, per response token; 0.0 on tool tokens
     loss_mask: list[int] = field(default_factory=list)  # 1: sampled by the model; 0: a tool response's token
     turn_ids: list[int] = field(default_factory=list)  # 2k - 1: assistant turn k; 2k: the tool responses after it
-    tool_calls: list[dict] = field(default_factory=list)  # {"turn", "name", "arguments", "response", "error"}
+    tool_calls: list[dict] = field(default_factory=list)  # {"turn", "name", "arguments", "response", "error", ...}
     text: str = ""  # the last assistant turn, decoded with skip_special_tokens=True (what is scored)
     truncated: bool = False  # stopped by data.max_response_length (tool tokens included)
     assistant_turns: int = 0
@@ -86,7 +86,8 @@ class Trajectory:
             "num_tool_calls": ("row", len(calls)),
             "num_tool_errors": ("row", sum(c["error"] is not None for c in calls)),
             "num_tool_timeouts": ("row", sum(c["timeout"] for c in calls)),
-            "tool_calls": ("row", calls),  # {"turn", "name", "arguments", "response", "error", "timeout"} each
+            "num_tool_dropped_answers": ("row", sum(c["dropped_answers"] for c in calls)),
+            "tool_calls": ("row", calls),  # {"turn", "name", "arguments", "response", "error", "timeout", ...} each
         }
 
 
@@ -224,14 +225,24 @@ class ToolPool:
     """Runs tool calls in worker processes, side by side, each within a time limit, so that no sampled call and no
     tool can stall or end the run. `workers` processes (rollout.multi_turn.tool_workers), each `python
     multi_turn.py --serve-tools ...` (serve_tools): the tools imported once, then one call at a time. A call with
-    no answer within `timeout` seconds (rollout.multi_turn.tool_timeout) has its worker killed (SIGKILL stops a
-    sleep, a busy loop and a billion-bit integer alike) and replaced; a worker that ends (os._exit, a crash) is
-    replaced too. Either is an error response, as is a malformed call or an unknown tool (answered here).
+    no answer within `timeout` seconds (rollout.multi_turn.tool_timeout) has its worker killed (SIGKILL to its
+    process group stops a sleep, a busy loop, a billion-bit integer and whatever the tool forked alike) and replaced;
+    a worker that ends (os._exit, a crash) is replaced too. Either is an error response, as is a malformed call or
+    an unknown tool (answered here).
 
         pool = ToolPool(None, workers=4, timeout=5.0, max_chars=256, side="middle")
         pool.run([{"name": "calculator", "arguments": {"expression": "6 * 7"}}, {"name": "search", "arguments": {}}])
-        -> [{"text": "42", "error": None, "timeout": False},
-            {"text": "Tool 'search' not found; tools: calculator", "error": <the same>, "timeout": False}]
+        -> [{"text": "42", "error": None, "timeout": False, "dropped": 0},
+            {"text": "Tool 'search' not found; tools: calculator", "error": <the same>, "timeout": False,
+             "dropped": 0}]
+
+    Every call sent to a worker carries an id, unique in the pool's life, and every answer names the id it answers:
+    {"id": 7, "name": ..., "arguments": ...} -> {"id": 7, "text": ..., "error": ...}. A call's answer is the line
+    of ITS worker that names ITS id, never the next line the worker writes. Any other line (a second answer of a
+    tool that forked, a late one, an answer to another call, a line that is not an answer) is dropped, counted in
+    the answer of the call during which it was read ("dropped"), and its worker replaced once the call is answered
+    (or before the call is sent, when the worker wrote it while idle). A worker killed at its timeout is never read
+    again.
 
     Responses are cut as veRL cuts them (truncate: max_chars, side) inside the worker, so a huge return value never
     crosses the pipe. tools, schemas: the tools by name and their schemas (load_tools, in this process)."""
@@ -244,27 +255,34 @@ class ToolPool:
         self.timeout = timeout
         where = os.path.abspath(__file__)
         self.command = [sys.executable, where, "--serve-tools", json.dumps([function_tool_path, max_chars, side])]
+        self.last_id = 0  # the id of the last call sent to a worker
         self.idle = [self._start() for _ in range(workers)]
 
-    def _start(self) -> subprocess.Popen:
-        """A new worker, once it has imported the tools (one line, {"ready": true}); ToolSetupError if it cannot."""
-        worker = subprocess.Popen(
-            self.command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True
+    def _start(self) -> "_Worker":
+        """A new worker, once it has imported the tools (one line, {"ready": true}); ToolSetupError if it cannot. In
+        a process group of its own, so that killing it kills what its tools forked."""
+        process = subprocess.Popen(
+            self.command,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            bufsize=0,
+            start_new_session=True,
         )
-        selector = selectors.DefaultSelector()
-        selector.register(worker.stdout, selectors.EVENT_READ)
-        line = worker.stdout.readline() if selector.select(self.START_TIMEOUT) else ""
-        selector.close()
-        if line.strip() != '{"ready": true}':
-            worker.kill()
-            message = line.strip() or f"no answer within {self.START_TIMEOUT:g} s"
+        worker, deadline = _Worker(process), time.monotonic() + self.START_TIMEOUT
+        lines = []
+        while lines == [] and time.monotonic() < deadline:  # [] until a whole line has come
+            lines = worker.read_lines(deadline - time.monotonic())
+        if lines != ['{"ready": true}']:
+            _end(worker)
+            message = "; ".join(lines or []) or f"no answer within {self.START_TIMEOUT:g} s"
             raise ToolSetupError(f"multi-turn: a tool worker could not start: {message}")
         return worker
 
     def run(self, calls: list[dict]) -> list[dict]:
-        """Each call's answer {"text", "error" (None, or the text: what went wrong), "timeout"}, in order. Calls from
-        parse_tool_calls: {"name", "arguments"} or {"error"}. At most len(workers) run at once; every call is
-        answered, whatever its tool does."""
+        """Each call's answer {"text", "error" (None, or the text: what went wrong), "timeout", "dropped" (answers
+        not its own read while it ran, dropped)}, in order. Calls from parse_tool_calls: {"name", "arguments"} or
+        {"error"}. At most len(workers) run at once; every call is answered, whatever its tool does."""
         answers, queue = [None] * len(calls), []
         for index, call in enumerate(calls):
             if "error" in call:  # not a call: parse_tool_calls says why
@@ -273,45 +291,119 @@ class ToolPool:
                 answers[index] = _failed(f"Tool '{call['name']}' not found; tools: {', '.join(self.tools)}")
             else:
                 queue.append(index)
-        busy, selector = {}, selectors.DefaultSelector()  # busy: worker -> (call index, deadline)
+        busy, dropped = {}, {index: 0 for index in queue}  # busy: worker -> (call index, call id, deadline)
+        selector = selectors.DefaultSelector()
         while queue or busy:
             while queue and self.idle:
-                index, worker = queue.pop(0), self.idle.pop()
-                try:
-                    worker.stdin.write(json.dumps(calls[index]) + "\n")
-                    worker.stdin.flush()
-                except BrokenPipeError:  # the worker is gone: its closed stdout answers below (_collect)
-                    pass
-                busy[worker] = (index, time.monotonic() + self.timeout)
-                selector.register(worker.stdout, selectors.EVENT_READ, worker)
-            wait = max(0.0, min(deadline for _, deadline in busy.values()) - time.monotonic())
-            done = [key.data for key, _ in selector.select(wait)]
-            late = [w for w, (_, deadline) in busy.items() if w not in done and deadline <= time.monotonic()]
-            for worker in done + late:
+                index = queue.pop(0)
+                worker, dropped[index] = self._ready_worker()
+                self.last_id += 1
+                worker.send({"id": self.last_id, **calls[index]})
+                busy[worker] = (index, self.last_id, time.monotonic() + self.timeout)
+                selector.register(worker.fd, selectors.EVENT_READ, worker)
+            wait = max(0.0, min(deadline for _, _, deadline in busy.values()) - time.monotonic())
+            for key, _ in selector.select(wait):
+                worker = key.data
+                index, call_id, _ = busy[worker]
+                lines = worker.read_lines()
+                for line in lines or []:
+                    answer = _answer(line)
+                    if answer is not None and answer["id"] == call_id and answers[index] is None:
+                        answers[index] = {"text": answer["text"], "error": answer["error"], "timeout": False}
+                    else:  # not this call's answer, or a second one
+                        dropped[index] += 1
+                        worker.strays += 1
+                if answers[index] is None and lines is not None:
+                    continue  # still waiting for its answer
+                if answers[index] is None:  # the worker ended without it
+                    status = worker.process.wait()
+                    message = f"its process ended (exit status {status}) without an answer"
+                    answers[index] = _failed(f"Error executing tool '{calls[index]['name']}': {message}")
+                del busy[worker]
+                selector.unregister(worker.fd)
+                self.idle.append(self._replace(worker) if worker.strays or lines is None else worker)
+            for worker in [w for w, (_, _, deadline) in busy.items() if deadline <= time.monotonic()]:
                 index = busy.pop(worker)[0]
-                selector.unregister(worker.stdout)
-                answers[index] = self._collect(worker, calls[index]["name"], timed_out=worker in late)
+                selector.unregister(worker.fd)
+                self.idle.append(self._replace(worker))  # killed: whatever it writes later is never read
+                message = f"Error executing tool '{calls[index]['name']}': no answer within {self.timeout:g} s"
+                answers[index] = {**_failed(message), "timeout": True}
         selector.close()
-        return answers
+        return [{**answer, "dropped": dropped.get(index, 0)} for index, answer in enumerate(answers)]
 
-    def _collect(self, worker: subprocess.Popen, name: str, timed_out: bool) -> dict:
-        """A worker's answer; a late one is killed, one that ended is gone: either is replaced by a new worker."""
-        line = "" if timed_out else worker.stdout.readline()
-        if line:
-            self.idle.append(worker)
-            return {**json.loads(line), "timeout": False}
-        worker.kill()
-        status = worker.wait()
-        self.idle.append(self._start())
-        if timed_out:
-            return {**_failed(f"Error executing tool '{name}': no answer within {self.timeout:g} s"), "timeout": True}
-        return _failed(f"Error executing tool '{name}': its process ended (exit status {status}) without an answer")
+    def _ready_worker(self) -> tuple["_Worker", int]:
+        """An idle worker to send a call to, and the number of lines dropped to get it: one that wrote while idle
+        (no call of its own: every line is dropped) or ended is replaced first."""
+        worker = self.idle.pop()
+        lines = worker.read_lines(0.0)
+        if lines is None or lines:
+            worker = self._replace(worker)
+        return worker, len(lines or [])
+
+    def _replace(self, worker: "_Worker") -> "_Worker":
+        _end(worker)
+        return self._start()
 
     def close(self) -> None:
         """Ends the workers (they also end when this process does: their stdin closes)."""
         for worker in self.idle:
-            worker.kill()
+            _end(worker)
         self.idle = []
+
+
+class _Worker:
+    """A tool worker process, its pipes, and what it wrote past its last full line (read unbuffered, so that a
+    line waiting in a buffer can never hide from select)."""
+
+    def __init__(self, process: subprocess.Popen):
+        self.process, self.fd, self.unread, self.strays = process, process.stdout.fileno(), b"", 0
+
+    def send(self, message: dict) -> None:
+        line = memoryview((json.dumps(message) + "\n").encode())
+        try:
+            while line:
+                line = line[os.write(self.process.stdin.fileno(), line) :]
+        except BrokenPipeError:  # the worker is gone: its closed stdout answers (read_lines: None)
+            pass
+
+    def read_lines(self, timeout: float | None = None) -> list[str] | None:
+        """The full lines the worker has written (waiting up to timeout seconds for the first, when given); None
+        once it has ended (its stdout closed)."""
+        if timeout is not None and not _poll(self.fd, timeout):
+            return []
+        chunk = os.read(self.fd, 1 << 16)
+        if not chunk:
+            return None
+        *lines, self.unread = (self.unread + chunk).split(b"\n")
+        return [line.decode("utf-8", "replace") for line in lines]
+
+
+def _poll(fd: int, timeout: float = 0.0) -> bool:
+    """Is there something to read on fd (data, or its end) within timeout seconds?"""
+    with selectors.DefaultSelector() as selector:
+        selector.register(fd, selectors.EVENT_READ)
+        return bool(selector.select(timeout))
+
+
+def _end(worker: _Worker) -> None:
+    """Kill a worker and everything in its process group (what its tools forked), reap it, close its pipes."""
+    try:
+        os.killpg(worker.process.pid, signal.SIGKILL)
+    except ProcessLookupError:  # already gone
+        pass
+    worker.process.wait()
+    worker.process.stdin.close()
+    worker.process.stdout.close()
+
+
+def _answer(line: str) -> dict | None:
+    """A worker's line as an answer {"id", "text", "error"}, or None when it is not one."""
+    try:
+        answer = json.loads(line)
+    except ValueError:
+        return None
+    keys = isinstance(answer, dict) and {"id", "text", "error"} <= set(answer)
+    return answer if keys and isinstance(answer["id"], int) and isinstance(answer["text"], str) else None
 
 
 def _failed(message: str) -> dict:
@@ -320,9 +412,10 @@ def _failed(message: str) -> dict:
 
 def serve_tools(function_tool_path: str | None, max_chars: int, side: str) -> None:
     """A tool worker (ToolPool): imports the tools, says {"ready": true}, then answers each call read as a JSON line
-    on stdin with a JSON line {"text", "error"} on stdout. What a tool prints goes nowhere and what it reads is empty
-    (the protocol keeps its own copies of stdin and stdout); whatever it raises, SystemExit included, is an error
-    response; its return value becomes text (tool_text), cut to max_chars (truncate)."""
+    {"id", "name", "arguments"} on stdin with a JSON line {"id" (the call's), "text", "error"} on stdout. What a
+    tool prints goes nowhere and what it reads is empty (the protocol keeps its own copies of stdin and stdout);
+    whatever it raises, SystemExit included, is an error response; its return value becomes text (tool_text), cut
+    to max_chars (truncate)."""
     _end_with_parent()
     requests, answers = os.fdopen(os.dup(0), encoding="utf-8"), os.fdopen(os.dup(1), "w", encoding="utf-8")
     quiet = os.open(os.devnull, os.O_RDWR)
@@ -343,7 +436,7 @@ def serve_tools(function_tool_path: str | None, max_chars: int, side: str) -> No
         except BaseException as e:  # the model's arguments or the tool itself: the model reads what went wrong
             what = str(e) if isinstance(e, Exception) else f"{type(e).__name__} {e}"
             text = error = f"Error executing tool '{call['name']}': {what}"
-        answers.write(json.dumps({"text": text, "error": error}) + "\n")
+        answers.write(json.dumps({"id": call["id"], "text": text, "error": error}) + "\n")
         answers.flush()
 
 
@@ -517,6 +610,7 @@ def _answer_tool_calls(calling: list, pool: ToolPool, max_parallel_calls: int, t
         for call in calls:
             answer = next(answers)
             outcome = {"response": answer["text"], "error": answer["error"], "timeout": answer["timeout"]}
+            outcome["dropped_answers"] = answer["dropped"]
             t.tool_calls.append({"turn": t.assistant_turns, **call, **outcome})
             responses.append(answer["text"])
         if tuple(responses) not in rendered:
@@ -581,16 +675,19 @@ def prompt_kwargs(tokenizer, cfg: dict) -> dict:
 def field_metrics(fields: dict) -> dict:
     """The metrics of a step's multi-turn fields over the global batch (fields: each row field's values of every
     rank, as metrics.batch_metrics gathers them): turn_metrics."""
-    keys = ("num_turns", "num_tool_calls", "num_tool_errors", "num_tool_timeouts")
+    keys = ("num_turns", "num_tool_calls", "num_tool_errors", "num_tool_timeouts", "num_tool_dropped_answers")
     return turn_metrics(*(fields[key] for key in keys))
 
 
-def turn_metrics(num_turns: list[int], calls: list[int], errors: list[int], timeouts: list[int]) -> dict:
+def turn_metrics(
+    num_turns: list[int], calls: list[int], errors: list[int], timeouts: list[int], dropped: list[int]
+) -> dict:
     """veRL's num_turns/{min,max,mean} and the tool metrics, over the global batch: tool_calls/per_sample (mean
     calls), tool_calls/sample_share (share of samples with a call), tool_calls/error_rate (errors / calls, 0 with
-    no call; a timeout is an error), tool_calls/timeout_rate (calls stopped at the time limit / calls).
-    num_turns [3, 1], calls [1, 0], errors [1, 0], timeouts [1, 0] -> mean 2, per_sample 0.5, share 0.5,
-    error_rate 1, timeout_rate 1."""
+    no call; a timeout is an error), tool_calls/timeout_rate (calls stopped at the time limit / calls),
+    tool_calls/dropped_answers (the tool workers' answers that named no call of theirs, dropped: a count; 0 unless
+    a tool forks or meddles with its worker's pipe). num_turns [3, 1], calls [1, 0], errors [1, 0], timeouts
+    [1, 0], dropped [2, 0] -> mean 2, per_sample 0.5, share 0.5, error_rate 1, timeout_rate 1, dropped_answers 2."""
     return {
         "num_turns/min": min(num_turns),
         "num_turns/max": max(num_turns),
@@ -599,6 +696,7 @@ def turn_metrics(num_turns: list[int], calls: list[int], errors: list[int], time
         "tool_calls/sample_share": sum(c > 0 for c in calls) / len(calls),
         "tool_calls/error_rate": sum(errors) / max(1, sum(calls)),
         "tool_calls/timeout_rate": sum(timeouts) / max(1, sum(calls)),
+        "tool_calls/dropped_answers": sum(dropped),
     }
 
 

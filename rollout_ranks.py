@@ -25,10 +25,17 @@ samples the next batch while the trainers train on the current one:
 
 Batch s is always sampled from generation batch s's prompts (the cursor travels with it), so a resumed run
 samples again what a stop lost and trains on no batch twice. Each sample records the policy version that drew it
-(the batch field policy_version: the step whose weights sampled it, 0 for the start). The trainer keeps the
-last k versions of its weights (its own shards), to compute a stale batch's log-probs under the policy that
-sampled it: rollout/logprob_diff_* compares vLLM's with those (the sync proof), while the rollout correction
-(required for k >= 1) weighs the samples against the current policy.
+(the batch field policy_version: the step whose weights sampled it, 0 for the start). The rollout correction
+(required for k >= 1) weighs the samples against the current policy, with vLLM's log-probs as the sampling
+policy's. The trainer keeps the last k versions of its weights (its own shards): every trainer.sync_check_every
+steps it computes a stale batch's log-probs under the policy that sampled it, and rollout/logprob_diff_* compares
+vLLM's with those (the sync proof; every push is also proven bit for bit on each rollout rank).
+
+Every message between a trainer rank and a rollout rank names what it answers: its kind, the job rank it is for,
+and the step or weights version it belongs to; the receiver checks them (a mismatch stops the run in one line).
+A stop signal (SIGTERM, SIGINT) to any rank ends the job after the step, with a checkpoint: a rollout rank's
+travels with its acknowledgement of the step's weights to the trainer ranks' stop vote; on a stop, every rollout
+rank receives the outcome in place of the next weights.
 """
 
 import collections
@@ -194,13 +201,52 @@ def finish(start, peer: str) -> None:
         raise LinkBroken(f"{peer} is gone, its process ended ({str(e).splitlines()[0][-160:]})") from None
 
 
+# ---------------------------------------------------------------------------------------------- messages
+def send(link, dst: int, kind: str, **fields) -> None:
+    """A message to job rank dst over the job group: {"kind", "to": dst, its ids (step: the batch's or the
+    validation's, version: the weights'), its contents}, so that the receiver can check what it answers."""
+    send_object(link.job, {"kind": kind, "to": dst, **fields}, dst)
+
+
+def receive(link, src: int, kinds: tuple, **ids) -> dict:
+    """The next message from job rank src, checked against what this rank waits for: one of `kinds`, for this rank,
+    with these ids (step, version); anything else is one line naming what was expected and what was received
+    (RolloutRanksError), never read by its place in the stream. LinkBroken when src is gone."""
+    message = recv_object(link.job, src)
+    want = {"to": link.rank, **ids}
+    got = {key: message.get(key) for key in ("kind", *want)} if isinstance(message, dict) else {"kind": message}
+    if got["kind"] not in kinds or any(got.get(key) != value for key, value in want.items()):
+        expected = " or ".join(kinds) + "".join(f", {key} {value}" for key, value in want.items())
+        received = ", ".join(f"{key} {value}" for key, value in got.items())
+        raise RolloutRanksError(f"job rank {link.rank}: expected {expected} from job rank {src}, received {received}")
+    return message
+
+
+def from_rollout(link, src: int, kinds: tuple, **ids) -> dict:
+    """receive from rollout rank src on a trainer rank; one line when that rank is gone (its own line, printed
+    before it ended, says why)."""
+    try:
+        return receive(link, src, kinds, **ids)
+    except LinkBroken as e:
+        raise RolloutRanksError(f"rollout rank {src} ended the run (its error line above says why): {e}") from None
+
+
 # ------------------------------------------------------------------------------------------- the parts
 def parts(cfg: dict, tools: types.SimpleNamespace) -> types.SimpleNamespace:
     """The loop's parts for rollout ranks (grpo.choose_parts), after check_settings. tools: grpo's functions
-    (train, engine_run, next_groups, groups_to_batch, compute_logprobs, validate, weights_to_push, with_bit_sums,
-    push_weights, check_push, engine_buffers, engine_dtype, positions, close). Returns train (by role: the
-    training loop, or serve), and the trainer's start_engine, next_batch, update_weights and validate."""
-    state = types.SimpleNamespace(link=None, kept={}, k=cfg["async_training"]["staleness_threshold"], tools=tools)
+    (train, engine_run, next_groups, groups_to_batch, compute_logprobs, validate, weights_to_push, buffers_to_push,
+    with_bit_sums, push_weights, check_push, engine_buffers, engine_dtype, engine_dtypes, match_engine_dtypes,
+    positions, stop_requested, close). Returns train (by
+    role: the training loop, or serve), and the trainer's start_engine, next_batch, update_weights, validate and
+    stop_vote."""
+    state = types.SimpleNamespace(
+        link=None,
+        kept={},
+        k=cfg["async_training"]["staleness_threshold"],
+        every=cfg["trainer"]["sync_check_every"],
+        signalled=0,  # trainer rank 0: the first stop signal a rollout rank reported
+        tools=tools,
+    )
 
     def train(cfg, parts_):
         state.link = join(rollout_ranks(cfg))
@@ -211,23 +257,25 @@ def parts(cfg: dict, tools: types.SimpleNamespace) -> types.SimpleNamespace:
         start_engine=lambda run, model_path, pushing: hello(run, pushing, state),
         next_batch=lambda run, step, t: receive_batch(run, step, t, state),
         update_weights=lambda run, step, t: update_weights(run, step, t, state),
-        validate=lambda run, step: remote_validation(run, state),
+        validate=lambda run, step: remote_validation(run, step, state),
+        stop_vote=lambda run, step: stop_vote(run, step, state),
     )
 
 
 # ------------------------------------------------------------------------------- the trainer ranks' side
 def hello(run, pushing: bool, state) -> None:
     """start_engine on a trainer rank: tell the rollout ranks where the run starts (step, generation cursor),
-    learn the engine's dtype, and send the start-up proof (the weights themselves after a resume or with a LoRA
-    adapter: pushing)."""
+    learn the engine's dtype, and send the start-up proof of the weights of step start - 1 (the weights themselves
+    after a resume or with a LoRA adapter: pushing)."""
     link = state.link
     if run.rank == 0:
         for r in link.rollouts:
-            send_object(link.job, {"start": run.start, "gen_cursor": run.gen_cursor}, r)
-    engine = [from_rollout(link, link.rollouts[0]) if run.rank == 0 else None]
+            send(link, r, "start", start=run.start, gen_cursor=run.gen_cursor)
+    engine = [from_rollout(link, link.rollouts[0], ("engine",)) if run.rank == 0 else None]
     dist.broadcast_object_list(engine, src=0)  # the trainer ranks' own group
     run.engine_dtype = engine[0]["dtype"]  # for the weights' cast, and whether the run is exact (grpo.exact_run)
-    send_weights(run, state, send=pushing, when="start-up: ")
+    state.tools.match_engine_dtypes(run, engine[0]["dtypes"])  # tensors the engine keeps in another dtype, if any
+    send_weights(run, state, run.start - 1, pushing, when="start-up: ")
     if run.rank == 0:
         print(
             f"rollout ranks: {len(link.rollouts)} rollout rank(s) (job ranks {link.rollouts[0]}-{link.rollouts[-1]}) "
@@ -236,60 +284,90 @@ def hello(run, pushing: bool, state) -> None:
         )
 
 
-def send_weights(run, state, send: bool, when: str) -> None:
-    """The trainer's full weights (gathered shard by shard: every trainer rank takes part) to every rollout rank,
-    with their bit sums by group; send=False: the sums only (the engine loaded those weights itself)."""
+def send_weights(run, state, version: int, pushing: bool, when: str) -> None:
+    """The trainer's full weights of step `version` (gathered shard by shard: every trainer rank takes part) to every
+    rollout rank, with their bit sums by group; pushing=False: the sums only (the engine loaded those weights itself).
+    Trainer rank 0 then waits for each rollout rank's acknowledgement that it loaded and proved them, which carries
+    the stop signal that rank received, if any (for stop_vote)."""
     link, lead = state.link, run.rank == 0
     sums = {}
-    for name, tensor in state.tools.with_bit_sums(state.tools.weights_to_push(run.policy, run.engine_dtype), sums):
-        if lead and send:
-            tensor = tensor.contiguous().to(link.device)
-            for r in link.rollouts:
-                send_object(link.job, (name, tuple(tensor.shape), tensor.dtype), r)
-            broadcast_tensor(link.weights, tensor)
+    weights = state.tools.with_bit_sums(state.tools.weights_to_push(run.policy, run.engine_dtype), sums)
+    for name, tensor in weights:
+        if lead and pushing:
+            send_tensor(link, version, name, tensor, buffer=False)
+    if lead and pushing:  # the persistent buffers (most families have none), or the engine's reload resets them
+        for name, tensor in state.tools.buffers_to_push(run.policy, run.engine_dtype):
+            send_tensor(link, version, name, tensor, buffer=True)
     if lead:
         for r in link.rollouts:
-            send_object(link.job, None, r)  # the end of the tensors
-            send_object(link.job, {"sums": sums, "when": when}, r)
+            send(link, r, "sums", version=version, sums=sums, when=when)  # the end of the tensors
+        for r in link.rollouts:
+            state.signalled = state.signalled or from_rollout(link, r, ("loaded",), version=version)["signal"]
 
 
-def from_rollout(link, src: int):
-    """recv_object from rollout rank src on a trainer rank; one line when that rank is gone (its own line, printed
-    before it ended, says why)."""
-    try:
-        return recv_object(link.job, src)
-    except LinkBroken as e:
-        raise RolloutRanksError(f"rollout rank {src} ended the run (its error line above says why): {e}") from None
+def send_tensor(link, version: int, name: str, tensor: torch.Tensor, buffer: bool) -> None:
+    """One tensor of the weights of step `version` from trainer rank 0 to every rollout rank: its header over the job
+    group, then its values broadcast over the weights group. buffer: a persistent buffer, loaded but not summed."""
+    tensor = tensor.contiguous().to(link.device)
+    for r in link.rollouts:
+        header = dict(version=version, name=name, shape=tuple(tensor.shape), dtype=tensor.dtype, buffer=buffer)
+        send(link, r, "tensor", **header)
+    broadcast_tensor(link.weights, tensor)
 
 
 def update_weights(run, step: int, t: dict, state) -> dict:
     """update_weights on a trainer rank: the new weights to the rollout ranks (they load and prove them)."""
     start = time.perf_counter()
-    send_weights(run, state, send=True, when=f"step {step}: ")
+    send_weights(run, state, step, pushing=True, when=f"step {step}: ")
     t["update_weights"] = time.perf_counter() - start
     return {}
+
+
+def stop_vote(run, step: int, state) -> int:
+    """stop_vote on a trainer rank, after step `step`: the stop signal of any rank of the job, the same on every
+    rank (0: none). The trainer ranks' own (tools.stop_requested: their vote over their group) and the rollout
+    ranks' (reported to trainer rank 0 with this step's acknowledgement of the weights: a signal to a rollout rank
+    stops the run after the step it arrived in, or the next when it arrived after that acknowledgement). On a stop
+    before the last step, the rollout ranks, which go on at once (nothing is sent when the run goes on), are
+    waiting to hand over batch step + 1 and then for its weights: each trainer rank takes its batch and drops it
+    (sampled again after the resume), and trainer rank 0 sends each rollout rank the stop in place of the weights;
+    they end with the trainer ranks."""
+    link = state.link
+    signum = torch.tensor([max(state.tools.stop_requested(), state.signalled)], dtype=torch.int64)
+    dist.broadcast(signum, src=0)  # trainer rank 0's holds the rollout ranks' signals
+    signum = int(signum.item())
+    if signum and step < run.total_steps:
+        from_rollout(link, server_of(link, run.rank), ("batch",), step=step + 1)  # sampled ahead: dropped
+        if run.rank == 0:
+            for r in link.rollouts:
+                send(link, r, "stop", version=step + 1, signal=signum)
+    return signum
 
 
 def receive_batch(run, step: int, t: dict, state) -> tuple[dict, dict]:
     """next_batch on a trainer rank: this rank's scored groups of batch `step` from its rollout rank, as a batch
     (grpo.groups_to_batch), with the staleness metrics. A batch sampled by weights older than the bound stops the
-    run (never trained on); a stale one gets batch["sampler_logprobs"], its log-probs under the weights that
-    sampled it (the version kept at its step), for rollout/logprob_diff_*."""
+    run (never trained on). At k >= 1 each row records its staleness (batch["staleness"]); on a sync-check step
+    (every trainer.sync_check_every steps) a stale batch gets batch["sampler_logprobs"], its log-probs under the
+    weights that sampled it (the version kept at its step), for the sync proof rollout/logprob_diff_*; on the other
+    steps a stale batch has no proof (a fresh one always has: the old-log-prob pass is its sampling policy's). The
+    rollout correction needs no such pass: vLLM's log-probs are the sampling policy's."""
     link, k = state.link, state.k
     keep_weights(run, step, state)
     start = time.perf_counter()
-    message = from_rollout(link, server_of(link, run.rank))
+    message = from_rollout(link, server_of(link, run.rank), ("batch",), step=step)
     wait = time.perf_counter() - start
     version, staleness = message["version"], step - 1 - message["version"]
-    if message["step"] != step or not 0 <= staleness <= k:
+    if not 0 <= staleness <= k:
         raise RolloutRanksError(
-            f"step {step}: received batch {message['step']} sampled by the weights of step {version}; accepted: "
-            f"batch {step}, sampled by the weights of steps {max(0, step - 1 - k)}-{step - 1} "
-            f"(async_training.staleness_threshold = {k})"
+            f"step {step}: received batch {step} sampled by the weights of step {version}; accepted: the weights of "
+            f"steps {max(0, step - 1 - k)}-{step - 1} (async_training.staleness_threshold = {k})"
         )
     run.gen_cursor = message["gen_cursor"]
     batch = state.tools.groups_to_batch(message["groups"], run.pad_id)
-    if staleness:
+    if k:
+        batch["staleness"] = torch.full((batch["input_ids"].shape[0],), float(staleness))  # [B]
+    if staleness and sync_check_step(step, state.every):
         t0 = time.perf_counter()
         batch["sampler_logprobs"] = sampler_logprobs(run, batch, state.kept[version], state)
         t["sampler_log_prob"] = time.perf_counter() - t0
@@ -305,10 +383,16 @@ def receive_batch(run, step: int, t: dict, state) -> tuple[dict, dict]:
     }
 
 
+def sync_check_step(step: int, every: int) -> bool:
+    """Is `step` one of the sync proof's steps (trainer.sync_check_every; 0: none)?"""
+    return every > 0 and step % every == 0
+
+
 def keep_weights(run, step: int, state) -> None:
     """Before step `step` updates them: keep this rank's shards of the current weights (version step - 1) while a
-    batch may still come from them (the next k steps), drop the older ones. k = 0 keeps none."""
-    if state.k == 0:
+    batch may still come from them (the next k steps), drop the older ones. None at k = 0, or without sync-check
+    steps (trainer.sync_check_every = 0: no pass ever needs them)."""
+    if state.k == 0 or state.every == 0:
         return
     state.kept[step - 1] = [p.detach().clone() for p in run.policy.parameters()]
     for version in [v for v in state.kept if v < step - 1 - state.k]:  # batch `step`: from step - 1 - k on
@@ -332,11 +416,11 @@ def sampler_logprobs(run, batch: dict, kept: list, state) -> torch.Tensor:
     return logprobs
 
 
-def remote_validation(run, state) -> dict:
+def remote_validation(run, step: int, state) -> dict:
     """testing on a trainer rank: the rollout ranks validate the weights they just proved; rollout rank 0's metrics,
     on every trainer rank."""
     link = state.link
-    metrics = [from_rollout(link, link.rollouts[0]) if run.rank == 0 else None]
+    metrics = [from_rollout(link, link.rollouts[0], ("validation",), step=step)["metrics"] if run.rank == 0 else None]
     dist.broadcast_object_list(metrics, src=0)
     return metrics[0]
 
@@ -345,13 +429,15 @@ def remote_validation(run, state) -> dict:
 def serve(cfg: dict, parts_, state) -> int:
     """A rollout rank's whole run: its engine (after the trainers have fetched the data and built their models),
     the start-up proof, validation at step 0, then per step: send batch s to the trainer ranks it serves, sample
-    ahead while they train (batches up to s + k, with the weights it holds), receive and prove the weights of step
-    s, validate them when it is a validation step. Returns the exit status (0; 128 + the signal when the trainer
-    ranks stopped on one)."""
+    ahead while they train (batches up to s + k, with the weights it holds), receive, prove and acknowledge the
+    weights of step s (or the trainer ranks' stop, in their place), validate them when it is a validation step. Returns
+    the exit status: 0; 128 + the signal when the job stopped on one (any rank's, this one's included: its
+    acknowledgements carry it)."""
     link, tools, k = state.link, state.tools, state.k
-    stopped = catch_stop_signals()
+    stopped = catch_stop_signals({"signal": 0})
     try:
-        run = setup_rollout(cfg, parts_, state)
+        run = setup_rollout(cfg, parts_, state, stopped)
+        catch_stop_signals(stopped)  # again, once the engine has started (as the trainer ranks catch them then)
         held = run.start - 1  # the version of the weights the engine holds: those of step start - 1
         pending, ahead = collections.deque(), run.start
         last = {"waited": 0.0, "iteration": 0.0}  # the previous step's: seconds waiting for weights, in all
@@ -364,12 +450,18 @@ def serve(cfg: dict, parts_, state) -> int:
             while ahead <= min(step + k, run.total_steps):  # overlaps the trainers' step
                 pending.append(sample(run, ahead, held, state))
                 ahead += 1
-            waited = receive_weights(run, state, step)
+            start = time.perf_counter()
+            first = receive(link, 0, ("tensor", "sums", "stop"), version=step)
+            waited = time.perf_counter() - start
+            if first["kind"] == "stop":  # the trainer ranks checkpoint step - 1 and end: what was sampled ahead is lost
+                tools.close(run)
+                return 128 + first["signal"]
+            receive_weights(run, state, first, stopped)
             held = step
             if validation_step(cfg, step, run.total_steps):
                 validate(run, step, state)
             last = {"waited": waited, "iteration": time.perf_counter() - began}
-    except LinkBroken as e:  # the trainer ranks ended: they stopped on a signal (with a checkpoint) or failed
+    except LinkBroken as e:  # the trainer ranks ended: they failed (their line says why), or were killed
         if stopped["signal"]:
             return 128 + stopped["signal"]
         print(f"rollout rank {link.rank}: the trainer ranks ended the run before its last step: {e}", flush=True)
@@ -378,10 +470,10 @@ def serve(cfg: dict, parts_, state) -> int:
     return 0
 
 
-def catch_stop_signals() -> dict:
-    """SIGTERM / SIGINT on a rollout rank only set a flag: it goes on serving until the trainer ranks, which stop
-    after their step with a checkpoint, are gone."""
-    stopped = {"signal": 0}
+def catch_stop_signals(stopped: dict) -> dict:
+    """SIGTERM / SIGINT on a rollout rank only set stopped["signal"] (the first one): the rank goes on serving, and
+    its next acknowledgement of the weights carries the signal to the trainer ranks' stop vote (stop_vote), which
+    ends every rank after the step, with a checkpoint."""
 
     def handler(signum, frame):
         stopped["signal"] = stopped["signal"] or signum
@@ -391,17 +483,17 @@ def catch_stop_signals() -> dict:
     return stopped
 
 
-def setup_rollout(cfg: dict, parts_, state):
+def setup_rollout(cfg: dict, parts_, state, stopped: dict):
     """The rollout rank's Run (grpo's engine_run: data, engine) once trainer rank 0 says where the run starts; its
     engine's dtype to trainer rank 0; the start-up proof; validation at step 0 (as the colocated run)."""
     link, tools = state.link, state.tools
-    start = recv_object(link.job, 0)  # after the trainers fetched the model and data: read here, not fetched twice
+    start = receive(link, 0, ("start",))  # after the trainers fetched the model and data: read here, not fetched twice
     run = tools.engine_run(cfg, parts_)
     run.start, run.gen_cursor = start["start"], start["gen_cursor"]
     run.engine_buffers = tools.engine_buffers(run.llm)
     if link.rank == link.rollouts[0]:
-        send_object(link.job, {"dtype": tools.engine_dtype(run.llm)}, 0)
-    receive_weights(run, state, run.start - 1)
+        send(link, 0, "engine", dtype=tools.engine_dtype(run.llm), dtypes=tools.engine_dtypes(run.llm))
+    receive_weights(run, state, receive(link, 0, ("tensor", "sums"), version=run.start - 1), stopped)
     trainer = cfg["trainer"]
     if trainer["val_before_train"] and trainer["val_every"] > 0 and run.start == 1:
         validate(run, 0, state)
@@ -417,7 +509,7 @@ def validate(run, step: int, state) -> None:
     """grpo.validate on the rollout ranks (their own group splits the prompts); rollout rank 0 sends the metrics."""
     metrics = state.tools.validate(run, step)
     if state.link.rank == state.link.rollouts[0]:
-        send_object(state.link.job, metrics, 0)
+        send(state.link, 0, "validation", step=step, metrics=metrics)
 
 
 def sample(run, step: int, version: int, state) -> dict:
@@ -441,38 +533,39 @@ def sample(run, step: int, version: int, state) -> dict:
 
 
 def send_batches(run, messages: dict, last: dict, state) -> None:
-    """Each served trainer rank its message, with this rank's previous step: the seconds it waited for the weights,
+    """Each served trainer rank its batch, with this rank's previous step: the seconds it waited for the weights,
     and in all."""
     for r, message in messages.items():
         message["timing"]["push_proof"] = run.last_proof
-        send_object(state.link.job, {**message, "last": last}, r)
+        send(state.link, r, "batch", **message, last=last)
 
 
-def receive_weights(run, state, version: int) -> float:
-    """The weights of step `version` from trainer rank 0, loaded into the engine as they arrive and proven (the
-    trainer's bit sums = the received ones = what the engine computes with); returns the seconds spent waiting for
-    the first tensor. Without tensors (the start-up proof of weights the engine loaded itself) only the proof."""
-    link, tools = state.link, state.tools
-    start = time.perf_counter()
-    first = recv_object(link.job, 0)
-    waited = time.perf_counter() - start
-
-    def tensors(header):
-        while header is not None:
-            name, shape, dtype = header
-            tensor = torch.empty(shape, dtype=dtype, device=link.device)
-            broadcast_tensor(link.weights, tensor)
-            yield name, tensor
-            header = recv_object(link.job, 0)
+def receive_weights(run, state, first: dict, stopped: dict) -> None:
+    """The weights whose first message (a tensor, or the bit sums alone) has come from trainer rank 0, loaded into
+    the engine as they arrive and proven (the trainer's bit sums = the received ones = what the engine computes
+    with), then acknowledged with the stop signal this rank received, if any. Without tensors (the start-up proof of
+    weights the engine loaded itself) only the proof."""
+    link, tools, version = state.link, state.tools, first["version"]
+    arrived = {}
 
     received = {}
-    if first is not None:
-        tools.push_weights(run.llm, tools.with_bit_sums(tensors(first), received))
-    trainer = recv_object(link.job, 0)
+
+    def tensors(message):  # the weights summed as they arrive (received), the buffers after them loaded only
+        while message["kind"] == "tensor":
+            tensor = torch.empty(message["shape"], dtype=message["dtype"], device=link.device)
+            broadcast_tensor(link.weights, tensor)
+            named = [(message["name"], tensor)]
+            yield from named if message["buffer"] else tools.with_bit_sums(named, received)
+            message = receive(link, 0, ("tensor", "sums"), version=version)
+        arrived["sums"] = message
+
+    if first["kind"] == "tensor":
+        tools.push_weights(run.llm, tensors(first))
+    trainer = arrived.get("sums", first)
     t0 = time.perf_counter()
-    if first is not None and received != trainer["sums"]:
+    if first["kind"] == "tensor" and received != trainer["sums"]:
         wrong = sorted(g for g in set(received) | set(trainer["sums"]) if received.get(g) != trainer["sums"].get(g))
         raise RolloutRanksError(f"{trainer['when']}the weights arrived changed in {', '.join(wrong)}")
     tools.check_push(run.llm, trainer["sums"], run.engine_buffers, when=trainer["when"])
     run.last_proof = time.perf_counter() - t0
-    return waited
+    send(link, 0, "loaded", version=version, signal=stopped["signal"])

@@ -65,10 +65,18 @@ def full_params(
     lora.LoraLinear: W + (B @ A) * scaling in fp32 from the full tensors, then cast) is yielded MERGED under the
     base model's own names: `<module>.weight` = merged_weight(dtype), `<module>.bias` as it is, its other
     parameters (the adapters) not sent. Out of place: the trainer's weights are never modified by a push.
+
+    A module that records the dtypes the engine keeps some of its tensors in (`engine_dtypes`, {"alpha_p":
+    torch.bfloat16}: engine_dtypes.py, for the layers vLLM builds in a fixed dtype) has those cast to them instead.
     """
     if hasattr(model, "reshard"):
         model.reshard()  # FSDP2: a no_grad forward can leave the root unsharded
     merged_layers = {name: m for name, m in model.named_modules() if hasattr(m, "merged_weight")}
+    held = {  # "<module>.<tensor>" -> the dtype the engine keeps it in, where not `dtype`
+        f"{module_name}.{short}": kept
+        for module_name, m in model.named_modules()
+        for short, kept in getattr(m, "engine_dtypes", {}).items()
+    }
     for name, param in model.named_parameters():
         layer = merged_layers.get(name.rsplit(".", 2)[0])  # "<module>.base_layer.weight" -> "<module>"
         if layer is not None and name.endswith(".base_layer.weight"):
@@ -76,7 +84,7 @@ def full_params(
             continue
         if layer is not None and not name.endswith(".base_layer.bias"):
             continue  # the adapters: inside the merged weight
-        param = param.detach() if dtype is None else param.detach().to(dtype)  # a DTensor casts its local shard
+        param = param.detach() if dtype is None else param.detach().to(held.get(name, dtype))  # a DTensor: its shard
         full = param.full_tensor() if hasattr(param, "full_tensor") else param
         if split is None:
             yield _checkpoint_name(name, names), full
@@ -89,9 +97,48 @@ def _checkpoint_name(name: str, names: dict[str, str] | None) -> str:
     return (names or {}).get(hf_name, hf_name)
 
 
+def full_buffers(
+    model: torch.nn.Module, dtype: torch.dtype | None = None, names: dict[str, str] | None = None
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield (checkpoint name, tensor) for each persistent buffer of the model: the buffers its state dict, and so
+    its checkpoint, holds beside the parameters (Apertus's xIELU beta and eps; most families have none). Cast and
+    named as full_params casts and names. vLLM's in-place reload rebuilds each layer it is sent tensors for from
+    empty memory and copies every parameter and persistent buffer back, so a buffer not sent is reset (to whatever
+    the memory held): push them after the weights (grpo.push). Never trained, they are proven as they loaded
+    (check_push), not summed with the weights. FSDP2 does not shard buffers: no gather."""
+    for module_name, module in model.named_modules():
+        kept = getattr(module, "engine_dtypes", {})
+        for short, buffer in module.named_buffers(recurse=False):
+            if short not in module._non_persistent_buffers_set:
+                name = f"{module_name}.{short}" if module_name else short
+                cast = buffer.detach() if dtype is None else buffer.detach().to(kept.get(short, dtype))
+                yield _checkpoint_name(name, names), cast
+
+
 def engine_dtype(llm: LLM) -> torch.dtype:
     """The dtype the engine holds its weights in ("auto" resolved: bf16 for Qwen2.5 checkpoints)."""
     return llm.llm_engine.model_config.dtype
+
+
+def engine_dtypes(llm: LLM) -> dict[str, torch.dtype]:
+    """The layers the engine builds in another dtype than its weights' (engine_dtype): name -> dtype of each
+    parameter of theirs and each buffer of the modules holding one. {} for most families. vLLM's xIELU activation
+    (Apertus) is built in bf16 whatever the run's dtype: in an fp32 engine, {"model.layers.0.mlp.act_fn.alpha_p":
+    torch.bfloat16, ...alpha_n, ...beta, ...eps, and the same for every layer}. A push rounds what it loads into
+    them to their dtype, so the trainer must push and prove them in it, and compute with their values
+    (engine_dtypes.py)."""
+    dtype = engine_dtype(llm)
+
+    def held(model: torch.nn.Module) -> dict[str, torch.dtype]:
+        found = {}
+        for module_name, module in model.named_modules():
+            own = [(n, t) for n, t in module.named_parameters(recurse=False) if t.dtype != dtype]
+            if own:
+                own += [(n, t) for n, t in module.named_buffers(recurse=False) if t.dtype != dtype]
+                found.update({f"{module_name}.{n}": t.dtype for n, t in own if t.is_floating_point()})
+        return found
+
+    return llm.apply_model(held)[0]
 
 
 def _tied(llm: LLM) -> bool:
@@ -208,18 +255,38 @@ def check_push(llm: LLM, pushed: dict[str, int], buffers_at_load: dict[str, int]
     bit sum on the engine equals the trainer's (pushed: with_bit_sums of what was pushed; with a tied head, the
     engine's head must be the pushed embedding), and every buffer is as it was at load (buffers_at_load:
     engine_buffers then). Returns the number of groups proven."""
-    found = engine_sums(llm)  # a tied head: the embedding itself, or a copy of it that must be the pushed one
+    found = engine_sums(llm)
+    # A tied head: where the engine has a head group (a head module sharing the embedding's weight, or on CPU the
+    # embedding's packed copy), it must be the pushed embedding. An engine that computes its logits from the
+    # embedding itself (vLLM's Gemma 2 on a GPU: no head module, nothing packed) has none: the embedding's group
+    # proves it.
     expected = {**pushed, "head": pushed.get("embedding")} if _tied(llm) and "head" in found else pushed
     for group in sorted(set(expected) | set(found), key=_group_order):
         if expected.get(group) != found.get(group):
             raise PushMismatch(
                 f"{when}the engine's {group} is not what the trainer pushed (bit sums {found.get(group)} in the "
-                f"engine, {expected.get(group)} pushed): a tensor not sent or not loaded, or left from an earlier push"
+                f"engine, {expected.get(group)} pushed): {_why(llm, group)}"
             )
     for name, value in engine_buffers(llm).items():
         if buffers_at_load.get(name, value) != value:
-            raise PushMismatch(f"{when}the engine's buffer {name} changed since it loaded (a reload reset it)")
+            raise PushMismatch(
+                f"{when}the engine's buffer {name} changed since it loaded (a reload reset it: a buffer the push "
+                "does not send)"
+            )
     return len(found)
+
+
+def _why(llm: LLM, group: str) -> str:
+    """What can make a group differ: the tensors of it the engine keeps in another dtype than the run's, named, when
+    it has any (engine_dtypes); else a tensor not sent or not loaded."""
+    kept = {name: dtype for name, dtype in engine_dtypes(llm).items() if weight_group(name) == group}
+    if not kept:
+        return "a tensor not sent or not loaded, or left from an earlier push"
+    dtypes = sorted({str(dtype) for dtype in kept.values()})
+    return (
+        f"the engine keeps {', '.join(kept)} in {'/'.join(dtypes)}, not in the run's {engine_dtype(llm)}: push and "
+        f"prove them in that dtype and have the trainer compute with them in it, or run in {dtypes[0]}"
+    )
 
 
 BUFFERS = {  # what the engine's buffers hold, by their last name: none has a counterpart in the trainer

@@ -3,7 +3,7 @@ imported once; each family's modules are the trainer's own copies, fsdp_train.tr
 Transformers backend decorates the shared ones in this same process, as in a real run). Writes one JSON file:
 {family: {"first": {"returncode", "stderr"}, "resumed": {...} or null}}, the resumed run only after a good first.
 
-python tests/families_worker.py RUNS_JSON OUT_JSON     # RUNS_JSON: {family: {"first": argv, "resumed": argv}}
+python tests/families_worker.py RUNS_JSON OUT_JSON     # RUNS_JSON: {family: {"first": argv, "resumed": argv or absent}}
 """
 
 import contextlib
@@ -30,7 +30,8 @@ def main(runs_file: str, out_file: str) -> None:
     results = {}
     for family, argvs in json.load(open(runs_file)).items():
         first = run(argvs["first"])
-        results[family] = {"first": first, "resumed": run(argvs["resumed"]) if first["returncode"] == 0 else None}
+        resumed = run(argvs["resumed"]) if first["returncode"] == 0 and "resumed" in argvs else None
+        results[family] = {"first": first, "resumed": resumed}
         with open(out_file, "w") as f:  # after each family: a crash keeps the families before it
             json.dump(results, f)
 

@@ -2,22 +2,31 @@
 suite runs, one after another in this process. Prints one JSON line: {engine: {fault: the proof's message, or "" when
 it passed}}.
 
-python tests/push_proof_worker.py TINY_MODEL MOE_MODEL OUT_DIR
+python tests/push_proof_worker.py TINY_MODEL MOE_MODEL GEMMA2_MODEL APERTUS_MODEL OUT_DIR
 
     engines  fp32 and bf16 (tiny.py's tied Qwen2), lora (LoRA's merged push into an fp32 engine), moe (a tiny
-             Qwen3-MoE, its experts pushed as the checkpoint's per-expert tensors)
-    faults   clean (a correct push), unsent (one tensor not sent: a linear weight the CPU engine packs away; in the
-             MoE engine one expert's), stale_head (the tied head's packed copy left from the last push), behind (a
-             layer pushed from the step before), buffer (a buffer the reload resets: the rotary table zeroed)
+             Qwen3-MoE, its experts pushed as the checkpoint's per-expert tensors), gemma2 (a tied Gemma 2, which
+             vLLM builds without a head module: its logits come from the embedding; the embedding's packed copy,
+             the CPU engine's own, forgotten after every load and push, as a GPU engine has none), apertus (an fp32
+             engine that keeps its xIELU's parameters and buffers in bf16; the trainer matched to it as grpo.py
+             matches it, engine_dtypes.match)
+    faults   clean (a correct push: grpo.push's stream, the persistent buffers after the weights), unsent (one tensor
+             not sent: a linear weight the CPU engine packs away; in the MoE engine one expert's), stale_head (the
+             tied head's packed copy left from the last push), behind (a layer pushed from the step before), buffer
+             (a buffer the reload resets: the rotary table zeroed); apertus: other_dtype (a trainer not matched: its
+             xIELU pushed and summed in fp32), buffer_not_sent (the push without the persistent buffers)
 """
 
 import gc
+import itertools
 import json
 import sys
 
 import torch
 
+import engine_dtypes
 import fsdp_train
+import logit_rules
 import lora
 import rollout
 import sync
@@ -28,25 +37,39 @@ UNSENT = {  # engine -> the tensor its push leaves out
     "bf16": "model.layers.0.mlp.down_proj.weight",
     "lora": "model.layers.1.self_attn.q_proj.weight",
     "moe": "model.layers.0.mlp.experts.2.gate_proj.weight",
+    "gemma2": "model.layers.0.mlp.down_proj.weight",
 }
 
 
-def pushed(llm, model, leave_out: str = "", behind: dict | None = None) -> dict:
+def pushed(llm, model, leave_out: str = "", behind: dict | None = None, buffers: bool = True) -> dict:
     """grpo.push's stream with its bit sums (sync.with_bit_sums): the model's weights in the engine's dtype under the
-    checkpoint's names, but `leave_out`; tensors named in `behind` sent from there (the step before) instead."""
-    sums = {}
-    tensors = sync.full_params(model, sync.engine_dtype(llm), model.checkpoint_names, model.checkpoint_split)
+    checkpoint's names, but `leave_out`; tensors named in `behind` sent from there (the step before) instead; then
+    the persistent buffers (sync.full_buffers), unless buffers is False."""
+    sums, dtype = {}, sync.engine_dtype(llm)
+    tensors = sync.full_params(model, dtype, model.checkpoint_names, model.checkpoint_split)
     sent = ((name, (behind or {}).get(name, t)) for name, t in sync.with_bit_sums(tensors, sums) if name != leave_out)
-    sync.push_weights(llm, sent)
+    after = sync.full_buffers(model, dtype, model.checkpoint_names) if buffers else ()
+    sync.push_weights(llm, itertools.chain(sent, after))
     return sums
 
 
+def as_on_a_gpu(llm) -> None:
+    """The head-less gemma2 engine as on a GPU: the record of its embedding's packed copy (the CPU engine's own, made
+    at load and at every push, which it computes its logits from) forgotten."""
+    if GPU_LIKE:
+        llm.apply_model(lambda model: vars(model.model.embed_tokens).pop("packed_bit_sums", None))
+
+
 def proof(llm, sums: dict, at_load: dict) -> str:
+    as_on_a_gpu(llm)
     try:
         sync.check_push(llm, sums, at_load)
         return ""
     except sync.PushMismatch as e:
         return str(e)
+
+
+GPU_LIKE = False  # the engine under test is the head-less gemma2, its packed embedding record forgotten
 
 
 def move(model, seed: int) -> None:
@@ -59,17 +82,25 @@ def move(model, seed: int) -> None:
 
 
 def faults(kind: str, path: str) -> dict:
+    global GPU_LIKE
     fsdp_train.init_distributed()  # again after the last engine's: vLLM's shutdown destroys the process group
     adapt = lora.adapter({"rank": 4, "alpha": 8, "target_modules": "all-linear", "seed": 0}) if kind == "lora" else None
-    model = fsdp_train.load_model(path, device=CPU, adapt=adapt)
+    head = logit_rules.logits_head if kind == "gemma2" else None  # Gemma 2's soft-capped logits
+    model = fsdp_train.load_model(path, device=CPU, adapt=adapt, head=head)
     dtype = "bfloat16" if kind == "bf16" else "float32"
     llm = rollout.make_engine(path, dtype=dtype, max_model_len=256, gpu_memory_utilization=0.5)
-    at_load, out = sync.engine_buffers(llm), {}
+    at_load, out, GPU_LIKE = sync.engine_buffers(llm), {}, kind == "gemma2"
+    if kind == "apertus":
+        return dtype_faults(llm, model, path, at_load)
+    if kind == "gemma2":
+        out["head_module"] = llm.apply_model(lambda model: hasattr(model, "lm_head"))[0]
+        as_on_a_gpu(llm)
+        out["groups"] = sorted(sync.engine_sums(llm))
     move(model, 1)
     out["clean"] = proof(llm, pushed(llm, model), at_load)
     move(model, 2)
     out["unsent"] = proof(llm, pushed(llm, model, leave_out=UNSENT[kind]), at_load)
-    if sync._tied(llm) and kind != "lora":  # a LoRA run never moves the embedding, the head with it
+    if sync._tied(llm) and kind not in ("lora", "gemma2"):  # a LoRA run never moves the embedding; no head module
         move(model, 3)
         repack, sync._repack_tied_lm_head = sync._repack_tied_lm_head, lambda m: None
         out["stale_head"] = proof(llm, pushed(llm, model), at_load)
@@ -90,13 +121,31 @@ def faults(kind: str, path: str) -> dict:
     return out
 
 
-def main(tiny_model: str, moe_model: str, out: str) -> None:
+def dtype_faults(llm, model, path: str, at_load: dict) -> dict:
+    """Apertus in an fp32 engine: the trainer matched to the engine's bf16 tensors (engine_dtypes.match, as
+    grpo.start_proven_engine) pushes and proves; one that is not, and a push without the persistent buffers, are
+    stopped naming the tensors and the buffer."""
+    out = {"held": {name: str(dtype) for name, dtype in sync.engine_dtypes(llm).items()}}
+    plain = fsdp_train.load_model(path, device=CPU)  # not matched
+    out["matched"] = engine_dtypes.match(model, sync.engine_dtypes(llm), sync.engine_dtype(llm))
+    move(model, 1)
+    out["clean"] = proof(llm, pushed(llm, model), at_load)
+    move(plain, 2)
+    out["other_dtype"] = proof(llm, pushed(llm, plain), at_load)
+    move(model, 3)
+    out["buffer_not_sent"] = proof(llm, pushed(llm, model, buffers=False), at_load)
+    out["clean_again"] = proof(llm, pushed(llm, model), at_load)
+    del llm, model, plain
+    gc.collect()
+    return out
+
+
+def main(tiny_model: str, moe_model: str, gemma2_model: str, apertus_model: str, out: str) -> None:
     sync.record_cpu_packing()  # as grpo.start_engine: before any engine loads
-    report = {
-        kind: faults(kind, moe_model if kind == "moe" else tiny_model) for kind in ("fp32", "bf16", "lora", "moe")
-    }
-    print(json.dumps(report))
+    paths = {"moe": moe_model, "gemma2": gemma2_model, "apertus": apertus_model}
+    kinds = ("fp32", "bf16", "lora", "moe", "gemma2", "apertus")
+    print(json.dumps({kind: faults(kind, paths.get(kind, tiny_model)) for kind in kinds}))
 
 
 if __name__ == "__main__":
-    main(*sys.argv[1:4])
+    main(*sys.argv[1:6])

@@ -17,6 +17,7 @@ The quirky checkpoint (one run, tests below): a Qwen2 whose config, tokenizer an
 quirks real checkpoints have (docs/running.md, "Bring your model")."""
 
 import copy
+import itertools
 import json
 import os
 
@@ -44,6 +45,9 @@ FAMILIES = {
     "phi3": (transformers.Phi3Config, dict(tie_word_embeddings=False)),
     "olmo2": (transformers.Olmo2Config, dict(tie_word_embeddings=False)),  # vLLM: Transformers backend
     "gpt_neox": (transformers.GPTNeoXConfig, dict(tie_word_embeddings=False)),  # idem; MHA (no num_key_value_heads)
+    # Apertus-8B: xIELU, whose parameters and buffers vLLM keeps in bf16 in an fp32 engine (engine_dtypes.py) and
+    # whose buffers beta and eps its reload resets unless pushed (sync.full_buffers); rope llama3 at 65536 positions
+    "apertus": (transformers.ApertusConfig, dict(tie_word_embeddings=False, max_position_embeddings=65536)),
 }
 # family -> the keys of its released config.json (the model named) that its config class's defaults lack:
 # transformers 4's rope keys, Gemma's cache_implementation, Phi-3's remote-code auto_map, Pythia's rotary keys. A tiny
@@ -60,12 +64,15 @@ PUBLISHED = {
     "phi3": {"attention_bias", "auto_map", "rope_scaling", "rope_theta"},  # Phi-3-mini-4k-instruct
     "olmo2": {"rope_scaling", "rope_theta"},  # OLMo-2-0425-1B
     "gpt_neox": {"rotary_emb_base", "rotary_pct"},  # pythia-160m
+    "apertus": {"rope_scaling", "rope_theta"},  # Apertus-8B-Instruct-2509
 }
 SERIALISED = {"architectures", "dtype", "torch_dtype", "transformers_version", "model_type"}  # save_pretrained's
 # test_logit_rules' Gemma 2 run (2 steps, the entropy bonus moving the weights), exported, with a checkpoint at step 2
 RUN = [o for o in GEMMA2_RUN if o != "trainer.export_hf=false"] + ["trainer.save_every=2"]
 RESUMED = ["trainer.total_steps=3", "trainer.resume=auto", "trainer.export_hf=false"]
 SYNC = 1e-4  # vLLM against the trainer after a push, fp32 (docs/cpu-notes.md), as test_logit_rules
+BF16 = ["rollout.dtype=bfloat16", "model.compute_dtype=bfloat16"]  # a family's run in bf16 too (FAMILIES_IN_BF16)
+FAMILIES_IN_BF16 = ("apertus",)
 
 
 @pytest.fixture(scope="module")
@@ -95,6 +102,10 @@ def family_runs(family_models, tiny_build, tmp_path_factory):
         path, out = family_models(family), root / family / "run"
         first = ["--config", "tiny.yaml", *SMALL, f"trainer.output_dir={out}", f"model.path={path}", *RUN]
         argvs[family] = {"first": first, "resumed": [*first, *RESUMED, f"trainer.dump_batches={out / 'dump'}"]}
+    for family in FAMILIES_IN_BF16:  # 2 steps, no resume
+        out = root / f"{family}_bf16" / "run"
+        bf16 = [*argvs[family]["first"], f"trainer.output_dir={out}", "trainer.export_hf=false", *BF16]
+        argvs[f"{family}_bf16"] = {"first": bf16}
     (root / "runs.json").write_text(json.dumps(argvs))
     proc = run_python(
         "tests/families_worker.py", str(root / "runs.json"), str(root / "results.json"), timeout=1500, check=False
@@ -102,10 +113,10 @@ def family_runs(family_models, tiny_build, tmp_path_factory):
     results = json.loads((root / "results.json").read_text()) if (root / "results.json").exists() else {}
     assert results, proc.stderr[-3000:]
 
-    def get(family):
+    def get(family):  # family: a key of FAMILIES, or "<family>_bf16" for FAMILIES_IN_BF16
         assert family in results, f"{family}: the worker ended before its runs: {proc.stderr[-3000:]}"
         first, resumed = results[family]["first"], results[family]["resumed"]
-        return family_models(family), root / family / "run", first, resumed
+        return family_models(family.removesuffix("_bf16")), root / family / "run", first, resumed
 
     return get
 
@@ -118,6 +129,16 @@ def plain_logprobs(model, b: dict) -> dict:
         logits = model(input_ids=b["input_ids"], attention_mask=b["attention_mask"], position_ids=pos).logits
         logp = torch.log_softmax(logits[:, -r - 1 : -1], -1).gather(-1, b["input_ids"][:, -r:, None])[..., 0]
     return {"logp": logp * b["response_mask"]}  # [B, R]
+
+
+def as_vllm_computes(model: torch.nn.Module) -> torch.nn.Module:
+    """transformers' model computing as vLLM does, where the two differ in every dtype: vLLM builds Apertus's xIELU
+    activation with bf16 parameters and buffers (its softplus taken in bf16), transformers with the config's dtype;
+    in fp32 the two are 1e-4 nats apart. flatgrpo trains the policy vLLM samples from (engine_dtypes.py)."""
+    for module in model.modules():
+        if type(module).__name__ == "XIELUActivation":
+            module.to(torch.bfloat16)
+    return model
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))
@@ -135,12 +156,29 @@ def test_a_family_trains_pushes_resumes_and_exports(family_runs, family):
     b = torch.load(out / "dump" / "step_3.pt")
     export = AutoModelForCausalLM.from_pretrained(out / "hf", dtype=torch.float32)
     assert type(export).__module__.startswith("transformers.models.")  # transformers' class, not the trainer's
+    export = as_vllm_computes(export)
     ref, noise = fp32_noise.measure(
-        lambda dtype: plain_logprobs(fp32_noise.float64_copy(export) if dtype == torch.float64 else export, b)
+        lambda dtype: plain_logprobs(
+            as_vllm_computes(fp32_noise.float64_copy(export)) if dtype == torch.float64 else export, b
+        )
     )
     fp32_noise.check(b["old_logprobs"] * b["response_mask"], ref["logp"], noise["logp"], f"{family} export")
     saved = json.loads((out / "hf" / "config.json").read_text())
     assert saved["architectures"] == json.loads(open(os.path.join(path, "config.json")).read())["architectures"]
+
+
+@pytest.mark.parametrize("family", FAMILIES_IN_BF16)
+def test_a_family_trains_pushes_and_serves_in_bf16(family_runs, family):
+    """The family's run in bf16 (engine and trainer, 2 steps; Apertus's xIELU is then in the run's dtype): every push
+    proven (a mismatch, or a buffer the reload reset, would have stopped the run: Apertus's beta and eps are pushed
+    with the weights), the weights moving, vLLM's log-probs near the trainer's (bf16: the mean, as the run watches)."""
+    _, out, first, _ = family_runs(f"{family}_bf16")
+    assert first["returncode"] == 0, first["stderr"][-3000:]
+    logged = [r for r in read_metrics(out) if "training/global_step" in r]
+    assert [r["training/global_step"] for r in logged] == [1, 2]
+    assert all(r["actor/grad_norm"] > 0 and r["timing_s/push_proof"] > 0 for r in logged)
+    print(f"{family} bf16: vLLM vs trainer mean {max(r['rollout/logprob_diff_mean'] for r in logged):.3g} nats")
+    assert all(r["rollout/logprob_diff_mean"] < 0.1 for r in logged)  # trainer.logprob_diff_warn_mean
 
 
 @pytest.mark.parametrize("family", list(FAMILIES))
@@ -163,9 +201,8 @@ def test_the_trainer_loads_what_transformers_loads_and_pushes_the_checkpoints_na
     with torch.no_grad():
         assert torch.equal(model.eval()(input_ids=ids).logits, reference(input_ids=ids).logits)
     assert len(ft.decoder_layers(model)) == reference.config.get_text_config().num_hidden_layers  # FSDP2's blocks
-    pushed = {
-        name: tensor for name, tensor in sync.full_params(model, None, model.checkpoint_names, model.checkpoint_split)
-    }
+    params = sync.full_params(model, None, model.checkpoint_names, model.checkpoint_split)
+    pushed = dict(itertools.chain(params, sync.full_buffers(model, None, model.checkpoint_names)))  # grpo.push's
     with safetensors.safe_open(os.path.join(path, "model.safetensors"), "pt") as f:
         stored = {name: f.get_tensor(name) for name in f.keys()}
     if reference.config.get_text_config().tie_word_embeddings:
@@ -360,6 +397,42 @@ DROPOUTS = {
     "gpt_neox": ("attention_dropout", "hidden_dropout", "classifier_dropout"),
     "qwen3": ("attention_dropout",),
 }
+
+
+def test_the_trainer_reads_the_tensors_the_engine_keeps_in_bf16_in_bf16(family_models):
+    """engine_dtypes.match on the trainer's Apertus, with what an fp32 engine reports (sync.engine_dtypes, checked
+    against a real engine in test_push_proof): its logits are transformers' with the xIELU layers in bf16 (vLLM's
+    arithmetic) bit for bit, not transformers' fp32 ones; the gradient reaches the fp32 master weights; the push
+    sends those tensors in bf16; a tensor the trainer does not have stops in one line naming it and what to set."""
+    import engine_dtypes
+    import fsdp_train as ft
+    import sync
+
+    path = family_models("apertus")
+    ft.init_distributed()
+    model = ft.load_model(path, device=torch.device("cpu"))
+    act = [f"model.layers.{k}.mlp.act_fn.{name}" for k in range(4) for name in ("alpha_p", "alpha_n", "beta", "eps")]
+    assert engine_dtypes.match(model, dict.fromkeys(act, torch.bfloat16), torch.float32) == 16
+    reference = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    ids = torch.tensor([[(3 + 11 * i) % 400 for i in range(20)]])
+    logits = model.eval()(input_ids=ids).logits
+    with torch.no_grad():
+        in_fp32 = reference(input_ids=ids).logits
+        assert torch.equal(logits, as_vllm_computes(reference)(input_ids=ids).logits)
+    assert (logits - in_fp32).abs().max() > 1e-5  # the two arithmetics differ: the match is what makes them agree
+    logits.logsumexp(-1).sum().backward()
+    alpha = model.model.layers[0].mlp.act_fn._parameters["alpha_p"]  # the fp32 master (a read gives bf16)
+    assert alpha.dtype == torch.float32 and alpha.grad.dtype == torch.float32 and alpha.grad.abs().item() > 0
+    params = dict(sync.full_params(model, torch.float32, model.checkpoint_names, model.checkpoint_split))
+    pushed = {**params, **dict(sync.full_buffers(model, torch.float32, model.checkpoint_names))}
+    assert {name for name, t in pushed.items() if t.dtype == torch.bfloat16} == set(act)
+    with pytest.raises(engine_dtypes.EngineDtypeError) as e:
+        engine_dtypes.match(model, {"model.layers.0.mlp.act_fn.gamma": torch.bfloat16}, torch.float32)
+    assert str(e.value) == (
+        "the engine keeps model.layers.0.mlp.act_fn.gamma in torch.bfloat16, the run in torch.float32, and the "
+        "trainer has no tensor of that name to compute with its values: set rollout.dtype and model.compute_dtype "
+        "to bfloat16"
+    )
 
 
 @pytest.mark.parametrize("family", list(DROPOUTS))

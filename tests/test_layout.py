@@ -30,6 +30,8 @@ FEATURES = (
     "logit_rules",
     "reward_files",
     "rollout_ranks",
+    "engine_dtypes",
+    "agent",
 )
 COMPONENTS = ("rollout", "reward", "losses", "fsdp_train", "sync", "tiny")
 EXTENDS = {"grpo_family": {"losses"}, "rollout_correction": {"losses"}}  # a feature may import what it extends
@@ -37,6 +39,7 @@ SETUP = {  # grpo.py's set-up and finish code: where a feature's file may be imp
     "main",
     "choose_parts",
     "rollout_ranks_parts",
+    "agent_parts",
     "feature",
     "lora_on",
     "setup",
@@ -46,6 +49,8 @@ SETUP = {  # grpo.py's set-up and finish code: where a feature's file may be imp
     "load_models",
     "model_head",
     "start_engine",
+    "start_proven_engine",
+    "match_engine_dtypes",
     "finish",
     "evaluate",
 }
@@ -59,6 +64,7 @@ FEATURE_KEYS = {  # the keys that turn an optional feature on or set it
     "custom_reward_function",  # a reward file
     "replay_batches", "dump_batches",  # dumps and their replay
     "nnodes", "n_gpus_per_node", "async_training", "staleness_threshold",  # rollout ranks
+    "agent",  # an agent's episodes
 }  # fmt: skip
 
 

@@ -13,6 +13,7 @@
 import json
 import os
 import re
+import time
 
 import pytest
 import torch
@@ -101,6 +102,29 @@ def test_the_calculator_refuses_a_result_too_large_before_computing_it():
     assert calc("1.5 ** 20") == "3325.25673"  # floats overflow by themselves (OverflowError), at once
     with pytest.raises(OverflowError):
         calc("1e300 * 1e300 ** 2")
+
+
+def test_the_size_bound_computes_an_integer_and_a_float_in_either_order():
+    """The size bound covers a product or power of two integers; an integer and a float (GSM8K has decimals), on
+    either side of each operator it covers (* and **), are computed, the values worked out by hand, a 900-bit
+    integer times 1.5 included."""
+    calc = multi_turn.calculator
+    cases = {
+        "3 * 0.5": "1.5",
+        "0.5 * 3": "1.5",
+        "12 * 0.25": "3",
+        "0.25 * 12": "3",
+        "-8 * 0.125": "-1",
+        "0.125 * -8": "-1",
+        "(2 ** 60) ** 15 * 1.5": str(3 * 2**899),  # 1.5 x 2^900 is an integral float: written as the integer 3 x 2^899
+        "1.5 * (2 ** 60) ** 15": str(3 * 2**899),
+        "9 ** 0.5": "3",
+        "2 ** 0.5": "1.414213562",  # sqrt 2 to 10 significant digits
+        "0.5 ** 2": "0.25",
+        "2.5 ** 3": "15.625",
+        "4 ** -0.5": "0.5",
+    }
+    assert {expression: calc(expression) for expression in cases} == cases
 
 
 def test_the_calculator_schema_is_the_one_the_tiny_model_learned():
@@ -207,8 +231,9 @@ def test_a_tokenizer_that_adds_a_bos_adds_none_to_tool_responses(tokenizer):
 
 
 HOSTILE = '''"""A calculator that misbehaves: its calls run, in turn, a function that never answers, one that raises,
-one that returns None (and prints), one that ends its process and one that returns 1 MB (a counter in a file next to
-this one, shared by the ranks' workers), so that a run's calls meet every one of them. The only tool is calculator:
+one that returns None (and prints), one that ends its process, one that returns 1 MB and one that forks (both
+processes answer) (a counter in a file next to this one, shared by the ranks' workers), so that a run's calls meet
+every one of them. The only tool is calculator:
 the prompts are the tiny_tools model's own."""
 import fcntl
 import os
@@ -262,6 +287,16 @@ def _returns_a_megabyte(expression: str) -> str:
     return "7" * 2**20
 
 
+def _forks(expression: str) -> str:
+    """Forks: both processes return, and its worker answers twice.
+
+    Args:
+        expression: Anything.
+    """
+    os.fork()
+    return "forked"
+
+
 def calculator(expression: str) -> str:
     """Evaluate an arithmetic expression.
 
@@ -273,22 +308,27 @@ def calculator(expression: str) -> str:
         f.seek(0)
         k = len(f.read())
         f.write(".")
-    behaviours = [_sleeps_forever, _raises, _returns_none, _exits, _returns_a_megabyte]
+    behaviours = [_sleeps_forever, _raises, _returns_none, _exits, _returns_a_megabyte, _forks]
     return behaviours[k % len(behaviours)](expression)
 '''
-HOSTILE_LIMITS = ["rollout.multi_turn.tool_timeout=1", "rollout.multi_turn.tool_workers=2"]
-# what the model reads from each of HOSTILE's tools (the 1 MB string cut to max_tool_response_length: 256)
+HOSTILE_LIMITS = [
+    "rollout.multi_turn.tool_timeout=1",
+    "rollout.multi_turn.tool_workers=2",
+    "rollout.multi_turn.tool_response_truncate_side=left",  # not the default (middle): the key reaches the workers
+]
+# what the model reads from each of HOSTILE's tools (the 1 MB string cut to max_tool_response_length 256, its end kept)
 HOSTILE_ANSWERS = {
     "timeout": "Error executing tool '{}': no answer within 1 s",
     "raises": "Error executing tool '{}': the tool broke",
     "none": "Error executing tool '{}': it returned NoneType; a tool returns text",
     "exits": "Error executing tool '{}': its process ended (exit status 3) without an answer",
-    "megabyte": "7" * 128 + "...(truncated)..." + "7" * 128,
+    "megabyte": "(truncated)..." + "7" * 256,
+    "forks": "forked",  # its second answer dropped (tool_calls/dropped_answers)
 }
 
 
 def test_every_hostile_tool_is_answered_within_the_time_limit(tmp_path):
-    """HOSTILE's calculator five times (each of its behaviours in turn), and more (sys.exit, recursion, reading
+    """HOSTILE's calculator six times (each of its behaviours in turn), and more (sys.exit, recursion, reading
     stdin, bytes, a number, a dict), all in one pool.run with one worker and a 1 s limit: every call is answered, in
     order; the hung ones as timeouts; the worker, killed or ended, is replaced (the calls after it are answered by
     new ones). Nothing a tool prints reaches this process's output."""
@@ -302,12 +342,11 @@ def test_every_hostile_tool_is_answered_within_the_time_limit(tmp_path):
         + "    if kind == 'stdin':\n        return input()\n"
         + "    return {'bytes': b'raw', 'number': 42, 'dict': {'a': 1}}[kind]\n"
     )
-    pool = multi_turn.ToolPool(str(tools), workers=1, timeout=1.0, max_chars=256, side="middle")  # in order
-    calls = [{"name": "calculator", "arguments": {"expression": "1"}}] * 5  # each of HOSTILE's behaviours
+    pool = multi_turn.ToolPool(str(tools), workers=1, timeout=1.0, max_chars=256, side="left")  # in order
+    calls = [{"name": "calculator", "arguments": {"expression": "1"}}] * 6  # each of HOSTILE's behaviours
     calls += [{"name": "misc", "arguments": {"kind": kind}} for kind in ("exit", "recurse", "stdin", "bytes")]
     calls += [{"name": "misc", "arguments": {"kind": kind}} for kind in ("number", "dict")]
     calls += [{"name": "calculator", "arguments": {"expression": "1"}}]  # the sixth: it never answers, again
-    import time
 
     start = time.monotonic()
     answers = pool.run(calls)
@@ -315,15 +354,16 @@ def test_every_hostile_tool_is_answered_within_the_time_limit(tmp_path):
     pool.close()
     assert elapsed < 30, elapsed  # one 1 s limit (and the new workers' start-ups), not a hang
     texts = [a["text"] for a in answers]
-    kinds = ("timeout", "raises", "none", "exits", "megabyte")
-    assert texts[:5] == [HOSTILE_ANSWERS[kind].format("calculator") for kind in kinds]
-    assert texts[5] == "Error executing tool 'misc': SystemExit 5"
-    assert texts[6] == "Error executing tool 'misc': maximum recursion depth exceeded"
-    assert texts[7] == "Error executing tool 'misc': EOF when reading a line"
-    assert texts[8] == "Error executing tool 'misc': it returned bytes; a tool returns text"
-    assert texts[9:] == ["42", '{"a": 1}', HOSTILE_ANSWERS["timeout"].format("calculator")]
-    assert [a["timeout"] for a in answers] == [True] + [False] * 10 + [True]
-    assert [a["error"] is None for a in answers] == [False] * 4 + [True] + [False] * 4 + [True, True, False]
+    kinds = ("timeout", "raises", "none", "exits", "megabyte", "forks")
+    assert texts[:6] == [HOSTILE_ANSWERS[kind].format("calculator") for kind in kinds]
+    assert texts[6] == "Error executing tool 'misc': SystemExit 5"
+    assert texts[7] == "Error executing tool 'misc': maximum recursion depth exceeded"
+    assert texts[8] == "Error executing tool 'misc': EOF when reading a line"
+    assert texts[9] == "Error executing tool 'misc': it returned bytes; a tool returns text"
+    assert texts[10:] == ["42", '{"a": 1}', HOSTILE_ANSWERS["timeout"].format("calculator")]
+    assert [a["timeout"] for a in answers] == [True] + [False] * 11 + [True]
+    assert [a["error"] is None for a in answers] == [False] * 4 + [True, True] + [False] * 4 + [True, True, False]
+    assert sum(a["dropped"] for a in answers) == 1  # the fork's second answer
 
 
 def test_tool_calls_run_side_by_side_up_to_the_worker_count(tmp_path):
@@ -348,6 +388,136 @@ def test_tool_calls_run_side_by_side_up_to_the_worker_count(tmp_path):
     intervals = [(float(a), float(b)) for _, a, b in runs]
     most = max(sum(a <= t < b for a, b in intervals) for t, _ in intervals)
     assert most == 4, intervals
+
+
+# Tools that break the one-call-one-answer rule of a worker's pipe (ToolPool: every answer names its call's id)
+UNRULY = '''import os
+import sys
+import time
+
+
+def echo(text: str, wait: float = 0.0) -> str:
+    """Returns its text, after `wait` seconds.
+
+    Args:
+        text: The text.
+        wait: Seconds to sleep first.
+    """
+    time.sleep(wait)
+    return text
+
+
+def fork(delay: float) -> str:
+    """Forks: both processes return, so the worker answers twice; the child after `delay` seconds.
+
+    Args:
+        delay: Seconds the child sleeps first.
+    """
+    if os.fork() == 0:
+        time.sleep(delay)
+        return "the child"
+    return "the parent"
+
+
+def late(delay: float) -> str:
+    """Never answers in time: a child in a session of its own (out of reach of the worker's process group) answers
+    `delay` seconds later, on the pipe of a worker killed at its timeout; the worker itself sleeps.
+
+    Args:
+        delay: Seconds the child sleeps first.
+    """
+    if os.fork() == 0:
+        os.setsid()
+        time.sleep(delay)
+        return "too late"
+    time.sleep(60)
+    return "never"
+
+
+def meddle(text: str) -> str:
+    """Writes, on its worker's own answer stream, an answer to the call after its own (the next id) before its own
+    answer: the worker answers out of order.
+
+    Args:
+        text: The text.
+    """
+    worker = sys._getframe(1).f_locals  # serve_tools: the call it runs and its answer stream
+    worker["answers"].write('{"id": %d, "text": "not yours", "error": null}\\n' % (worker["call"]["id"] + 1))
+    worker["answers"].flush()
+    return text
+'''
+
+
+def echo(text: str, wait: float = 0.0) -> dict:
+    return {"name": "echo", "arguments": {"text": text, "wait": wait}}
+
+
+@pytest.fixture
+def unruly_tools(tmp_path) -> str:
+    path = tmp_path / "unruly.py"
+    path.write_text(UNRULY)
+    return str(path)
+
+
+def test_a_tool_that_forks_answers_its_call_once_and_every_later_call_gets_its_own_answer(unruly_tools):
+    """One worker. A tool that forks, both processes returning, makes the worker answer twice (both naming the call):
+    the child at once, or 0.3 s later, while later calls run. The first answer is the call's; the second is dropped,
+    counted, and the worker replaced: every later call, in this run and the next, gets its own answer (read by
+    position, "the child" was the answer of the call after, or two after)."""
+    pool = multi_turn.ToolPool(unruly_tools, workers=1, timeout=5.0, max_chars=256, side="middle")
+    first = pool.idle[0].process.pid
+    calls = [{"name": "fork", "arguments": {"delay": 0.0}}, echo("a"), echo("b", 0.2)]
+    calls += [{"name": "fork", "arguments": {"delay": 0.3}}, echo("c", 0.2), echo("d", 0.2), echo("e")]
+    answers = pool.run(calls)
+    replaced = first not in {w.process.pid for w in pool.idle}
+    answers += pool.run([echo("f"), echo("g")])
+    pool.close()
+    texts = [a["text"] for a in answers]
+    assert texts[0] in ("the parent", "the child") and texts[3] in ("the parent", "the child"), texts
+    assert [texts[k] for k in (1, 2, 4, 5, 6, 7, 8)] == list("abcdefg"), texts
+    assert all(a["error"] is None and not a["timeout"] for a in answers)
+    assert sum(a["dropped"] for a in answers) >= 1, answers  # at least one second answer was seen and dropped
+    assert replaced
+
+
+def test_a_tool_that_answers_after_its_timeout_is_never_read_again(unruly_tools):
+    """One worker, a 1 s limit: a tool whose forked child (out of the worker's process group) writes its answer 0.3 s
+    after the timeout, on the pipe of the worker killed then. The call is a timeout; the later calls, in this run
+    and in one after the late answer was written, get their own answers, and nothing is read or dropped."""
+    pool = multi_turn.ToolPool(unruly_tools, workers=1, timeout=1.0, max_chars=256, side="middle")
+    answers = pool.run([{"name": "late", "arguments": {"delay": 1.3}}, echo("a"), echo("b")])
+    time.sleep(1.0)  # the late answer is written now, to a pipe no one reads
+    answers += pool.run([echo("c"), echo("d")])
+    pool.close()
+    assert answers[0]["text"] == "Error executing tool 'late': no answer within 1 s" and answers[0]["timeout"]
+    assert [a["text"] for a in answers[1:]] == list("abcd")
+    assert [a["dropped"] for a in answers] == [0] * 5
+
+
+def test_answers_out_of_order_are_matched_by_id(unruly_tools):
+    """Two workers. The first call's tool writes, on its worker's pipe, an answer naming the second call's id (which
+    the other worker runs) before its own: that line is dropped and counted on the first call, whose own answer is
+    the one naming its id; the second call's answer is its own worker's; the meddling worker is replaced; the
+    calls after get their own answers."""
+    pool = multi_turn.ToolPool(unruly_tools, workers=2, timeout=5.0, max_chars=256, side="middle")
+    meddling, other = pool.idle[-1].process.pid, pool.idle[0].process.pid  # the first call goes to the last idle
+    answers = pool.run([{"name": "meddle", "arguments": {"text": "mine"}}, echo("b", 0.3), echo("c"), echo("d")])
+    assert {w.process.pid for w in pool.idle} & {meddling, other} == {other}
+    answers += pool.run([{"name": "meddle", "arguments": {"text": "again"}}, echo("e", 0.3), echo("f")])
+    pool.close()
+    assert [a["text"] for a in answers] == ["mine", "b", "c", "d", "again", "e", "f"]
+    assert [a["dropped"] for a in answers] == [1, 0, 0, 0, 1, 0, 0]
+
+
+@pytest.mark.parametrize("side", ["left", "right", "middle"])
+def test_the_truncate_side_holds_in_the_workers(side):
+    """rollout.multi_turn.tool_response_truncate_side, through a worker (the cut is made there): the calculator's
+    ten-digit result cut to 4 characters as veRL cuts it, written out by hand."""
+    pool = multi_turn.ToolPool(None, workers=1, timeout=5.0, max_chars=4, side=side)
+    (answer,) = pool.run([{"name": "calculator", "arguments": {"expression": "1234567890 * 1"}}])
+    pool.close()
+    cut = {"left": "(truncated)...7890", "right": "1234...(truncated)", "middle": "12...(truncated)...90"}
+    assert answer["text"] == cut[side] and answer["error"] is None
 
 
 def test_long_tool_responses_are_cut_as_verl_cuts_them():
@@ -433,7 +603,9 @@ def test_tool_files_give_their_plain_functions_or_stop_in_one_line(tmp_path):
 
 
 def test_turn_metrics_on_known_values():
-    m = multi_turn.turn_metrics(num_turns=[3, 1, 5, 1], calls=[1, 0, 2, 0], errors=[1, 0, 1, 0], timeouts=[0, 0, 1, 0])
+    m = multi_turn.turn_metrics(
+        num_turns=[3, 1, 5, 1], calls=[1, 0, 2, 0], errors=[1, 0, 1, 0], timeouts=[0, 0, 1, 0], dropped=[0, 0, 3, 0]
+    )
     assert m == {
         "num_turns/min": 1,
         "num_turns/max": 5,
@@ -442,8 +614,9 @@ def test_turn_metrics_on_known_values():
         "tool_calls/sample_share": 0.5,
         "tool_calls/error_rate": 2 / 3,
         "tool_calls/timeout_rate": 1 / 3,
+        "tool_calls/dropped_answers": 3,
     }
-    assert multi_turn.turn_metrics([1], [0], [0], [0])["tool_calls/error_rate"] == 0.0
+    assert multi_turn.turn_metrics([1], [0], [0], [0], [0])["tool_calls/error_rate"] == 0.0
 
 
 # ------------------------------------------------------------------------------ one engine, every request
@@ -610,8 +783,8 @@ def test_the_response_budget_bounds_the_tool_tokens_too(engine):
 def mt_run(tools_build, tiny_build, tmp_path_factory):
     """2 ranks, 2 steps (2 mini-batches each: the old-log-prob pass compares with vLLM), dumped, with HOSTILE's tools
     (its calculator runs, in turn, a tool that never answers, one that raises, one that returns None, one that ends
-    its process and one that returns 1 MB; a 1 s limit, 2 workers per rank); its replay at 1 rank; the replay of a
-    copy whose tool positions hold garbage."""
+    its process, one that returns 1 MB and one that forks; a 1 s limit, 2 workers per rank, responses cut on the
+    left); its replay at 1 rank; the replay of a copy whose tool positions hold garbage."""
     root = tmp_path_factory.mktemp("multi-turn-run")
     (root / "tools").mkdir()
     (root / "tools" / "hostile.py").write_text(HOSTILE)
@@ -702,9 +875,10 @@ def test_tool_positions_do_not_move_the_update(mt_run):
 def test_hostile_tools_are_answered_counted_and_dumped_and_the_run_goes_on(mt_run):
     """The 2-rank run with HOSTILE's tools completed its steps (mt_run). In its dumps every call has a response, one
     of what HOSTILE's tools give (each of them met), the hung ones flagged as timeouts, the 1 MB one cut to
-    max_tool_response_length; the per-sample counts and the logged rates are those of the calls."""
+    max_tool_response_length (its end kept: tool_response_truncate_side=left), a forking one's second answer dropped
+    and counted; the per-sample counts and the logged rates are those of the calls."""
     root, logged, _ = mt_run
-    seen = set()
+    seen, dropped_in_all = set(), 0
     for step in (1, 2):
         b = torch.load(root / "dump" / f"step_{step}.pt")
         calls = [c for per_sample in b["tool_calls"] for c in per_sample]
@@ -712,13 +886,17 @@ def test_hostile_tools_are_answered_counted_and_dumped_and_the_run_goes_on(mt_ru
         assert all(c["response"] in answers for c in calls if "name" in c), {c["response"][:80] for c in calls}
         seen |= {answers[c["response"]] for c in calls if c["response"] in answers}
         assert all(c["timeout"] == (c["response"] == HOSTILE_ANSWERS["timeout"].format("calculator")) for c in calls)
-        assert all((c["error"] is None) == (answers.get(c["response"]) == "megabyte") for c in calls)
+        assert all((c["error"] is None) == (answers.get(c["response"]) in ("megabyte", "forks")) for c in calls)
         timeouts = [sum(c["timeout"] for c in per_sample) for per_sample in b["tool_calls"]]
         assert b["num_tool_timeouts"].tolist() == timeouts
         m = logged[step]
         assert m["tool_calls/timeout_rate"] == pytest.approx(sum(timeouts) / len(calls))
         assert m["tool_calls/error_rate"] == pytest.approx(sum(c["error"] is not None for c in calls) / len(calls))
+        dropped = [sum(c["dropped_answers"] for c in per_sample) for per_sample in b["tool_calls"]]
+        assert b["num_tool_dropped_answers"].tolist() == dropped and m["tool_calls/dropped_answers"] == sum(dropped)
+        dropped_in_all += sum(dropped)
     assert seen == set(HOSTILE_ANSWERS)
+    assert dropped_in_all >= 1  # of the forks' second answers, those read before the run ended
 
 
 def test_the_turn_limit_holds_in_every_dumped_sample(mt_run):

@@ -1,0 +1,106 @@
+"""Tensors the engine keeps in another dtype than the run's: the trainer computes with the engine's values, and the
+push sends and proves them in the engine's dtype. Imports torch only: copy it anywhere.
+
+vLLM builds a few layers in a fixed dtype whatever the run's. Its xIELU activation (Apertus, vllm/model_executor/
+layers/activation.py) holds its parameters alpha_p, alpha_n and its buffers beta, eps in bf16, in an fp32 engine too.
+A push rounds the trainer's fp32 values to bf16 as vLLM loads them, and the engine computes with the rounded values:
+the exact proof then stops the run at start-up (the trainer's fp32 bits are not the engine's bf16 ones), and without
+the proof vLLM would sample from another policy than the trainer trains. So, for each such tensor, found in the
+engine at start-up (sync.engine_dtypes) and matched by name to the trainer's:
+
+    held = sync.engine_dtypes(llm)    # {"model.layers.0.mlp.act_fn.alpha_p": torch.bfloat16, ...}
+    match(policy, held, torch.float32)
+
+  * the trainer reads it in the engine's dtype (its module's class gains a __getattr__ that casts): a parameter's
+    value is bf16(w), the engine's value, and the layer's arithmetic on it is the engine's too (vLLM's xIELU takes
+    softplus(alpha_p) in bf16, then multiplies the fp32 activations: a softplus taken in fp32 would put the trainer
+    1e-4 nats from vLLM). The gradient passes back through the cast to the fp32 master weight w, which keeps
+    training (the engine rounds every push the same way). A buffer, never trained, is read cast too;
+  * its module records the engine's dtype of it (`engine_dtypes`, {"alpha_p": torch.bfloat16}), so the push casts it
+    to that dtype (sync.full_params, sync.full_buffers) and the proof sums exactly what the engine holds;
+  * the checkpoints and the HF export keep the fp32 master weights: a resumed run goes on exactly, and vLLM serving
+    the export rounds them as it rounded every push. transformers builds the activation in the config's dtype: to
+    compute the policy vLLM served from the export, cast that layer to bf16 (tests/test_families.py does).
+
+Only a narrower dtype is read cast (bf16 in an fp32 run). A wider one (an engine that keeps a tensor in fp32 in a bf16
+run) is pushed and proven in it; the trainer computes in bf16 anyway. A parameter the engine keeps in another dtype that
+the trainer has no tensor of that name for cannot be matched: the run stops in one line naming it, the two dtypes
+and what to set.
+"""
+
+import torch
+
+WRAPPERS = ("_checkpoint_wrapped_module.", "_orig_mod.", "_fsdp_wrapped_module.")  # in module names, not in HF's
+
+
+class EngineDtypeError(ValueError):
+    """A tensor the engine keeps in another dtype that the trainer cannot match; the message is one line."""
+
+
+def match(model: torch.nn.Module, held: dict[str, torch.dtype], run_dtype: torch.dtype) -> int:
+    """Make `model` compute with the values the engine holds, and push them in its dtypes (the module docstring).
+    held: the engine's tensor name -> its dtype (sync.engine_dtypes); run_dtype: the engine's weights' dtype. Names
+    are the checkpoint's (model.checkpoint_names maps the trainer's where they differ). Returns the number of the
+    model's tensors matched. EngineDtypeError for a layer of the engine none of whose held tensors the model has
+    (sync.engine_dtypes lists only layers holding a parameter in another dtype: that parameter cannot be matched)."""
+    names = getattr(model, "checkpoint_names", None) or {}
+    tensors = {}  # checkpoint name -> (module, its attribute name, is a parameter)
+    for module_name, module in model.named_modules():
+        for short, _ in module.named_parameters(recurse=False):
+            tensors[_checkpoint_name(f"{module_name}.{short}", names)] = (module, short, True)
+        for short, _ in module.named_buffers(recurse=False):
+            tensors[_checkpoint_name(f"{module_name}.{short}", names)] = (module, short, False)
+    matched = 0
+    for name, dtype in held.items():
+        if name not in tensors:
+            if not any(other in tensors for other in held if _module(other) == _module(name)):
+                raise EngineDtypeError(
+                    f"the engine keeps {name} in {dtype}, the run in {run_dtype}, and the trainer has no tensor of "
+                    f"that name to compute with its values: set rollout.dtype and model.compute_dtype to "
+                    f"{str(dtype).removeprefix('torch.')}"
+                )
+            continue  # a buffer of the engine's own, in a layer the trainer matched: nothing to compute with
+        module, short, _ = tensors[name]
+        _cast_when_read(module)
+        module.engine_dtypes[short] = dtype
+        matched += 1
+    return matched
+
+
+def _module(name: str) -> str:
+    return name.rpartition(".")[0]
+
+
+def _checkpoint_name(name: str, names: dict[str, str]) -> str:
+    for wrapper in WRAPPERS:
+        name = name.replace(wrapper, "")
+    return names.get(name, name)
+
+
+CASTING_CLASSES = {}  # a module class -> its subclass that reads the tensors the engine keeps in another dtype in it
+
+
+def _cast_when_read(module: torch.nn.Module) -> None:
+    """Give `module` a class whose attribute reads cast each tensor in module.engine_dtypes to its dtype: forward's
+    `self.alpha_p` is then the engine's bf16 alpha_p. nn.Module keeps parameters and buffers out of the instance's
+    __dict__, so every read goes through __getattr__; FSDP2 sets them as before (module._parameters)."""
+    if "engine_dtypes" in vars(module):
+        return
+    base = type(module)
+    if base not in CASTING_CLASSES:
+
+        def __getattr__(self, name: str):
+            value = base.__getattr__(self, name)
+            dtype = vars(self)["engine_dtypes"].get(name)
+            return value if dtype is None else as_engine(value, dtype)
+
+        members = {"__getattr__": __getattr__, "__module__": __name__}
+        CASTING_CLASSES[base] = type(f"{base.__name__}AsEngine", (base,), members)
+    module.engine_dtypes = {}
+    module.__class__ = CASTING_CLASSES[base]
+
+
+def as_engine(value: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """value as the engine holds it: cast to dtype (round to nearest even, as vLLM's load casts), when dtype is
+    narrower than value's; autograd takes the gradient back through the cast. fp32 0.2034 -> bf16 0.203125."""
+    return value if torch.finfo(dtype).bits >= torch.finfo(value.dtype).bits else value.to(dtype)

