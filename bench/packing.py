@@ -18,8 +18,9 @@ The paths, each with the same fsdp_train.train_step and compute_logprobs around 
   packed  fsdp_train as it is: micro-batches of at most `budget` real tokens, one packed row each, varlen_attention
           (flash_attention_2 on a GPU that has it), the head at the response tokens only.
 Printed per path: real tokens / tokens computed (token-wise layers), micro-batches, the reference pass's and the
-update's seconds (medians; on CPU the process's CPU seconds at one thread, OMP_NUM_THREADS=1 unless set: wall time on
-a shared machine moves by tens of percent with other processes' load), their sum, and each pass's peak memory above
+update's seconds (medians; on CPU the process's CPU seconds at one thread, OMP_NUM_THREADS=1 unless set: wall time
+on a shared machine moves by tens of percent with other processes' load), their sum, the trainer's share of a step
+(old-log-prob pass + reference + update: 2 x ref + update), and each pass's peak memory above
 what is resident before it (CPU: the process's resident high-water mark, reset before each pass; GPU:
 max_memory_allocated). Then packed / padded.
 Targets at the 0.5B shape: update + reference <= 0.80x padded, peak memory no higher at the same budget.
@@ -201,20 +202,21 @@ def compare(name: str, path: str, lengths, budget: int, rounds: int, checkpointi
     print(f"\n{name}: {len(lengths)} rows, {real} real tokens, budget {budget} tokens, {rounds} rounds (medians)")
     print(
         f"{'path':<8} {'tokens computed':>16} {'micro-batches':>14} {'ref s':>8} {'update s':>9} {'sum s':>8} "
-        f"{'ref peak MB':>12} {'update peak MB':>15}"
+        f"{'step s':>8} {'ref peak MB':>12} {'update peak MB':>15}"
     )
     row = {}
     for p, groups in (("padded", padded_groups), ("packed", packed_groups)):
         ref, upd = statistics.median(results[p, "reference"]), statistics.median(results[p, "update"])
         ref_peak, upd_peak = statistics.median(peaks[p, "reference"]), statistics.median(peaks[p, "update"])
-        row[p] = (ref, upd, ref + upd, ref_peak, upd_peak)
+        step = 2 * ref + upd  # the trainer's share of a step: the old-log-prob pass (the reference's cost), ref, update
+        row[p] = (ref, upd, ref + upd, step, ref_peak, upd_peak)
         tokens = computed_tokens(batch, groups, p == "packed")
         print(
-            f"{p:<8} {tokens:>16} {len(groups):>14} {ref:>8.2f} {upd:>9.2f} {ref + upd:>8.2f} {ref_peak:>12.0f} "
-            f"{upd_peak:>15.0f}"
+            f"{p:<8} {tokens:>16} {len(groups):>14} {ref:>8.2f} {upd:>9.2f} {ref + upd:>8.2f} {step:>8.2f} "
+            f"{ref_peak:>12.0f} {upd_peak:>15.0f}"
         )
-    r = [row["packed"][k] / row["padded"][k] for k in range(5)]
-    print(f"{'packed / padded':<40} {r[0]:>8.2f} {r[1]:>9.2f} {r[2]:>8.2f} {r[3]:>12.2f} {r[4]:>15.2f}")
+    r = [row["packed"][k] / row["padded"][k] for k in range(6)]
+    print(f"{'packed / padded':<40} {r[0]:>8.2f} {r[1]:>9.2f} {r[2]:>8.2f} {r[3]:>8.2f} {r[4]:>12.2f} {r[5]:>15.2f}")
 
 
 def main():
