@@ -160,6 +160,8 @@ def reference_run(model, steps: int, lr: float = 1e-3) -> dict:
         optimizer.zero_grad()
         (pg - ENTROPY_COEF * ent + KL_COEF * kl).backward()
         norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0).item()
+        if step == 1:  # the gradients the optimizer takes (clipped), compared before AdamW transforms them
+            out["grads@1"] = fp32_noise.Flat({n: p.grad.detach().clone() for n, p in model.named_parameters()})
         optimizer.step()
         scheduler.step()
         metrics = {
@@ -199,12 +201,17 @@ def check_run(weights: dict, history: list[dict], reference: tuple[dict, dict], 
             fp32_noise.check(h[key], ref[at], noise[at], f"{what} {at}")
 
 
+def flat_norm(named: dict) -> float:
+    return torch.linalg.norm(fp32_noise.flat(named, named)).item()
+
+
 def max_weight_diff(a: dict, b: dict) -> float:
     return max((a[k].float() - b[k].float()).abs().max().item() for k in b if k in a)
 
 
 def test_two_ranks_one_rank_and_plain_pytorch_agree_with_unequal_micro_batches(random_models, reference, tmp_path):
-    """World sizes 1 and 2 equal the float64 plain run. At 2 ranks the token budget (40) is below the longest
+    """World sizes 1 and 2 equal the float64 plain run (the whole padded batch in one forward): step 1's gradients,
+    every step's metrics, the final weights. At 2 ranks the token budget (40) is below the longest
     rows (41..47 tokens): each gets a micro-batch of its own, and its tokens are in the loss. Every batch has
     response-mask holes (train_worker.global_batch): masked real tokens that still condition later ones."""
     path = random_models["tied"]
@@ -216,6 +223,11 @@ def test_two_ranks_one_rank_and_plain_pytorch_agree_with_unequal_micro_batches(r
     check_run(torch.load(tmp_path / "ws1" / "final_ws1.pt"), one[0]["history"], reference, "world 1")
     check_run(torch.load(tmp_path / "ws2" / "final_ws2.pt"), two[0]["history"], reference, "world 2")
     assert two[0]["history"] == two[1]["history"]  # every rank reports the same global metrics
+    ref, noise = reference
+    for world in (1, 2):  # the packed micro-batches' gradients, before AdamW: the padded whole batch's in float64
+        grads = torch.load(tmp_path / f"ws{world}" / f"grads_ws{world}.pt")
+        assert set(grads) == set(ref["grads@1"]) and flat_norm(grads) > 0
+        fp32_noise.check(grads, ref["grads@1"], noise["grads@1"], f"world {world} step 1 gradients")
 
 
 def test_activation_checkpointing_and_bf16_compute(random_models, reference, tmp_path):
