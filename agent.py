@@ -729,6 +729,11 @@ class EpisodeWorkers:
     stall or end the run. Each worker is `python agent.py --serve-episodes '[path, name]'` (serve_episodes): the
     agent file imported once, then one episode at a time. An episode with no answer in time has its worker killed
     (SIGKILL) and replaced, and so has one whose worker ends (os._exit, a crash): either is a failed episode.
+    Every answer names its episode: {"episode": id, "reward"} (or "error"); any other line (not JSON, another
+    episode's, a second answer, a line while idle) is never taken for an answer: the worker is replaced, and the
+    episode it runs, if any, has failed. Each worker is a session of its own, as multi_turn's tool workers are: a
+    stop signal to the rank's process group (torchrun forwards its own so, a terminal's Ctrl-C) never reaches an
+    episode, which the step still needs; killing a worker kills what its episode forked (its process group).
     Workers start STARTS_AT_ONCE at a time (many imports at once on a few cores would each take as many times as
     long), the first ones running episodes while the others start."""
 
@@ -739,6 +744,7 @@ class EpisodeWorkers:
         self.command = [sys.executable, os.path.abspath(__file__), "--serve-episodes", json.dumps([path, name])]
         self.where, self.wanted, self.timeout = f"rollout.agent.path {path}", workers, timeout
         self.idle, self.starting, self.busy = [], {}, {}  # starting: worker -> deadline; busy: -> (episode, deadline)
+        self.unread = {}  # worker -> what it wrote past its last full line
         self.selector = None  # while episodes run: the workers' stdout and the endpoint's wake-up
         self._start_more()
 
@@ -749,10 +755,13 @@ class EpisodeWorkers:
             raise AgentError(f"rollout.agent.path {path}: no such file")
         pool = cls(path, name, workers=1, timeout=0.0)
         (worker,) = pool.starting
-        ready = selectors.DefaultSelector()
+        ready, deadline = selectors.DefaultSelector(), time.monotonic() + cls.START_TIMEOUT
         ready.register(worker.stdout, selectors.EVENT_READ)
         try:
-            pool._started(worker, worker.stdout.readline() if ready.select(cls.START_TIMEOUT) else "")
+            lines = []
+            while lines == [] and ready.select(max(0.0, deadline - time.monotonic())):
+                lines = pool._lines(worker)
+            pool._started(worker, (lines or [""])[0])
         finally:
             ready.close()
             pool.close()
@@ -763,7 +772,11 @@ class EpisodeWorkers:
             if len(self.starting) >= self.STARTS_AT_ONCE:
                 return
             worker = subprocess.Popen(
-                self.command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True
+                self.command,
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.DEVNULL,
+                start_new_session=True,
             )
             self.starting[worker] = time.monotonic() + self.START_TIMEOUT
             if self.selector is not None:
@@ -773,7 +786,7 @@ class EpisodeWorkers:
         """A starting worker's first line: ready (it becomes idle), or what went wrong (AgentError)."""
         del self.starting[worker]
         if line.strip() != '{"ready": true}':
-            worker.kill()
+            _kill(worker)
             message = line.strip() or f"no answer within {self.START_TIMEOUT:g} s"
             raise AgentError(f"{self.where}: a worker could not start: {message}")
         self.idle.append(worker)
@@ -818,24 +831,39 @@ class EpisodeWorkers:
         job = {"episode": episode.id, "base_url": base_url, "row": episode.row}
         self.busy[worker] = (episode, time.monotonic() + self.timeout)
         try:
-            worker.stdin.write(json.dumps(job, default=str) + "\n")
+            worker.stdin.write((json.dumps(job, default=str) + "\n").encode())
             worker.stdin.flush()
         except BrokenPipeError:  # the worker is gone: its closed stdout says so (_read)
             pass
 
+    def _lines(self, worker: subprocess.Popen) -> list[str] | None:
+        """The full lines the worker has written since (read unbuffered: a part of a line waits for its rest and
+        never blocks this thread); None once it has ended (its stdout closed)."""
+        chunk = os.read(worker.stdout.fileno(), 1 << 16)
+        if not chunk:
+            return None
+        *lines, self.unread[worker] = (self.unread.get(worker, b"") + chunk).split(b"\n")
+        return [line.decode("utf-8", "replace") for line in lines]
+
     def _read(self, worker: subprocess.Popen) -> None:
-        """A worker's line: ready, an episode's answer, or its end (EOF: the process ended)."""
-        line = worker.stdout.readline()
+        """A worker's lines: ready, its episode's answer, or its end (the process ended); anything else replaces it."""
+        lines = self._lines(worker)
+        if lines == []:
+            return  # a part of a line
         if worker in self.starting:
-            return self._started(worker, line)
+            return self._started(worker, (lines or [""])[0])
         episode = self.busy[worker][0] if worker in self.busy else None
-        if not line:  # os._exit, a crash, a signal; or an idle worker gone
+        if lines is None:  # os._exit, a crash, a signal; or an idle worker gone
             if episode is not None:
                 episode.fail(f"exited: its process ended (exit status {worker.wait()}) without an answer")
             return self._replace(worker)
+        answer = _answer(lines[0], episode)
+        if answer is None or len(lines) > 1:  # not its episode's answer, or more than one line
+            if episode is not None and answer is None:
+                episode.fail(f"its worker wrote a line that is not the episode's answer: {lines[0][:200]!r}")
+            return self._replace(worker)
         del self.busy[worker]
         episode.over = True
-        answer = json.loads(line)
         if "error" in answer:
             episode.fail(answer["error"])
         else:
@@ -843,23 +871,52 @@ class EpisodeWorkers:
         self.idle.append(worker)
 
     def _replace(self, worker: subprocess.Popen) -> None:
-        """Kill a worker (late, or ended: its episode is over) and start another in its place."""
+        """Kill a worker (late, ended, or writing what is not an answer: its episode is over) and start another in
+        its place."""
         episode = self.busy.pop(worker, (None, 0.0))[0]
         if episode is not None:
             episode.over = True
         if worker in self.idle:
             self.idle.remove(worker)
         self.selector.unregister(worker.stdout)
-        worker.kill()
-        worker.wait()
+        self.unread.pop(worker, None)
+        _kill(worker)
         self._start_more()
 
     def close(self) -> None:
         """Ends the workers (they also end when this process does)."""
         for worker in self.idle + list(self.starting) + list(self.busy):
-            worker.kill()
-            worker.wait()
-        self.idle, self.starting, self.busy, self.wanted = [], {}, {}, 0
+            _kill(worker)
+        self.idle, self.starting, self.busy, self.unread, self.wanted = [], {}, {}, {}, 0
+
+
+def _answer(line: str, episode: Episode | None) -> dict | None:
+    """A worker's line as the answer of `episode` ({"episode": its id, "reward": a number} or {..., "error": text}),
+    or None when it is not one."""
+    try:
+        answer = json.loads(line)
+    except ValueError:
+        return None
+    if episode is None or not isinstance(answer, dict) or answer.get("episode") != episode.id:
+        return None
+    if isinstance(answer.get("error"), str) or isinstance(answer.get("reward"), float):
+        return answer
+    return None
+
+
+def _kill(worker: subprocess.Popen) -> None:
+    """SIGKILL to a worker's process group (the worker and whatever its episode forked), then reap the worker."""
+    try:
+        os.killpg(worker.pid, signal.SIGKILL)
+    except ProcessLookupError:  # already gone
+        pass
+    worker.kill()  # (the group is the worker's own: start_new_session)
+    worker.wait()
+    for pipe in (worker.stdin, worker.stdout):
+        try:
+            pipe.close()
+        except OSError:  # a job line it never read
+            pass
 
 
 def load_episode(path: str, name: str):
@@ -886,8 +943,14 @@ def serve_episodes(path: str, name: str) -> None:
     as a JSON line {"episode", "base_url", "row"}: the function gets an openai.OpenAI client bound to base_url (no
     retries: a refused request raises at once; OPENAI_BASE_URL and OPENAI_API_KEY are set too, for an agent that makes
     its own client) and the row, and its answer is a line {"episode", "reward"} or {"episode", "error"}. What the
-    agent prints goes nowhere and what it reads is empty (the protocol keeps its own copies of stdin and stdout)."""
+    agent prints goes nowhere and what it reads is empty (the protocol keeps its own copies of stdin and stdout). A
+    process the episode forked that returns from it (or raises) ends there, silently: only the worker answers, and
+    only it reads the next job. SIGTERM and SIGINT do nothing here (the rank decides when the run stops; the worker
+    is killed with SIGKILL); what the agent starts gets their default handling back."""
     _end_with_parent()
+    worker = os.getpid()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, _ignore)  # a handler, not SIG_IGN, which the agent's subprocesses would inherit
     jobs, answers = os.fdopen(os.dup(0), encoding="utf-8"), os.fdopen(os.dup(1), "w", encoding="utf-8")
     quiet = os.open(os.devnull, os.O_RDWR)
     for fd in (0, 1, 2):
@@ -916,8 +979,14 @@ def serve_episodes(path: str, name: str) -> None:
                 answer = {"error": f"returned {str(reward)[:200]!r}, not a number (an episode returns its reward)"}
         except BaseException as e:  # SystemExit and KeyboardInterrupt too: the episode failed, the worker goes on
             answer = {"error": f"raised {type(e).__name__}: {str(e)[:500]}"}
+        if os.getpid() != worker:  # a process the episode forked came back here: it never answers
+            os._exit(0)
         answers.write(json.dumps({"episode": job["episode"], **answer}) + "\n")
         answers.flush()
+
+
+def _ignore(signum, frame) -> None:
+    pass
 
 
 def _end_with_parent() -> None:

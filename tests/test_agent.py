@@ -269,6 +269,85 @@ def test_bad_agent_settings_stop_in_one_line(tools_build, tmp_path):  # noqa: F8
     assert not os.path.exists(tmp_path / "never" / "metrics.jsonl")
 
 
+FORKS = """import os, time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def episode(client, row):
+    if row["case"] == "forks":  # a child that returns from the episode too (no os._exit), and answers first
+        if os.fork() == 0:
+            return 0.75
+        time.sleep(1.0)
+        return 0.5
+    if row["case"] == "signalled":
+        open(os.path.join(HERE, "sleeping"), "w").close()
+        time.sleep(2.0)  # the rank's process group gets SIGTERM meanwhile
+    return row["reward"]
+"""
+RANK = """import json, os, signal, sys
+import agent
+
+signal.signal(signal.SIGTERM, lambda *_: print("stop requested", file=sys.stderr))  # as cluster.py's handler
+
+
+class NoCalls:  # the episodes call no endpoint: what EpisodeWorkers.run reads of one
+    running = {}
+
+    def __init__(self):
+        self.wake_read, self.wake_write = os.pipe()
+
+    def serve(self):
+        pass
+
+
+workers = agent.EpisodeWorkers(sys.argv[1], "episode", workers=2, timeout=30.0)
+rows = [{"case": "forks"}, {"case": "signalled", "reward": 1.0}, {"case": "plain", "reward": 0.25},
+        {"case": "plain", "reward": 0.125}, {"case": "plain", "reward": 2.0}]
+episodes = [agent.Episode(k, row, budget=1, seed=None, stride=1, sampling={}) for k, row in enumerate(rows)]
+workers.run([(e, "http://127.0.0.1:9/v1") for e in episodes], NoCalls())
+print(json.dumps([[e.reward, e.error] for e in episodes]))
+workers.close()
+"""
+
+
+def test_episode_workers_answer_by_id_and_outlive_the_ranks_stop_signal(tmp_path):
+    """Episode workers as a rank runs them (tests: no engine, no call): an episode that forks, the child returning
+    from it too, gets its own reward (0.5, the worker's), never the child's, and the run goes on; a SIGTERM to the
+    rank's process group (torchrun forwards its own signals so) mid-episode stops nothing: the rank decides, and the
+    episode in flight gives its reward; every later episode gets its own answer."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    (tmp_path / "forks.py").write_text(FORKS)
+    (tmp_path / "rank.py").write_text(RANK)
+    rank = subprocess.Popen(
+        [sys.executable, str(tmp_path / "rank.py"), str(tmp_path / "forks.py")],
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": ROOT},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,  # a process group of its own, as torchrun starts each rank
+    )
+    try:
+        deadline = time.monotonic() + 60
+        while not (tmp_path / "sleeping").exists() and rank.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        os.killpg(rank.pid, signal.SIGTERM)
+        out, err = rank.communicate(timeout=60)
+    finally:
+        try:
+            os.killpg(rank.pid, signal.SIGKILL)  # the rank and its workers, whatever happened
+        except ProcessLookupError:  # all ended
+            pass
+    assert rank.returncode == 0, err
+    assert json.loads(out) == [[0.5, None], [1.0, None], [0.25, None], [0.125, None], [2.0, None]]
+    assert "stop requested" in err
+
+
 # ------------------------------------------------------------------------------------ one engine, one run
 HOSTILE = '''"""An agent that misbehaves: the first training episodes to start (a counter in a file next to this one,
 shared by both ranks' workers) each do one hostile thing, log what they saw (seen.jsonl) and return 1.0 where they
