@@ -18,7 +18,7 @@ queue a request; ONE thread (the rank's own, in run_episodes) calls the engine, 
 running batch at the next step (vLLM's continuous batching, as its server does). A request is rendered with the
 model's chat template (its tools= too, and data.apply_chat_template_kwargs, add_generation_prompt), sampled with the
 run's settings (rollout.temperature, top_p, top_k: not the request's), and Hermes tool calls in the output become
-OpenAI tool_calls.
+OpenAI tool_calls; an agent that asks for logprobs gets vLLM's, the very ones recorded.
 
 Token for token. Each call's prompt ids, sampled ids and vLLM's log-probs are recorded. A later call whose messages
 are a sample's last call's messages, plus the assistant message the endpoint returned to it, plus new messages
@@ -77,7 +77,7 @@ class RequestError(Exception):
 
     def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None):
         super().__init__(message)
-        kind = {404: "not_found_error", 413: "invalid_request_error", 429: "rate_limit_error"}
+        kind = {404: "not_found_error", 413: "invalid_request_error", 429: "rate_limit_error", 500: "server_error"}
         self.status = status
         self.body = {"error": {"message": message, "type": kind.get(status, "invalid_request_error"), "param": param,
                                "code": code}}  # fmt: skip
@@ -377,8 +377,10 @@ class Endpoint:
         for call in calls:
             episode = self.episodes.get(call["episode"])
             try:
-                if episode is None or episode.over or episode.error is not None:
-                    raise _over(call, episode)
+                if episode is None or episode.over or episode.error is not None:  # refused; its outcome stays
+                    refusal = _over(call, episode)
+                    self._answer(call, refusal.status, refusal.body)
+                    continue
                 episode.requests += 1
                 if episode.requests > self.limits["max_requests"]:
                     message = f"more than {self.limits['max_requests']} requests (rollout.agent.max_requests)"
@@ -388,10 +390,8 @@ class Endpoint:
                     raise RequestError(413, f"a request body of more than {MAX_BODY} bytes", code="body_too_large")
                 request = parse_request(call["body"], self.model)
                 plan = episode.plan(request, self.tokenizer, self.limits)
-            except RequestError as e:
-                if episode is not None and episode.error is None:
-                    episode.fail(f"refused ({e.status}): {e}", refused=True)
-                self._answer(call, e.status, e.body)
+            except Exception as e:  # a RequestError, or a request this code did not foresee: never the run's end
+                self._refuse(call, episode, e)
                 continue
             if plan["max_tokens"] <= 0:  # the budget is spent: "length", nothing sampled
                 self._reply(call, episode, request, plan, [], [], "length", "")
@@ -403,7 +403,7 @@ class Endpoint:
             from vllm.sampling_params import RequestOutputKind
 
             params = [
-                SamplingParams(n=1, max_tokens=plan["max_tokens"], seed=plan["seed"], logprobs=0,
+                SamplingParams(n=1, max_tokens=plan["max_tokens"], seed=plan["seed"], logprobs=request["top_logprobs"],
                                detokenize=bool(request["stop"]), stop=request["stop"], **episode.sampling)
                 for _, episode, request, plan in todo
             ]  # fmt: skip
@@ -411,7 +411,11 @@ class Endpoint:
                 self.added += 1
                 request_id = f"agent-{self.added}"  # the engine's id of this call
                 sampling.output_kind = RequestOutputKind.FINAL_ONLY  # one output per call, when it is done
-                self.llm.llm_engine.add_request(request_id, tokens_input(plan["prompt_ids"]), sampling)
+                try:
+                    self.llm.llm_engine.add_request(request_id, tokens_input(plan["prompt_ids"]), sampling)
+                except Exception as e:  # the engine's own checks: this call refused, the run goes on
+                    self._refuse(call, episode, e)
+                    continue
                 self.running[request_id] = (call, episode, request, plan)
                 if plan["sample"] is not None:
                     plan["sample"].in_flight += 1
@@ -432,26 +436,59 @@ class Endpoint:
                 completion = output.outputs[0]
                 sampled = list(completion.token_ids)
                 logprobs = [lp[token].logprob for token, lp in zip(sampled, completion.logprobs, strict=True)]
+                asked = request["logprobs"]  # the agent asked for them (and top_logprobs alternatives)
+                content = self._token_logprobs(sampled, completion.logprobs, request["top_logprobs"]) if asked else []
                 if isinstance(completion.stop_reason, str):  # a stop string: vLLM's text ends before it
                     text = completion.text
                 else:  # the text of the ids, without the eos (or stop token) that ended them
                     text = self.tokenizer.decode(sampled[:-1] if completion.finish_reason == "stop" else sampled)
-                self._reply(call, episode, request, plan, sampled, logprobs, completion.finish_reason, text)
+                self._reply(call, episode, request, plan, sampled, logprobs, completion.finish_reason, text, content)
 
-    def _reply(self, call, episode, request, plan, sampled, logprobs, finish, text="") -> None:
-        """The chat completion of a call (assistant_message of its text), recorded in its episode, sent."""
-        answer = assistant_message(text, finish, request["parse_tools"], self.tokenizer.all_special_tokens)
+    def _reply(self, call, episode, request, plan, sampled, logprobs, finish, text="", content=()) -> None:
+        """The chat completion of a call (assistant_message of its text; its tool calls' ids unique in the episode:
+        call_<call>_<i>), recorded in its episode, sent; content: the sampled tokens' log-probs when asked for
+        (request["logprobs"], _token_logprobs)."""
+        number = episode.calls + 1  # this call's, once recorded
+        special = self.tokenizer.all_special_tokens
+        answer = assistant_message(text, finish, request["parse_tools"], special, call_ids=f"call_{number}")
         episode.record(request, plan, sampled, logprobs, answer)
         body = {
-            "id": f"chatcmpl-{episode.id}-{episode.calls}",
+            "id": f"chatcmpl-{episode.id}-{number}",
             "object": "chat.completion",
             "created": int(time.time()),
             "model": self.model,
-            "choices": [{"index": 0, **answer, "logprobs": None}],
+            "choices": [{"index": 0, **answer,
+                         "logprobs": {"content": list(content), "refusal": None} if request["logprobs"] else None}],
             "usage": {"prompt_tokens": len(plan["prompt_ids"]), "completion_tokens": len(sampled),
                       "total_tokens": len(plan["prompt_ids"]) + len(sampled)},
         }  # fmt: skip
         self._answer(call, 200, body)
+
+    def _token_logprobs(self, sampled: list[int], engine_logprobs: list[dict], top: int) -> list[dict]:
+        """OpenAI's choice.logprobs.content: per sampled token its text, vLLM's log-prob (the one recorded) and
+        bytes, and the `top` most likely tokens at that place (vLLM's, by rank)."""
+
+        def entry(token: int, logprob: float) -> dict:
+            text = self.tokenizer.decode([token])
+            return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+
+        content = []
+        for token, alternatives in zip(sampled, engine_logprobs, strict=True):
+            ranked = sorted(alternatives.items(), key=lambda item: item[1].rank)[:top]
+            content.append({**entry(token, alternatives[token].logprob),
+                            "top_logprobs": [entry(t, lp.logprob) for t, lp in ranked]})  # fmt: skip
+        return content
+
+    @staticmethod
+    def _refuse(call: dict, episode: "Episode | None", error: Exception) -> None:
+        """Answer a call with its error (a RequestError's, or a 500 for one this code did not foresee); its episode
+        has failed (refused)."""
+        if not isinstance(error, RequestError):
+            message = f"the endpoint could not serve the request: {type(error).__name__}: {str(error)[:300]}"
+            error = RequestError(500, message, code="internal_error")
+        if episode is not None and episode.error is None:
+            episode.fail(f"refused ({error.status}): {error}", refused=True)
+        Endpoint._answer(call, error.status, error.body)
 
     @staticmethod
     def _answer(call: dict, status: int, body: dict) -> None:
@@ -532,13 +569,16 @@ class Handler(http.server.BaseHTTPRequestHandler):
 # ------------------------------------------------------------------------------------------- requests
 def parse_request(body: bytes, model: str) -> dict:
     """A chat-completions request's body -> {"messages" (for the chat template), "tools" (list or None),
-    "max_tokens" (or None), "stop" (list or None), "parse_tools"}; RequestError (OpenAI's status and wording) for what
-    the endpoint refuses: not JSON, a model other than `model`, n > 1, streaming, a tool_choice that forces a call, a
-    response format, content that is not text, a malformed message or tool. temperature, top_p, seed and penalties
-    are accepted and ignored: the samples are the run's policy's (rollout.temperature, top_p, top_k)."""
+    "max_tokens" (or None), "stop" (list or None), "parse_tools", "logprobs" (bool), "top_logprobs" (0-20)};
+    RequestError (OpenAI's status and wording) for what the endpoint refuses: not JSON, a model other than `model`,
+    n > 1, streaming, a tool_choice that forces a call, a response format other than text, a logit bias (these three
+    would change what is sampled: the samples must be the policy's), the deprecated functions, audio, content that
+    is not text, a malformed message or tool. temperature, top_p, seed and penalties are accepted and ignored: the
+    samples are the run's policy's (rollout.temperature, top_p, top_k). Any other field is ignored, as vLLM's server
+    ignores it."""
     try:
         request = json.loads(body)
-    except (ValueError, UnicodeDecodeError) as e:
+    except (ValueError, UnicodeDecodeError, RecursionError) as e:  # RecursionError: nested past Python's depth
         raise RequestError(400, f"the request body is not valid JSON: {e}", code="invalid_json") from None
     if not isinstance(request, dict):
         raise RequestError(400, "the request body is not a JSON object", code="invalid_request")
@@ -557,8 +597,32 @@ def parse_request(body: bytes, model: str) -> dict:
     choice = request.get("tool_choice")
     if choice not in (None, "auto", "none"):
         raise RequestError(400, f"tool_choice {choice!r}: accepted auto, none", param="tool_choice", code="unsupported")
-    if (request.get("response_format") or {"type": "text"}).get("type") != "text":
-        raise RequestError(400, "response_format: text only", param="response_format", code="unsupported")
+    response_format = request.get("response_format")
+    kind = response_format.get("type") if isinstance(response_format, dict) else response_format
+    if response_format is not None and kind != "text":
+        raise RequestError(
+            400, f"response_format {kind!r}: text only (a format would constrain the sampling)",
+            param="response_format", code="unsupported",
+        )  # fmt: skip
+    refused = {
+        "functions": "deprecated in the API: send tools",
+        "function_call": "deprecated in the API: send tools and tool_choice",
+        "logit_bias": "a logit bias would change what is sampled; the samples are the policy's",
+        "audio": "text only",
+    }
+    for key, why in refused.items():
+        if request.get(key):
+            raise RequestError(400, f"{key}: {why}", param=key, code="unsupported")
+    if request.get("modalities") not in (None, ["text"]):
+        raise RequestError(400, f"modalities {request['modalities']!r}: text only", param="modalities",
+                           code="unsupported")  # fmt: skip
+    logprobs, top = request.get("logprobs"), request.get("top_logprobs")
+    if not isinstance(logprobs, (bool, type(None))):
+        raise RequestError(400, f"logprobs = {logprobs!r}: true or false", param="logprobs", code="invalid")
+    if top is not None and (isinstance(top, bool) or not isinstance(top, int) or not 0 <= top <= 20 or not logprobs):
+        raise RequestError(
+            400, f"top_logprobs = {top!r}: an integer 0-20, with logprobs true", param="top_logprobs", code="invalid"
+        )
     messages = request.get("messages")
     if not isinstance(messages, list) or not messages:
         raise RequestError(400, "messages: a non-empty list of messages", param="messages", code="invalid_messages")
@@ -581,11 +645,15 @@ def parse_request(body: bytes, model: str) -> dict:
         "max_tokens": max_tokens,
         "stop": stop,
         "parse_tools": tools is not None and choice != "none",
+        "logprobs": bool(logprobs),
+        "top_logprobs": top or 0,
     }
 
 
 def _is_tool(tool) -> bool:
-    function = tool.get("function") if isinstance(tool, dict) else None
+    if not isinstance(tool, dict):
+        return False
+    function = tool.get("function")
     return tool.get("type") == "function" and isinstance(function, dict) and isinstance(function.get("name"), str)
 
 
@@ -634,7 +702,7 @@ def _arguments(arguments):
     if isinstance(arguments, str):
         try:
             return json.loads(arguments)
-        except ValueError:
+        except (ValueError, RecursionError):  # RecursionError: nested past Python's depth
             return arguments
     return arguments if arguments is not None else {}
 
@@ -682,12 +750,12 @@ def render_after_assistant(tokenizer, messages: list[dict], tools: list | None, 
     return tokenizer(text[end + len(tokenizer.eos_token) :], add_special_tokens=False)["input_ids"]
 
 
-def assistant_message(text: str, finish: str, parse_tools: bool, special_tokens: list[str]) -> dict:
+def assistant_message(text: str, finish: str, parse_tools: bool, special_tokens: list[str], call_ids="call") -> dict:
     """The choice a call returns: {"message": {"role", "content", "tool_calls"?}, "finish_reason"}. text: the sampled
     ids decoded with their special tokens, without the eos that ended them. With tools (tool_choice not none), Hermes
     calls become tool_calls as vLLM's hermes parser makes them: content the text before the first <tool_call> (null if
-    none), finish_reason "tool_calls"; a call that does not parse leaves the whole text as content, unparsed. Special
-    tokens are left out of the content (vLLM's skip_special_tokens)."""
+    none), finish_reason "tool_calls", each call's id call_ids + "_<i>"; a call that does not parse leaves the whole
+    text as content, unparsed. Special tokens are left out of the content (vLLM's skip_special_tokens)."""
     calls = parse_tool_calls(text) if parse_tools else []
     for token in special_tokens:
         text = text.replace(token, "")
@@ -695,7 +763,7 @@ def assistant_message(text: str, finish: str, parse_tools: bool, special_tokens:
         return {"message": {"role": "assistant", "content": text}, "finish_reason": finish}
     content = text[: text.find("<tool_call>")]
     tool_calls = [
-        {"id": f"call_{i}", "type": "function",
+        {"id": f"{call_ids}_{i}", "type": "function",
          "function": {"name": c["name"], "arguments": json.dumps(c["arguments"], ensure_ascii=False)}}
         for i, c in enumerate(calls)
     ]  # fmt: skip
@@ -718,7 +786,7 @@ def parse_tool_calls(text: str) -> list[dict]:
             if not isinstance(call.get("arguments", {}), dict):
                 raise ValueError("the arguments are not a JSON object")
             calls.append({"name": call["name"], "arguments": call.get("arguments", {})})
-        except ValueError as e:
+        except (ValueError, RecursionError) as e:  # the policy's text: JSON nested past Python's depth too
             calls.append({"error": f"Invalid tool call: {e}"})
     return calls
 
@@ -729,6 +797,11 @@ class EpisodeWorkers:
     stall or end the run. Each worker is `python agent.py --serve-episodes '[path, name]'` (serve_episodes): the
     agent file imported once, then one episode at a time. An episode with no answer in time has its worker killed
     (SIGKILL) and replaced, and so has one whose worker ends (os._exit, a crash): either is a failed episode.
+    Every answer names its episode: {"episode": id, "reward"} (or "error"); any other line (not JSON, another
+    episode's, a second answer, a line while idle) is never taken for an answer: the worker is replaced, and the
+    episode it runs, if any, has failed. Each worker is a session of its own, as multi_turn's tool workers are: a
+    stop signal to the rank's process group (torchrun forwards its own so, a terminal's Ctrl-C) never reaches an
+    episode, which the step still needs; killing a worker kills what its episode forked (its process group).
     Workers start STARTS_AT_ONCE at a time (many imports at once on a few cores would each take as many times as
     long), the first ones running episodes while the others start."""
 
@@ -739,6 +812,7 @@ class EpisodeWorkers:
         self.command = [sys.executable, os.path.abspath(__file__), "--serve-episodes", json.dumps([path, name])]
         self.where, self.wanted, self.timeout = f"rollout.agent.path {path}", workers, timeout
         self.idle, self.starting, self.busy = [], {}, {}  # starting: worker -> deadline; busy: -> (episode, deadline)
+        self.unread = {}  # worker -> what it wrote past its last full line
         self.selector = None  # while episodes run: the workers' stdout and the endpoint's wake-up
         self._start_more()
 
@@ -749,10 +823,13 @@ class EpisodeWorkers:
             raise AgentError(f"rollout.agent.path {path}: no such file")
         pool = cls(path, name, workers=1, timeout=0.0)
         (worker,) = pool.starting
-        ready = selectors.DefaultSelector()
+        ready, deadline = selectors.DefaultSelector(), time.monotonic() + cls.START_TIMEOUT
         ready.register(worker.stdout, selectors.EVENT_READ)
         try:
-            pool._started(worker, worker.stdout.readline() if ready.select(cls.START_TIMEOUT) else "")
+            lines = []
+            while lines == [] and ready.select(max(0.0, deadline - time.monotonic())):
+                lines = pool._lines(worker)
+            pool._started(worker, (lines or [""])[0])
         finally:
             ready.close()
             pool.close()
@@ -763,7 +840,11 @@ class EpisodeWorkers:
             if len(self.starting) >= self.STARTS_AT_ONCE:
                 return
             worker = subprocess.Popen(
-                self.command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True
+                self.command,
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.DEVNULL,
+                start_new_session=True,
             )
             self.starting[worker] = time.monotonic() + self.START_TIMEOUT
             if self.selector is not None:
@@ -773,7 +854,7 @@ class EpisodeWorkers:
         """A starting worker's first line: ready (it becomes idle), or what went wrong (AgentError)."""
         del self.starting[worker]
         if line.strip() != '{"ready": true}':
-            worker.kill()
+            _kill(worker)
             message = line.strip() or f"no answer within {self.START_TIMEOUT:g} s"
             raise AgentError(f"{self.where}: a worker could not start: {message}")
         self.idle.append(worker)
@@ -818,24 +899,39 @@ class EpisodeWorkers:
         job = {"episode": episode.id, "base_url": base_url, "row": episode.row}
         self.busy[worker] = (episode, time.monotonic() + self.timeout)
         try:
-            worker.stdin.write(json.dumps(job, default=str) + "\n")
+            worker.stdin.write((json.dumps(job, default=str) + "\n").encode())
             worker.stdin.flush()
         except BrokenPipeError:  # the worker is gone: its closed stdout says so (_read)
             pass
 
+    def _lines(self, worker: subprocess.Popen) -> list[str] | None:
+        """The full lines the worker has written since (read unbuffered: a part of a line waits for its rest and
+        never blocks this thread); None once it has ended (its stdout closed)."""
+        chunk = os.read(worker.stdout.fileno(), 1 << 16)
+        if not chunk:
+            return None
+        *lines, self.unread[worker] = (self.unread.get(worker, b"") + chunk).split(b"\n")
+        return [line.decode("utf-8", "replace") for line in lines]
+
     def _read(self, worker: subprocess.Popen) -> None:
-        """A worker's line: ready, an episode's answer, or its end (EOF: the process ended)."""
-        line = worker.stdout.readline()
+        """A worker's lines: ready, its episode's answer, or its end (the process ended); anything else replaces it."""
+        lines = self._lines(worker)
+        if lines == []:
+            return  # a part of a line
         if worker in self.starting:
-            return self._started(worker, line)
+            return self._started(worker, (lines or [""])[0])
         episode = self.busy[worker][0] if worker in self.busy else None
-        if not line:  # os._exit, a crash, a signal; or an idle worker gone
+        if lines is None:  # os._exit, a crash, a signal; or an idle worker gone
             if episode is not None:
                 episode.fail(f"exited: its process ended (exit status {worker.wait()}) without an answer")
             return self._replace(worker)
+        answer = _answer(lines[0], episode)
+        if answer is None or len(lines) > 1:  # not its episode's answer, or more than one line
+            if episode is not None and answer is None:
+                episode.fail(f"its worker wrote a line that is not the episode's answer: {lines[0][:200]!r}")
+            return self._replace(worker)
         del self.busy[worker]
         episode.over = True
-        answer = json.loads(line)
         if "error" in answer:
             episode.fail(answer["error"])
         else:
@@ -843,23 +939,52 @@ class EpisodeWorkers:
         self.idle.append(worker)
 
     def _replace(self, worker: subprocess.Popen) -> None:
-        """Kill a worker (late, or ended: its episode is over) and start another in its place."""
+        """Kill a worker (late, ended, or writing what is not an answer: its episode is over) and start another in
+        its place."""
         episode = self.busy.pop(worker, (None, 0.0))[0]
         if episode is not None:
             episode.over = True
         if worker in self.idle:
             self.idle.remove(worker)
         self.selector.unregister(worker.stdout)
-        worker.kill()
-        worker.wait()
+        self.unread.pop(worker, None)
+        _kill(worker)
         self._start_more()
 
     def close(self) -> None:
         """Ends the workers (they also end when this process does)."""
         for worker in self.idle + list(self.starting) + list(self.busy):
-            worker.kill()
-            worker.wait()
-        self.idle, self.starting, self.busy, self.wanted = [], {}, {}, 0
+            _kill(worker)
+        self.idle, self.starting, self.busy, self.unread, self.wanted = [], {}, {}, {}, 0
+
+
+def _answer(line: str, episode: Episode | None) -> dict | None:
+    """A worker's line as the answer of `episode` ({"episode": its id, "reward": a number} or {..., "error": text}),
+    or None when it is not one."""
+    try:
+        answer = json.loads(line)
+    except (ValueError, RecursionError):  # RecursionError: nested past Python's depth
+        return None
+    if episode is None or not isinstance(answer, dict) or answer.get("episode") != episode.id:
+        return None
+    if isinstance(answer.get("error"), str) or isinstance(answer.get("reward"), float):
+        return answer
+    return None
+
+
+def _kill(worker: subprocess.Popen) -> None:
+    """SIGKILL to a worker's process group (the worker and whatever its episode forked), then reap the worker."""
+    try:
+        os.killpg(worker.pid, signal.SIGKILL)
+    except ProcessLookupError:  # already gone
+        pass
+    worker.kill()  # (the group is the worker's own: start_new_session)
+    worker.wait()
+    for pipe in (worker.stdin, worker.stdout):
+        try:
+            pipe.close()
+        except OSError:  # a job line it never read
+            pass
 
 
 def load_episode(path: str, name: str):
@@ -886,8 +1011,14 @@ def serve_episodes(path: str, name: str) -> None:
     as a JSON line {"episode", "base_url", "row"}: the function gets an openai.OpenAI client bound to base_url (no
     retries: a refused request raises at once; OPENAI_BASE_URL and OPENAI_API_KEY are set too, for an agent that makes
     its own client) and the row, and its answer is a line {"episode", "reward"} or {"episode", "error"}. What the
-    agent prints goes nowhere and what it reads is empty (the protocol keeps its own copies of stdin and stdout)."""
+    agent prints goes nowhere and what it reads is empty (the protocol keeps its own copies of stdin and stdout). A
+    process the episode forked that returns from it (or raises) ends there, silently: only the worker answers, and
+    only it reads the next job. SIGTERM and SIGINT do nothing here (the rank decides when the run stops; the worker
+    is killed with SIGKILL); what the agent starts gets their default handling back."""
     _end_with_parent()
+    worker = os.getpid()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, _ignore)  # a handler, not SIG_IGN, which the agent's subprocesses would inherit
     jobs, answers = os.fdopen(os.dup(0), encoding="utf-8"), os.fdopen(os.dup(1), "w", encoding="utf-8")
     quiet = os.open(os.devnull, os.O_RDWR)
     for fd in (0, 1, 2):
@@ -916,8 +1047,14 @@ def serve_episodes(path: str, name: str) -> None:
                 answer = {"error": f"returned {str(reward)[:200]!r}, not a number (an episode returns its reward)"}
         except BaseException as e:  # SystemExit and KeyboardInterrupt too: the episode failed, the worker goes on
             answer = {"error": f"raised {type(e).__name__}: {str(e)[:500]}"}
+        if os.getpid() != worker:  # a process the episode forked came back here: it never answers
+            os._exit(0)
         answers.write(json.dumps({"episode": job["episode"], **answer}) + "\n")
         answers.flush()
+
+
+def _ignore(signum, frame) -> None:
+    pass
 
 
 def _end_with_parent() -> None:

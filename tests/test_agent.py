@@ -19,6 +19,8 @@ import socket
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from test_families import SYNC, plain_logprobs
 from test_grpo import comparable, error_line_of_call, read_metrics, run_grpo
 from test_multi_turn import tools_build  # noqa: F401  (the tiny_tools build, a module fixture)
@@ -90,6 +92,15 @@ def test_a_request_is_read_as_openai_sends_it_and_refused_as_openai_refuses():
     assert request["max_tokens"] == 7 and request["tools"] == [tiny.CALCULATOR_SCHEMA] and request["parse_tools"]
     assert not agent.parse_request(body(tools=[tiny.CALCULATOR_SCHEMA], tool_choice="none"), MODEL)["parse_tools"]
     assert agent.parse_request(body(max_completion_tokens=5, stop="\n"), MODEL)["stop"] == ["\n"]
+    asked = agent.parse_request(body(logprobs=True, top_logprobs=3, response_format={"type": "text"}), MODEL)
+    assert (asked["logprobs"], asked["top_logprobs"]) == (True, 3)
+    plain = agent.parse_request(body(logit_bias={}, modalities=["text"], parallel_tool_calls=False), MODEL)
+    assert (plain["logprobs"], plain["top_logprobs"]) == (False, 0)
+    deep = "[" * 100_000 + "]" * 100_000  # tool call arguments nested past Python's recursion limit: kept as sent
+    nested = [*messages[:2], {"role": "assistant", "tool_calls": [{"function": {"name": "f", "arguments": deep}}]}]
+    assert agent.parse_request(body(messages=nested), MODEL)["messages"][2]["tool_calls"][0]["function"] == {
+        "name": "f", "arguments": deep
+    }  # fmt: skip
     cases = {
         b'{"model": "tiny_tools", "messages": [': (400, "invalid_json"),
         b"[1, 2]": (400, "invalid_request"),
@@ -106,9 +117,129 @@ def test_a_request_is_read_as_openai_sends_it_and_refused_as_openai_refuses():
         ),
         body(tools=[{"type": "function", "function": {"description": "no name"}}]): (400, "invalid_tools"),
         body(max_tokens=0): (400, "invalid"),
+        b"[" * 100_000 + b"]" * 100_000: (400, "invalid_json"),  # nested past Python's recursion limit
+        body(response_format="json"): (400, "unsupported"),
+        body(tools=[1, "calculator"]): (400, "invalid_tools"),
+        body(functions=[{"name": "f", "parameters": {}}]): (400, "unsupported"),
+        body(logit_bias={"5": -100}): (400, "unsupported"),
+        body(modalities=["text", "audio"]): (400, "unsupported"),
+        body(top_logprobs=2): (400, "invalid"),  # without logprobs: true
+        body(logprobs="yes"): (400, "invalid"),
     }
     for raw, expected in cases.items():
         assert refusal(raw) == expected, raw
+
+
+SCALAR = st.none() | st.booleans() | st.integers(-3, 30) | st.floats(allow_nan=False) | st.text(max_size=8)
+JSON = SCALAR | st.recursive(
+    SCALAR,
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=8), inner, max_size=3),
+    max_leaves=12,
+)
+VALID = {  # values each field accepts: an example holds some of them, and JSON of any shape in one field
+    "messages": [[{"role": "user", "content": "2 + 3?"}]], "tools": [[tiny.CALCULATOR_SCHEMA]],
+    "tool_choice": ["auto", "none"], "response_format": [{"type": "text"}], "n": [1], "stream": [False],
+    "stop": ["\n", ["a", "b"]], "max_tokens": [1, 7], "max_completion_tokens": [5], "logprobs": [True, False],
+    "top_logprobs": [None], "logit_bias": [{}], "functions": [[]], "modalities": [["text"]], "audio": [None],
+}  # fmt: skip
+CALLS = st.lists(st.fixed_dictionaries({"id": JSON, "type": JSON, "function": st.fixed_dictionaries(
+    {"name": st.text(max_size=8) | JSON}, optional={"arguments": st.text(max_size=16) | JSON})}))  # fmt: skip
+PARTS = {  # a field's usual shape, with JSON anywhere inside it
+    "messages": st.lists(st.fixed_dictionaries({"role": st.sampled_from(agent.ROLES) | JSON, "content": JSON},
+                                               optional={"tool_calls": CALLS | JSON, "tool_call_id": JSON,
+                                                         "name": JSON})),
+    "tools": st.lists(st.fixed_dictionaries({"type": st.just("function") | JSON, "function": JSON}) | JSON),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("odd", sorted(VALID))
+@settings(max_examples=60, deadline=None)
+@given(st.fixed_dictionaries({}, optional={key: st.sampled_from(values) for key, values in VALID.items()}), st.data())
+def test_any_request_body_is_read_or_refused_never_raised(odd, fields, data):
+    """Whatever JSON a request holds in a field (each field in turn; the usual shapes with anything inside them
+    too), the others accepted values or absent, so that the field's check is reached: reading it gives a request or
+    an OpenAI-style error (RequestError), never another exception: the engine's thread reads every request, and an
+    exception there would end the run."""
+    fields[odd] = data.draw(PARTS[odd] | JSON if odd in PARTS else JSON)
+    raw = json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "2 + 3?"}], **fields}).encode()
+    try:
+        agent.parse_request(raw, MODEL)
+    except agent.RequestError as e:
+        assert set(e.body["error"]) == {"message", "type", "param", "code"} and 400 <= e.status < 500
+
+
+def test_the_endpoint_answers_what_it_refuses_and_a_late_request_changes_no_outcome(tokenizer):
+    """The engine's thread (Endpoint.serve) takes requests it must refuse without raising: a body nested past
+    Python's recursion limit, tools that are not objects, a request whose planning raises what the code did not
+    foresee (here a TypeError: an episode without a budget); each is an OpenAI error to its caller (400, or 500
+    internal_error), and its episode has failed (refused). A request of an episode that has returned its reward (a
+    thread the agent left running) is refused (episode_over) and changes nothing: the episode keeps its reward,
+    whenever that request arrives. Two answers of an episode that each call the tool give the calls different ids
+    (agents match results by id). (No call reaches the engine: a stand-in that holds only its tokenizer.)"""
+    import threading
+    import types
+
+    engine = types.SimpleNamespace(get_tokenizer=lambda: tokenizer)
+    endpoint = agent.Endpoint(engine, model=MODEL, port=0, max_prompt_length=128, max_model_len=208,
+                              max_requests=8, template_kwargs=None)  # fmt: skip
+    row = {"prompt": [{"role": "user", "content": "2 + 3?"}]}
+    returned, deep, bad_tools, unforeseen = (
+        agent.Episode(k, row, budget=80, seed=None, stride=4, sampling={}) for k in range(4)
+    )
+    returned.over, returned.reward = True, 1.0  # its worker has answered
+    unforeseen.budget = None  # plan: budget - used raises TypeError
+    endpoint.episodes = {e.id: e for e in (returned, deep, bad_tools, unforeseen)}
+    bodies = {returned: body(), deep: b"[" * 100_000 + b"]" * 100_000, bad_tools: body(tools=[1]), unforeseen: body()}
+    calls = [{"episode": e.id, "body": raw, "done": threading.Event()} for e, raw in bodies.items()]
+    endpoint.inbox = list(calls)
+    try:
+        endpoint.serve()
+    finally:
+        endpoint.close()
+    assert [(c["status"], c["answer"]["error"]["code"]) for c in calls] == [
+        (400, "episode_over"), (400, "invalid_json"), (400, "invalid_tools"), (500, "internal_error")
+    ]  # fmt: skip
+    internal = calls[3]["answer"]["error"]
+    assert internal["type"] == "server_error" and "TypeError" in internal["message"]
+    assert returned.error is None and not returned.refused and returned.reward == 1.0
+    assert deep.refused and deep.error.startswith("refused (400): the request body is not valid JSON")
+    assert bad_tools.refused and bad_tools.error.startswith("refused (400): tools: a list of")
+    assert unforeseen.refused and unforeseen.error.startswith("refused (500): the endpoint could not serve the request")
+    assert not endpoint.running
+    ep = agent.Episode(4, row, budget=80, seed=None, stride=5, sampling={})
+    call_text = '<tool_call>\n{"name": "calculator", "arguments": {"expression": "2 + 3"}}\n</tool_call>'
+    sampled = tokenizer(call_text, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+    messages, ids = list(row["prompt"]), []
+    for _ in range(2):
+        request = agent.parse_request(body(messages=messages, tools=[tiny.CALCULATOR_SCHEMA]), MODEL)
+        call = {"episode": ep.id, "done": threading.Event()}
+        endpoint._reply(call, ep, request, ep.plan(request, tokenizer, LIMITS), sampled, [-0.5] * len(sampled),
+                        "stop", call_text)  # fmt: skip
+        message = call["answer"]["choices"][0]["message"]
+        ids += [c["id"] for c in message["tool_calls"]]
+        messages += [message, {"role": "tool", "tool_call_id": ids[-1], "content": "5"}]
+    assert len(ep.samples) == 1 and len(ep.samples[0].calls) == 2 and len(set(ids)) == 2
+
+
+def test_a_workers_line_is_an_answer_only_when_it_is_its_episodes():
+    """A worker's line is its running episode's answer ({"episode": its id, "reward": a float} or "error": text), or
+    None: another episode's, none running, not JSON (nested past Python's recursion limit too: never an exception in
+    the rank's loop), a reward that is not a number."""
+    row = {"prompt": [{"role": "user", "content": "2 + 3?"}]}
+    running, other = (agent.Episode(k, row, budget=8, seed=None, stride=2, sampling={}) for k in range(2))
+    assert agent._answer(json.dumps({"episode": running.id, "reward": 0.5}), running) == {
+        "episode": running.id, "reward": 0.5
+    }  # fmt: skip
+    assert agent._answer(json.dumps({"episode": running.id, "error": "raised"}), running)["error"] == "raised"
+    not_answers = [
+        json.dumps({"episode": other.id, "reward": 0.5}),
+        json.dumps({"episode": running.id, "reward": "1"}),
+        "not json",
+        "[" * 100_000 + "]" * 100_000,
+        '{"episode": ' * 100_000,
+    ]
+    assert [agent._answer(line, running) for line in not_answers] == [None] * len(not_answers)
+    assert agent._answer(json.dumps({"episode": running.id, "reward": 0.5}), None) is None
 
 
 def test_hermes_calls_become_tool_calls_as_vllms_parser_makes_them():
@@ -131,6 +262,10 @@ def test_hermes_calls_become_tool_calls_as_vllms_parser_makes_them():
         "message": {"role": "assistant", "content": broken}, "finish_reason": "stop"
     }  # fmt: skip
     assert agent.assistant_message(call, "stop", False, specials)["message"] == {"role": "assistant", "content": call}
+    deep = "<tool_call>" + "[" * 100_000 + "</tool_call>"  # the policy's text, nested past Python's recursion limit
+    assert agent.assistant_message(deep, "stop", True, specials) == {
+        "message": {"role": "assistant", "content": deep}, "finish_reason": "stop"
+    }  # fmt: skip
     assert agent.assistant_message("#### 5<|im_start|>", "stop", True, specials)["message"]["content"] == "#### 5"
 
 
@@ -269,6 +404,85 @@ def test_bad_agent_settings_stop_in_one_line(tools_build, tmp_path):  # noqa: F8
     assert not os.path.exists(tmp_path / "never" / "metrics.jsonl")
 
 
+FORKS = """import os, time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def episode(client, row):
+    if row["case"] == "forks":  # a child that returns from the episode too (no os._exit), and answers first
+        if os.fork() == 0:
+            return 0.75
+        time.sleep(1.0)
+        return 0.5
+    if row["case"] == "signalled":
+        open(os.path.join(HERE, "sleeping"), "w").close()
+        time.sleep(2.0)  # the rank's process group gets SIGTERM meanwhile
+    return row["reward"]
+"""
+RANK = """import json, os, signal, sys
+import agent
+
+signal.signal(signal.SIGTERM, lambda *_: print("stop requested", file=sys.stderr))  # as cluster.py's handler
+
+
+class NoCalls:  # the episodes call no endpoint: what EpisodeWorkers.run reads of one
+    running = {}
+
+    def __init__(self):
+        self.wake_read, self.wake_write = os.pipe()
+
+    def serve(self):
+        pass
+
+
+workers = agent.EpisodeWorkers(sys.argv[1], "episode", workers=2, timeout=30.0)
+rows = [{"case": "forks"}, {"case": "signalled", "reward": 1.0}, {"case": "plain", "reward": 0.25},
+        {"case": "plain", "reward": 0.125}, {"case": "plain", "reward": 2.0}]
+episodes = [agent.Episode(k, row, budget=1, seed=None, stride=1, sampling={}) for k, row in enumerate(rows)]
+workers.run([(e, "http://127.0.0.1:9/v1") for e in episodes], NoCalls())
+print(json.dumps([[e.reward, e.error] for e in episodes]))
+workers.close()
+"""
+
+
+def test_episode_workers_answer_by_id_and_outlive_the_ranks_stop_signal(tmp_path):
+    """Episode workers as a rank runs them (tests: no engine, no call): an episode that forks, the child returning
+    from it too, gets its own reward (0.5, the worker's), never the child's, and the run goes on; a SIGTERM to the
+    rank's process group (torchrun forwards its own signals so) mid-episode stops nothing: the rank decides, and the
+    episode in flight gives its reward; every later episode gets its own answer."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    (tmp_path / "forks.py").write_text(FORKS)
+    (tmp_path / "rank.py").write_text(RANK)
+    rank = subprocess.Popen(
+        [sys.executable, str(tmp_path / "rank.py"), str(tmp_path / "forks.py")],
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": ROOT},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,  # a process group of its own, as torchrun starts each rank
+    )
+    try:
+        deadline = time.monotonic() + 60
+        while not (tmp_path / "sleeping").exists() and rank.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        os.killpg(rank.pid, signal.SIGTERM)
+        out, err = rank.communicate(timeout=60)
+    finally:
+        try:
+            os.killpg(rank.pid, signal.SIGKILL)  # the rank and its workers, whatever happened
+        except ProcessLookupError:  # all ended
+            pass
+    assert rank.returncode == 0, err
+    assert json.loads(out) == [[0.5, None], [1.0, None], [0.25, None], [0.125, None], [2.0, None]]
+    assert "stop requested" in err
+
+
 # ------------------------------------------------------------------------------------ one engine, one run
 HOSTILE = '''"""An agent that misbehaves: the first training episodes to start (a counter in a file next to this one,
 shared by both ranks' workers) each do one hostile thing, log what they saw (seen.jsonl) and return 1.0 where they
@@ -394,13 +608,15 @@ REASONS = {  # case -> how its episode's failure reads in the dump (agent_error)
 }
 SHAPES = '''"""Requests as other agents write them (tests/test_agent.py): a system (or developer) message, content as
 text parts, sampling fields set, two drafts at once (one with a stop string), tool_choice none then auto, tool messages
-with their ids, user follow-ups, and a client of its own made from OPENAI_BASE_URL; what it saw in shapes.jsonl."""
+with their ids, user follow-ups, log-probs asked for, and a client of its own made from OPENAI_BASE_URL; every reply
+validated as openai's ChatCompletion type (not only constructed); what it saw in shapes.jsonl."""
 import concurrent.futures
 import json
 import os
 import sys
 
 import openai
+from openai.types.chat import ChatCompletion
 
 sys.path.insert(0, os.path.join(ROOT, "examples"))
 from gsm8k_calculator_agent import CALCULATOR  # noqa: E402
@@ -408,10 +624,19 @@ from gsm8k_calculator_agent import CALCULATOR  # noqa: E402
 LOG = os.path.join(os.path.dirname(os.path.abspath(__file__)), "shapes.jsonl")
 
 
+def _create(client, **request):
+    raw = client.chat.completions.with_raw_response.create(**request)
+    return ChatCompletion.model_validate(raw.http_response.json())  # every field's type checked
+
+
 def _seen(reply):
     choice = reply.choices[0]
+    tokens = choice.logprobs.content if choice.logprobs else None
     return {"finish": choice.finish_reason, "tokens": reply.usage.completion_tokens, "content": choice.message.content,
-            "calls": [c.function.name for c in choice.message.tool_calls or []], "id": reply.id, "object": reply.object}
+            "calls": [c.function.name for c in choice.message.tool_calls or []], "id": reply.id, "object": reply.object,
+            "call_ids": [c.id for c in choice.message.tool_calls or []],
+            "logprobs": None if tokens is None else [t.logprob for t in tokens],
+            "top": None if tokens is None else [[a.logprob for a in t.top_logprobs] for t in tokens]}
 
 
 def episode(client, row):
@@ -425,7 +650,7 @@ def episode(client, row):
               dict(max_tokens=20, stop=["\\n"])]
     with concurrent.futures.ThreadPoolExecutor(2) as pool:  # at once: two samples of the episode
         reply, other = pool.map(
-            lambda kw: own.chat.completions.create(model=model, messages=messages, tools=[CALCULATOR], **kw), drafts
+            lambda kw: _create(own, model=model, messages=messages, tools=[CALCULATOR], **kw), drafts
         )
     seen = [{**_seen(other), "draft": True}]
     for turn in range(3):  # the conversation goes on from the first draft
@@ -438,8 +663,8 @@ def episode(client, row):
             messages.append({"role": "tool", "tool_call_id": call.id, "content": "42"})
         if not choice.message.tool_calls:
             messages.append({"role": "user", "content": "Use the calculator if you need it."})
-        reply = client.chat.completions.create(model=model, messages=messages, tools=[CALCULATOR],
-                                               tool_choice="auto", max_completion_tokens=30, temperature=1.5)
+        reply = _create(client, model=model, messages=messages, tools=[CALCULATOR], tool_choice="auto",
+                        max_completion_tokens=30, temperature=1.5, logprobs=True, top_logprobs=2)
     with open(LOG, "a") as f:
         f.write(json.dumps(seen) + "\\n")
     return 1.0
@@ -663,9 +888,10 @@ def test_an_agent_run_replays_at_one_rank_with_the_same_update(agent_run):
 def test_requests_as_other_agents_write_them_are_served(agent_run):
     """tests/agent_worker.py's "shapes": a developer or system message, text parts, temperature / top_p / seed /
     max_tokens / stop set, two drafts at once, tool_choice none then auto, tool messages with their ids, user
-    follow-ups, a client of its own: every call answered (chat.completion objects, max_tokens and the stop string
-    honoured), two samples per episode (the drafts; each later call extended the first), each sample's ids the
-    concatenation of its calls, reward 1."""
+    follow-ups, a client of its own: every call answered (chat.completion objects that openai's type validates,
+    max_tokens and the stop string honoured), two samples per episode (the drafts; each later call extended the
+    first), each sample's ids the concatenation of its calls, reward 1. The log-probs it asked for (logprobs,
+    top_logprobs 2) are the very ones recorded for training, each token's two most likely alternatives by rank."""
     root, _, _, engine = agent_run
     samples = engine["shapes"]["samples"]
     assert engine["shapes"]["rewards"] == [1.0] * 8 and [s["episode"] for s in samples] == [0, 0, 1, 1, 2, 2, 3, 3]
@@ -683,3 +909,11 @@ def test_requests_as_other_agents_write_them_are_served(agent_run):
     assert all(r["object"] == "chat.completion" and r["id"].startswith("chatcmpl-") for r in replies)
     assert all(r["finish"] in ("stop", "length", "tool_calls") for r in replies)
     assert all("\n" not in (r["content"] or "") for r in replies if r.get("draft"))  # stop=["\n"]
+    recorded = {(s["episode"], c["call"]): c for s in samples for c in s["calls"]}
+    asked = [r for r in replies if r["logprobs"] is not None]
+    assert len(asked) >= 4 and all(r["logprobs"] is None for r in replies if r.get("draft"))
+    for r in asked:  # chatcmpl-<episode k>-<token>-<call>
+        call = recorded[int(r["id"].split("-")[1]), int(r["id"].split("-")[3])]
+        assert r["logprobs"] == call["logprobs"] and len(r["top"]) == len(call["sampled_ids"]) == r["tokens"]
+        for top, logprob in zip(r["top"], r["logprobs"], strict=True):
+            assert len(top) == 2 and top[0] >= top[1] and top[0] >= logprob
