@@ -508,8 +508,8 @@ def parse_tool_calls(text: str) -> list[dict]:
             if not isinstance(call.get("arguments", {}), dict):
                 raise ValueError("the arguments are not a JSON object")
             calls.append({"name": call["name"], "arguments": call.get("arguments", {})})
-        except ValueError as e:  # json.JSONDecodeError is a ValueError
-            calls.append({"error": f"Invalid tool call: {e}"})
+        except (ValueError, RecursionError) as e:  # json.JSONDecodeError is a ValueError; RecursionError: nested
+            calls.append({"error": f"Invalid tool call: {e}"})  # past Python's depth (the policy's text is input too)
     return calls
 
 

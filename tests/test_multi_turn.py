@@ -145,6 +145,7 @@ def test_hermes_tool_calls_are_parsed_and_malformed_ones_named():
         ('{"arguments": {}}', 'Invalid tool call: expected {"name": "...", "arguments": {...}}'),
         ('["calculator"]', 'Invalid tool call: expected {"name"'),
         ('{"name": "calculator", "arguments": "1 + 2"}', "Invalid tool call: the arguments are not a JSON object"),
+        ("[" * 100_000 + "]" * 100_000, "Invalid tool call: maximum recursion depth"),  # the policy's text is input
     ]:
         (parsed,) = multi_turn.parse_tool_calls(f"<tool_call>{body}</tool_call>")
         assert parsed["error"].startswith(message), parsed
