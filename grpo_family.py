@@ -80,9 +80,9 @@ def check_settings(cfg: dict) -> None:
 
 def loss_part(cfg: dict):
     """The loop's policy term for actor.policy_loss.loss_mode (grpo.choose_parts), its settings checked first:
-    term(logp, old_logp, mb, aggregate) -> (loss, metrics), policy_term with the run's actor keys."""
+    policy_term(actor, logp, old_logp, mb, aggregate) -> (loss, metrics)."""
     check_settings(cfg)
-    return functools.partial(policy_term, cfg["actor"])
+    return policy_term
 
 
 def advantages_part(cfg: dict, gather):

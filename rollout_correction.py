@@ -148,9 +148,9 @@ def bypass_rejection(policy_term, settings: dict):
     """bypass_mode with rollout_rs (veRL's compute_policy_loss_bypass_mode): vLLM's log-probs stand as the old
     ones, and the rejection is taken against the CURRENT policy's log-probs inside the loss, for the policy term
     only (its metrics too); the entropy and KL terms keep the whole response mask. Wraps
-    policy_term(logp, old_logp, mb, aggregate) -> (loss, metrics), mb carrying rollout_logprobs [b, R]."""
+    policy_term(actor, logp, old_logp, mb, aggregate) -> (loss, metrics), mb carrying rollout_logprobs [b, R]."""
 
-    def rejecting_policy_term(logp, old_logp, mb, aggregate):
+    def rejecting_policy_term(actor, logp, old_logp, mb, aggregate):
         kept = rollout_rejection_mask(
             logp.detach(),
             mb["rollout_logprobs"],
@@ -158,7 +158,7 @@ def bypass_rejection(policy_term, settings: dict):
             settings["rollout_rs"],
             settings["rollout_rs_threshold"],
         )  # [b, R]
-        return policy_term(logp, old_logp, {**mb, "response_mask": kept}, aggregate)
+        return policy_term(actor, logp, old_logp, {**mb, "response_mask": kept}, aggregate)
 
     return rejecting_policy_term
 

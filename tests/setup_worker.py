@@ -18,7 +18,8 @@ import config  # noqa: E402
 import grpo  # noqa: E402
 
 checkpoint, config_file, overrides = sys.argv[1], sys.argv[3], sys.argv[4:]
-run = grpo.setup(config.load_config(config_file, overrides))
+cfg = config.load_config(config_file, overrides)
+run = grpo.setup(cfg, grpo.choose_parts(cfg))
 saved = torch.load(os.path.join(checkpoint, "state_rank0.pt"), weights_only=False)["extra"]["rng"]
 print(
     json.dumps(

@@ -1266,7 +1266,7 @@ def test_a_reward_file_must_return_a_finite_number(tmp_path, returned):
         reward_files.RewardFileError,
         match=rf"^custom_reward_function: {path}:compute_score returned .+ for val.jsonl row 5; accepted",
     ):
-        score(row, "text")
+        score(row, "text", {})
 
 
 def test_the_example_reward_file_trains(tiny_build, tmp_path):

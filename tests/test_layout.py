@@ -1,9 +1,13 @@
 """The layout's rules, enforced: every optional feature is a file of its own that enters the loop only in grpo.py's
-set-up (choose_parts and the functions that build the run) and finish, and can be deleted with its key off.
+set-up (choose_parts and the functions that build the run) and finish, and can be deleted with its key off; the
+step's parts are a typed record whose defaults are plain GRPO's.
 
 - Statically (ast): no project module imports a feature file, but grpo.py inside its set-up and finish functions,
   and a feature file imports only the component it extends; no phase of grpo.py (every other function) names a
   feature module or a feature's key.
+- The parts (ast and import): grpo.py imports no feature through importlib; Parts is a dataclass whose every field
+  defaults to a GRPO function or to None (an optional hook); only main builds the parts (choose_parts), and only
+  choose_parts builds a Parts.
 - By deletion: for each feature file, a copy of the tree without it imports grpo and prints the configuration
   (`grpo.py --config tiny.yaml --print-config`), all in one process (the libraries imported once).
 """
@@ -38,10 +42,9 @@ EXTENDS = {"grpo_family": {"losses"}, "rollout_correction": {"losses"}}  # a fea
 SETUP = {  # grpo.py's set-up and finish code: where a feature's file may be imported (feature), its keys read
     "main",
     "choose_parts",
-    "rollout_ranks_parts",
-    "agent_parts",
-    "feature",
     "lora_on",
+    "rollout_ranks_on",
+    "rollout_ranks_run",
     "setup",
     "exact_run",
     "on_policy_shortcut",
@@ -126,6 +129,44 @@ def test_no_phase_names_a_feature_module_or_key():
         assert not names & set(FEATURES), f"grpo.{phase.name} names {names & set(FEATURES)}"
         assert not strings & FEATURE_KEYS, f"grpo.{phase.name} reads {strings & FEATURE_KEYS}"
         assert "feature" not in names, f"grpo.{phase.name} imports a feature's file"
+
+
+def test_the_parts_are_a_typed_record_of_grpos_functions_built_once():
+    """grpo.py imports nothing through importlib (a feature's file is a plain import inside its guard); grpo.Parts is a
+    dataclass, every field typed and defaulting to a function of plain GRPO (grpo.py's or a component's) or to None
+    (an optional hook, guarded where it is called); choose_parts is called by main alone, Parts() by choose_parts
+    alone: no product function falls back to building the parts."""
+    import dataclasses
+
+    import grpo
+
+    tree = modules()["grpo"]
+    assert "importlib" not in imported(tree) and "importlib" not in open(os.path.join(ROOT, "grpo.py")).read()
+    assert dataclasses.is_dataclass(grpo.Parts)
+    fields = dataclasses.fields(grpo.Parts)
+    assert {"pick_groups", "scored_samples", "sample", "score", "advantages", "policy_term"} <= {f.name for f in fields}
+    components = {m: __import__(m) for m in COMPONENTS} | {"grpo": grpo, "data": __import__("data")}
+    for field in fields:
+        assert field.type is not dataclasses.MISSING and field.default is not dataclasses.MISSING, field.name
+        if field.default is None:
+            continue
+        owner = getattr(field.default, "__module__", None)
+        assert owner in components, f"Parts.{field.name} defaults to {field.default!r}, not a GRPO function"
+        assert getattr(components[owner], field.default.__name__) is field.default, field.name
+    defaults = grpo.Parts()
+    for feature in FEATURES:  # no default comes from a feature file
+        assert all(getattr(getattr(defaults, f.name), "__module__", None) != feature for f in fields), feature
+    for name, module in modules().items():
+        for function in (n for n in ast.walk(module) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))):
+            called = {
+                n.func.attr if isinstance(n.func, ast.Attribute) else getattr(n.func, "id", "")
+                for n in ast.walk(function)
+                if isinstance(n, ast.Call)
+            }
+            if "choose_parts" in called:
+                assert (name, function.name) == ("grpo", "main"), f"{name}.{function.name} builds the parts"
+            if "Parts" in called:
+                assert (name, function.name) == ("grpo", "choose_parts"), f"{name}.{function.name} builds a Parts"
 
 
 DELETE = """import contextlib, io, json, os, sys

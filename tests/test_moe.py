@@ -448,7 +448,7 @@ def test_r2_with_lora_replays_the_policys_routing_and_the_reference_keeps_the_ba
     batch = sample_batch()
     overrides = ["actor.router_replay.mode=R2", "model.lora_rank=4", "actor.use_kl_loss=true"]
     cfg = config.load_config(None, [*overrides, "actor.ppo_max_token_len_per_gpu=24", "rollout.n=3"])
-    policy, ref = grpo.load_models(cfg, moe_model, CPU)
+    policy, ref = grpo.load_models(cfg, moe_model, CPU, grpo.choose_parts(cfg).adapter)
     assert ref is policy
     torch.manual_seed(0)
     with torch.no_grad():
