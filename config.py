@@ -28,6 +28,12 @@ SCHEMA = {
         "path": "tiny",
         "param_dtype": ("float32", ("float32", "bfloat16")),
         "activation_checkpointing": False,
+        # veRL's key: every trainer forward on real tokens only, packed (fsdp_train.pack); the padded path is gone
+        "use_remove_padding": (
+            True,
+            "True (packed micro-batches compute the padded path's log-probs on fewer tokens, measured faster in "
+            "every case of bench/packing.py; the padded path was removed)",
+        ),
         "compute_dtype": ("float32", ("float32", "bfloat16", "float16")),
         "tiny_seed": (0, GE0),
         # LoRA, veRL's keys (actor_rollout_ref.model.*): docs/features.md "LoRA"

@@ -52,8 +52,10 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
 from torch.utils.checkpoint import checkpoint
-from transformers import AutoConfig, AutoModelForCausalLM
+from transformers import AttentionInterface, AutoConfig, AutoModelForCausalLM
 from transformers.core_model_loading import revert_weight_conversion
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+from transformers.utils import is_flash_attn_2_available
 
 CORE_LAYOUTS = {"input_ids": ("token", 0), "attention_mask": ("token", 0)}  # (layout, fill); a field's: add_fields
 
@@ -113,7 +115,8 @@ def load_model(
     The full model is never materialised on every rank: all ranks build it on the meta device,
     shard it, allocate only their shards, and rank 0 reads the checkpoint and broadcasts it
     parameter by parameter. Tied embeddings stay tied (one parameter). compute_dtype (e.g. bf16 on
-    GPU, as veRL) keeps `param_dtype` master weights and casts for the forward/backward only.
+    GPU, as veRL) keeps `param_dtype` master weights and casts for the forward/backward only. Its attention is
+    attention_implementation(compute_dtype): one that runs a packed row (pack) exactly and on its real pairs only.
     Raises UnsupportedModel (one line) for a model it cannot train (trainer_model_class,
     decoder_layers) or whose logits the log-prob path does not reproduce (check_logits_fn).
 
@@ -124,8 +127,9 @@ def load_model(
     head(model) -> (rule, function hidden [n, h] -> logits [n, V]): a model family's logits when its forward
     does more than the output embedding (logit_rules.logits_head), kept as model.logits_head.
     """
-    model_class, model = _empty_model(path, param_dtype)  # an unsupported model stops here, before any weight
     compute_dtype = compute_dtype or param_dtype
+    attention = attention_implementation(compute_dtype)  # flash_attention_2 on a GPU that has it, else varlen_attention
+    model_class, model = _empty_model(path, param_dtype, attention)  # an unsupported model stops here
     settings, convert, trains = adapt(model) if adapt else (None, None, None)  # e.g. LoRA's layers
     model.adapter_settings = settings
     buffers = {name: b.clone() for name, b in model.named_buffers()}
@@ -155,14 +159,14 @@ def load_model(
     return model
 
 
-def _empty_model(path: str, dtype: torch.dtype) -> tuple[type, torch.nn.Module]:
+def _empty_model(path: str, dtype: torch.dtype, attention: str = "sdpa") -> tuple[type, torch.nn.Module]:
     """(the trainer's class for the model, the model with its parameters on the meta device and its small buffers
-    (RoPE) real): built without dropout, holding the checkpoint's config and the names the push uses
-    (model.checkpoint_names, model.checkpoint_split)."""
+    (RoPE) real): built without dropout, with the attention implementation `attention` (attention_implementation),
+    holding the checkpoint's config and the names the push uses (model.checkpoint_names, model.checkpoint_split)."""
     config = AutoConfig.from_pretrained(path)
     model_class = trainer_model_class(path, config)
     with init_empty_weights(include_buffers=False):
-        model = model_class._from_config(without_dropout(config), dtype=dtype)
+        model = model_class._from_config(without_dropout(config), dtype=dtype, attn_implementation=attention)
     model.config = config  # the checkpoint's keys (export_hf writes them); the modules were built without dropout
     model.tie_weights()  # init_empty_weights re-registers parameters, which unties lm_head from embed_tokens
     model.checkpoint_names, model.checkpoint_split = checkpoint_names(model)
@@ -404,22 +408,21 @@ def select(batch: dict[str, torch.Tensor], rows: list[int]) -> dict[str, torch.T
 
 
 def micro_batches(batch: dict[str, torch.Tensor], max_tokens: int, num_groups: int = 0) -> list[list[int]]:
-    """Row groups of at most `max_tokens` padded tokens each (veRL's ppo_max_token_len_per_gpu; a
-    longer row gets a group of its own), rows sorted by length so that padding stays small. With
-    num_groups, the largest groups are split (then empty groups [] added) to reach exactly that many."""
-    p_width = batch["input_ids"].shape[1] - batch["response_mask"].shape[1]
-    p_lens = batch["attention_mask"][:, :p_width].sum(-1).tolist()
-    r_lens = batch["attention_mask"][:, p_width:].sum(-1).tolist()  # every token, also those a mask leaves out
-    order = sorted(range(len(p_lens)), key=lambda i: -(p_lens[i] + r_lens[i]))
-    groups, p_max, r_max = [], 0, 0
+    """Row groups of at most `max_tokens` REAL tokens each (veRL's dynamic batch size: ppo_max_token_len_per_gpu
+    counts the tokens a packed micro-batch computes on; a longer row gets a group of its own). Rows are taken
+    longest first, so a group's rows are of similar lengths: where attention pads each sequence to its group's
+    longest (varlen_attention), little is padded. With num_groups, the largest groups are split (then empty
+    groups [] added) to reach exactly that many. E.g. rows of 5, 9, 3, 7 tokens, max_tokens 12: [[1], [3, 0], [2]]."""
+    lengths = batch["attention_mask"].sum(-1).tolist()  # every token, also those a mask leaves out
+    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
+    groups, total = [], 0
     for i in order:
-        p_new, r_new = max(p_max, p_lens[i]), max(r_max, r_lens[i])
-        if groups and (len(groups[-1]) + 1) * (p_new + r_new) <= max_tokens:
+        if groups and total + lengths[i] <= max_tokens:
             groups[-1].append(i)
-            p_max, r_max = p_new, r_new
+            total += lengths[i]
         else:
             groups.append([i])
-            p_max, r_max = p_lens[i], r_lens[i]
+            total = lengths[i]
     while len(groups) < num_groups and max(map(len, groups), default=0) > 1:
         big = max(groups, key=len)
         groups.remove(big)
@@ -451,13 +454,218 @@ def token_logprobs(
         return logp, entropy_fn(logits)  # [n]
 
 
+# ------------------------------------------------------------------------- packed micro-batches
+# Every trainer forward computes on real tokens only (veRL's use_remove_padding): a micro-batch's rows are packed
+# into one row of T = sum of their lengths tokens; positions restart at 0 for each row; attention stays within a
+# row (varlen); the head runs only where a response token is predicted. One micro-batch of 3 rows (P prompt,
+# R response, . padding; ^ where the head runs: each position predicts the next token of its row):
+#
+#   padded [3, 9]:  . . P P | R R R . .        packed [1, 16]:  P P R R R | P P P P R R R R | P R R
+#                   P P P P | R R R R .        positions:       0 1 2 3 4 | 0 1 2 3 4 5 6 7 | 0 1 2
+#                   . . . P | R R . . .        head at:           ^ ^ ^   |       ^ ^ ^ ^   | ^ ^
+VARLEN_ATTENTION = "flatgrpo_varlen"  # varlen_attention's name in transformers' AttentionInterface
+FLASH_VARLEN = ("flash_attention_2", "flash_attention_3")  # transformers' FlashAttention: varlen through cu_seq_lens
+
+
+def pack(mb: dict[str, torch.Tensor], packs_sequences: bool = True) -> dict:
+    """A micro-batch's real tokens as ONE row, as veRL's use_remove_padding feeds its model (response_logprobs
+    reads it). mb: input_ids, attention_mask [b, P + R] (prompt left-padded, response right-padded), response_mask
+    [b, R]. Returns:
+        input_ids, position_ids [1, T]   the T real tokens, row after row; positions restart at 0 in each row
+        attention_mask None
+        varlen                           where the rows start: cu_seq_lens_q/k [b + 1] (int32: 0, the cumulative
+                                         lengths), max_length_q/k (the longest), transformers' varlen arguments
+        predict [N], targets [N]         the positions (in input_ids flattened) that predict a token of the
+                                         response mask, and that token (the position before it in its row)
+        scored [b, R] (bool)             where those N tokens sit among the micro-batch's response columns
+    E.g. input_ids [[0, 5, 6, 8, 0], [7, 8, 9, 10, 11]] (P = 3, R = 2), attention_mask [[0, 1, 1, 1, 0], [1] * 5],
+    response_mask [[1, 0], [1, 1]] -> input_ids [[5, 6, 8, 7, 8, 9, 10, 11]], position_ids [[0, 1, 2, 0, 1, 2, 3,
+    4]], cu_seq_lens_q [0, 3, 8], max_length_q 5, predict [1, 5, 6], targets [8, 10, 11].
+    packs_sequences=False (a model whose layers carry state along a row, packs_exactly): the rows right-padded
+    instead, [b, L] (L the longest row) with their attention_mask and no varlen: [[5, 6, 8, 0, 0], [7, 8, 9, 10,
+    11]], predict [1, 7, 8]. Raises ValueError for a response token that is its row's first (an empty prompt)."""
+    real = mb["attention_mask"].bool()  # [b, P + R]
+    lengths = real.sum(-1)  # [b]
+    position = real.cumsum(-1) - 1  # [b, P + R]: each real token's position in its row, as vLLM numbers them
+    rows, length = real.shape[0], int(lengths.max())
+    if packs_sequences:  # each real token's index in the packed row [1, T]
+        place, shape = real.flatten().cumsum(0).view_as(real) - 1, (1, int(lengths.sum()))
+    else:  # in the right-padded rows [b, L], flattened
+        place, shape = torch.arange(rows)[:, None] * length + position, (rows, length)
+    r_width = mb["response_mask"].shape[1]
+    scored = (mb["response_mask"] > 0) & real[:, -r_width:]  # [b, R]
+    if (position[:, -r_width:][scored] < 1).any():
+        raise ValueError("pack: a response token is the first token of its row (an empty prompt): nothing predicts it")
+
+    def laid_out(values):  # [b, P + R] -> shape, each real token's value at its place, 0 elsewhere
+        return values.new_zeros(shape).flatten().index_put((place[real],), values[real]).view(shape)
+
+    cu_seq_lens = torch.nn.functional.pad(lengths.cumsum(0), (1, 0)).to(torch.int32)  # [b + 1]
+    return {
+        "input_ids": laid_out(mb["input_ids"]),
+        "position_ids": laid_out(position),
+        "attention_mask": None if packs_sequences else laid_out(mb["attention_mask"]),
+        "varlen": dict(cu_seq_lens_q=cu_seq_lens, cu_seq_lens_k=cu_seq_lens, max_length_q=length, max_length_k=length)
+        if packs_sequences
+        else {},
+        "predict": place[:, -r_width:][scored] - 1,  # [N]
+        "targets": mb["input_ids"][:, -r_width:][scored],  # [N]
+        "scored": scored,  # [b, R]
+    }
+
+
+@torch.no_grad()
+def packs_exactly(model) -> bool:
+    """Start-up probe: do two sequences packed into one row stay apart in this model? The logits of a sequence
+    packed after another must not move when that other one's tokens change (to 8 roundings; attention-only models:
+    bit for bit). A layer that carries state along the row (Mamba, a linear-attention recurrence: Falcon-H1,
+    Jamba, Qwen3-Next, ...) carries the first sequence into the second; such a model runs its micro-batches as
+    right-padded rows instead (pack). Collective under FSDP2 (the verdict all-reduced)."""
+    vocab = model.config.get_text_config().vocab_size
+    second = [(3 + 11 * i) % vocab for i in range(6)]
+    firsts = [(7 + 13 * i) % vocab for i in range(5)], [(5 + 17 * i) % vocab for i in range(5)]
+    was_training = model.training
+    model.eval()
+    try:  # [6, V] each: the second sequence's logits
+        logits = [_packed_logits(model, [first, second])[0, 5:].double() for first in firsts]
+    finally:
+        model.train(was_training)
+    if hasattr(model, "reshard"):
+        model.reshard()  # FSDP2 keeps the root unsharded after a no-grad forward
+    moved = (logits[0] - logits[1]).abs().max().item()
+    if dist.is_initialized():  # every rank the same verdict (a model used outside a process group: its own)
+        moved = all_reduce(moved, op=dist.ReduceOp.MAX)
+    return moved <= 8 * torch.finfo(torch.float32).eps * logits[0].abs().max().item()
+
+
+def _packed_logits(model, sequences: list[list[int]]) -> torch.Tensor:
+    """trainer_logits [1, T, V] of the token sequences packed into one row (pack)."""
+    device = next(model.parameters()).device
+    packed = pack(make_batch(sequences, [[]] * len(sequences), pad_id=0))
+    varlen = {k: v.to(device) if torch.is_tensor(v) else v for k, v in packed["varlen"].items()}
+    return model.trainer_logits(packed["input_ids"].to(device), packed["position_ids"].to(device), **varlen)
+
+
+def attention_implementation(compute_dtype: torch.dtype) -> str:
+    """The attention a trainer model is built with: FlashAttention 2 (transformers' flash_attention_2, varlen through
+    cu_seq_lens) on a GPU where flash-attn is installed and the compute is 16-bit; else varlen_attention (CPU, a GPU
+    without flash-attn, fp32 runs: FlashAttention computes in 16 bits only)."""
+    flash = torch.cuda.is_available() and is_flash_attn_2_available()
+    return "flash_attention_2" if flash and compute_dtype in (torch.bfloat16, torch.float16) else VARLEN_ATTENTION
+
+
+def use_varlen_attention(model) -> None:
+    """Give a model whose attention cannot take a packed row's varlen arguments varlen_attention. load_model builds
+    its models so; one built elsewhere (transformers' from_pretrained: sdpa) is switched on its first packed
+    forward (sdpa and eager would be exact too, through transformers' packed mask, but at T^2 pairs per layer)."""
+    decoder = model.get_decoder()
+    if decoder.config._attn_implementation not in (VARLEN_ATTENTION, *FLASH_VARLEN):
+        decoder.set_attn_implementation(VARLEN_ATTENTION)
+
+
+def varlen_attention(
+    module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+    cu_seq_lens_q: torch.Tensor | None = None,
+    max_length_q: int | None = None,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
+    """transformers' attention function (AttentionInterface) for packed rows where FlashAttention does not run:
+    everything else of the model runs on the T packed tokens; only attention pads, each sequence to the longest.
+
+    query [1, H, T, d], key and value [1, K, T, d] (K key-value heads), cu_seq_lens_q [n + 1], max_length_q L
+    -> [1, T, H, d]. The n sequences are scattered into right-padded [n, H, L, d], attention runs causal in each
+    (causal_attention: SDPA, or the soft-capped formula), and the real positions are gathered back. A real query at
+    position p sees keys 0..p of its own sequence only (every padded key comes after its real ones); padded queries
+    are dropped, so they get no gradient. Cost: about n * L^2 / 2 (query, key) pairs per head, against T^2 for a
+    packed row under transformers' SDPA mask (its kernels visit every masked tile) and b * W^2 for the padded
+    batch [b, W] (W = longest prompt + longest response). Sequences of one length (T = n * L) need no copy.
+    sliding_window, softcap: the family's (Mistral's, Gemma's windows; Gemma 2's attention soft-cap), honoured as
+    FlashAttention honours them. Without cu_seq_lens_q (a plain forward: check_logits_fn's probe, a padded batch
+    with transformers' 4-D mask, _varlen_mask) each row is one sequence."""
+    if cu_seq_lens_q is None:
+        _refuse_unmarked_packing(attention_mask, kwargs.get("position_ids"))
+        out = causal_attention(module, query, key, value, attention_mask, dropout, scaling, sliding_window, softcap)
+        return out.transpose(1, 2), None  # [b, s, H, d]
+    heads, tokens, d = query.shape[1:]
+    n, length = cu_seq_lens_q.numel() - 1, max_length_q
+    if tokens == n * length:  # every sequence of one length: [1, h, n * L, d] is already [n, h, L, d]
+        q, k, v = (x[0].unflatten(1, (n, length)).transpose(0, 1) for x in (query, key, value))
+        out = causal_attention(module, q, k, v, None, dropout, scaling, sliding_window, softcap)  # [n, H, L, d]
+        return out.transpose(0, 1).flatten(1, 2)[None].transpose(1, 2), None  # [1, T, H, d]
+    sequence = torch.repeat_interleave(
+        torch.arange(n, device=query.device), cu_seq_lens_q.diff(), output_size=tokens
+    )  # [T]: each token's sequence
+    slot = sequence * length + torch.arange(tokens, device=query.device) - cu_seq_lens_q[sequence]  # [T]
+
+    def padded(x):  # [1, h, T, d] -> [n, h, L, d]
+        out = x.new_zeros(n * length, x.shape[1], d)  # [n * L, h, d]
+        out[slot] = x[0].transpose(0, 1)
+        return out.view(n, length, -1, d).transpose(1, 2)
+
+    q, k, v = padded(query), padded(key), padded(value)
+    out = causal_attention(module, q, k, v, None, dropout, scaling, sliding_window, softcap)  # [n, H, L, d]
+    return out.transpose(1, 2).reshape(n * length, heads, d)[slot][None], None  # [1, T, H, d]
+
+
+def causal_attention(module, q, k, v, mask, dropout: float, scaling, sliding_window, softcap) -> torch.Tensor:
+    """Attention of rows [n, H, L, d] (keys and values [n, K, L, d]) -> [n, H, L, d]: within each row, causal and
+    within the sliding window (a query at p sees keys p - window < k <= p, transformers' convention), or as the 4-D
+    mask says (mask [n or 1, 1, L, L], True: attend). Soft-capped scores (softcap * tanh(s / softcap), Gemma 2) have no
+    fused kernel: the eager formula then, as transformers' eager attention; otherwise PyTorch's SDPA."""
+    length, groups = q.shape[2], q.shape[1] // k.shape[1]
+    scaling = scaling if scaling is not None else q.shape[-1] ** -0.5
+    if mask is None and (softcap is not None or (sliding_window is not None and length > sliding_window)):
+        i = torch.arange(length, device=q.device)
+        mask = (i[None, :] <= i[:, None]) & (i[None, :] > i[:, None] - (sliding_window or length))  # [L, L]
+    if softcap is None:
+        if mask is not None and groups > 1:  # SDPA's grouped-query path takes no mask on every device
+            k, v = k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1)
+        return torch.nn.functional.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, dropout_p=dropout, scale=scaling, is_causal=mask is None, enable_gqa=groups > 1
+        )
+    k, v = k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1)  # [n, H, L, d]
+    scores = torch.tanh(q @ k.transpose(-1, -2) * scaling / softcap) * softcap  # [n, H, L, L]
+    scores = scores.masked_fill(~mask, torch.finfo(scores.dtype).min)
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+    return torch.nn.functional.dropout(probs, p=dropout, training=module.training) @ v
+
+
+def _refuse_unmarked_packing(attention_mask, position_ids) -> None:
+    """A row whose positions restart (packed) reaching varlen_attention without cu_seq_lens would attend across its
+    sequences: stop it (ValueError)."""
+    if attention_mask is None and position_ids is not None and (position_ids.diff(dim=-1) != 1).any():
+        raise ValueError(
+            "varlen_attention: a packed row (restarting position_ids) without cu_seq_lens_q/k and max_length_q/k "
+            "would attend across its sequences; pass them (fsdp_train.pack)"
+        )
+
+
+def _varlen_mask(*args, attention_mask: torch.Tensor | None = None, **kwargs) -> torch.Tensor | None:
+    """The mask transformers builds for varlen_attention (AttentionMaskInterface): none without a 2-D padding mask
+    (a packed row: cu_seq_lens delimit its sequences; a plain batch: causal), else SDPA's 4-D one."""
+    return None if attention_mask is None else sdpa_mask(*args, attention_mask=attention_mask, **kwargs)
+
+
+AttentionInterface.register(VARLEN_ATTENTION, varlen_attention)
+AttentionMaskInterface.register(VARLEN_ATTENTION, _varlen_mask)
+
+
 # ------------------------------------------------------------------------------ log-probs
-def final_hidden(model, input_ids: torch.Tensor, attention_mask=None, position_ids=None) -> torch.Tensor:
+def final_hidden(model, input_ids: torch.Tensor, attention_mask=None, position_ids=None, **varlen) -> torch.Tensor:
     """The decoder's final hidden states [b, s, h] (after its last norm); the decoder is transformers'
-    get_decoder(). input_ids, attention_mask, position_ids [b, s]."""
+    get_decoder(). input_ids, attention_mask, position_ids [b, s]; varlen: a packed row's cu_seq_lens_q/k and
+    max_length_q/k (pack), which transformers hands to the attention function."""
     decoder = model.get_decoder()
     return decoder(
-        input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
+        input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False, **varlen
     ).last_hidden_state
 
 
@@ -507,19 +715,17 @@ def chunked_logprobs(
 
 def response_logprobs(
     model,
-    input_ids: torch.Tensor,
-    attention_mask: torch.Tensor,
-    position_ids: torch.Tensor,
-    r_width: int,
+    packed: dict,
     temperature: float,
     entropy_fn=None,
     entropy_grad: bool = True,
     chunk_size: int = LOGPROB_CHUNK,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Log-probs [b, R] of the last r_width tokens (the response) and their entropy [b, R] or None:
-    the decoder's final hidden states, then chunked_logprobs over the b * R response positions with the
-    model's head (logits_head: the output embedding, or a family's rule for its logits; nothing
-    on the prompt; position t predicts token t + 1).
+    """Log-probs [b, R] of a packed micro-batch's response tokens (pack) and their entropy [b, R] or None, 0
+    outside the response mask: the decoder on the packed row's T real tokens (each sequence attends to its own
+    tokens only: the varlen arguments reach the attention function), then chunked_logprobs with the model's head
+    (logits_head: the output embedding, or a family's rule for its logits) at the N positions that predict a
+    response token only (nothing on the prompt, nothing on padding).
 
     Under FSDP2 this must run as a forward of the ROOT module: the root's pre-forward unshards the
     parameters it owns (embed_tokens, the final norm, lm_head) and its backward hooks reduce-scatter their
@@ -527,27 +733,32 @@ def response_logprobs(
     method of the model on first use, registered with FSDP2 (add_logprob_forward); call it as
     model.response_logprobs(...).
     """
-    hidden = final_hidden(model, input_ids, attention_mask, position_ids)  # [b, P + R, h]
-    hidden = hidden[:, -r_width - 1 : -1]  # [b, R, h]: the positions that predict the response tokens
-    b, h = hidden.shape[0], hidden.shape[-1]
+    hidden = final_hidden(
+        model, packed["input_ids"], packed["attention_mask"], packed["position_ids"], **packed["varlen"]
+    )  # [1, T, h] (right-padded rows: [b, L, h])
     logp, entropy = chunked_logprobs(
-        hidden.reshape(b * r_width, h),
-        input_ids[:, -r_width:].reshape(-1),
+        hidden.flatten(0, 1)[packed["predict"]],  # [N, h]: the positions that predict the response tokens
+        packed["targets"],
         logits_head(model),
         temperature,
         chunk_size,
         entropy_fn,
         entropy_grad,
-    )  # [b * R]
-    # [b, R]; copies, not views: FSDP2 hooks the outputs for its backward, and a view invites in-place edits
-    return logp.view(b, r_width).clone(), (entropy.view(b, r_width).clone() if entropy is not None else None)
+    )  # [N]
+    return unpack(logp, packed["scored"]), (unpack(entropy, packed["scored"]) if entropy is not None else None)
 
 
-def trainer_logits(model, input_ids: torch.Tensor) -> torch.Tensor:
+def unpack(values: torch.Tensor, scored: torch.Tensor) -> torch.Tensor:
+    """values [N] at the True entries of scored [b, R] (row by row), 0 elsewhere -> [b, R]. A new tensor (FSDP2
+    hooks a forward's outputs for its backward; a view would invite in-place edits)."""
+    return torch.zeros(scored.shape, dtype=values.dtype, device=values.device).masked_scatter(scored, values)
+
+
+def trainer_logits(model, input_ids: torch.Tensor, position_ids=None, **varlen) -> torch.Tensor:
     """The logits [b, s, V] of the log-prob path, unchunked: final_hidden, then logits_head (input_ids
-    [b, s], no padding). For check_logits_fn and the tests; a forward method of the model like
-    response_logprobs."""
-    return logits_head(model)(final_hidden(model, input_ids))
+    [b, s], no padding; or a packed row, its position_ids and varlen arguments: pack). For check_logits_fn,
+    packs_exactly and the tests; a forward method of the model like response_logprobs."""
+    return logits_head(model)(final_hidden(model, input_ids, position_ids=position_ids, **varlen))
 
 
 def logits_head(model) -> Callable[[torch.Tensor], torch.Tensor]:
@@ -558,10 +769,14 @@ def logits_head(model) -> Callable[[torch.Tensor], torch.Tensor]:
 
 def add_logprob_forward(model) -> None:
     """Give the model its response_logprobs and trainer_logits methods; FSDP2 then runs them like forward
-    (for a plain module the registration does nothing)."""
+    (for a plain module the registration does nothing). Its attention becomes varlen if it is not
+    (use_varlen_attention), and model.packs_sequences says whether packed rows stay apart in it (packs_exactly).
+    load_model does this at load (check_logits_fn); _forward on first use for a model built elsewhere."""
+    use_varlen_attention(model)
     for name, fn in (("response_logprobs", response_logprobs), ("trainer_logits", trainer_logits)):
         setattr(model, name, types.MethodType(fn, model))
         register_fsdp_forward_method(model, name)
+    model.packs_sequences = packs_exactly(model)
 
 
 PROBE_LOGIT = 1000.0  # check_logits_fn scales the output embedding's logits to this size
@@ -646,20 +861,11 @@ def _forward(
     entropy_grad: bool = True,
     chunk_size: int = LOGPROB_CHUNK,
 ):
-    """Response log-probs [b, R] (and entropy [b, R] or None) of a micro-batch."""
+    """Response log-probs [b, R] (and entropy [b, R] or None) of a micro-batch, 0 outside its response mask: its
+    real tokens packed into one row (pack), through the model's packed forward (response_logprobs)."""
     if not hasattr(model, "response_logprobs"):  # first use: attach it, FSDP2-registered
         add_logprob_forward(model)
-    position_ids = (mb["attention_mask"].cumsum(-1) - 1).clamp(min=0)  # [b, P + R], as vLLM counts
-    return model.response_logprobs(
-        mb["input_ids"],
-        mb["attention_mask"],
-        position_ids,
-        mb["response_mask"].shape[1],
-        temperature,
-        entropy_fn,
-        entropy_grad,
-        chunk_size,
-    )
+    return model.response_logprobs(pack(mb, model.packs_sequences), temperature, entropy_fn, entropy_grad, chunk_size)
 
 
 def _device_batch(model, batch, rows, device):

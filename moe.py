@@ -23,8 +23,10 @@ renormalised when the family does), so the router's weights still get their grad
 
 Routing layout, veRL's and vLLM's: routed_experts [B, P + R, L, k] aligned with input_ids (left-padded prompt,
 right-padded response), -1 where no routing is given (padding; the last sampled token, which vLLM never ran).
-A token without routing keeps its own top-k. Metrics: the share of (token, layer) pairs whose own top-k differs
-from the routing given, and the share of tokens with at least one such layer, per pass (routing_metrics).
+The trainer's forwards run the real tokens only, packed (fsdp_train.pack): a micro-batch's routing is taken at its
+real tokens, row after row, and recorded back at their columns. A token without routing keeps its own top-k.
+Metrics: the share of (token, layer) pairs whose own top-k differs from the routing given, and the share of tokens
+with at least one such layer, per pass (routing_metrics).
 
 Activation checkpointing: the backward recomputes each layer; the router's recomputation returns the experts the
 forward used (the same tensors), so the recomputation routes exactly as the forward did, replay or not (a
@@ -87,11 +89,12 @@ def check_settings(cfg: dict) -> None:
 
 @dataclass
 class Routing:
-    """A model's routing state (model.moe_routing). given: the micro-batch's routing [b * s, L, k] (-1: none) or None;
-    used: layer -> the experts [N, k] its router used in this forward (what the recomputation returns); record, where:
-    the batch's routing being recorded (R2) [B, P + R, L, k] and this micro-batch's (rows, first column, width);
-    differ: this forward's tokens [N] with a layer whose own top-k differs from the given; sums: (pairs that differ,
-    pairs given, tokens that differ, tokens given) since the last take_sums."""
+    """A model's routing state (model.moe_routing). given: the micro-batch's routing at its T real tokens [T, L, k]
+    (-1: none) or None; used: layer -> the experts [N, k] its router used in this forward (what the recomputation
+    returns); record, where: the batch's routing being recorded (R2) [B, P + R, L, k] and this micro-batch's (rows,
+    first column, its real tokens [b, s]); differ: this forward's tokens [N] with a layer whose own top-k differs
+    from the given; sums: (pairs that differ, pairs given, tokens that differ, tokens given) since the last
+    take_sums."""
 
     num_layers: int
     top_k: int
@@ -177,14 +180,16 @@ def _end_forward(state: Routing) -> None:
 
 
 def _next_micro_batch(state: Routing, batch: dict, rows: list[int], mb: dict) -> None:
-    """The micro-batch's routing (mb: its rows of the batch, the padding columns they share trimmed, routed_experts
-    with input_ids: fsdp_train.select), flattened to [b * s, L, k]; and where its R2 recording goes among the
-    batch's columns. An empty micro-batch (a rank's padding forward) gets none."""
-    b, s = mb["input_ids"].shape
-    start = batch["input_ids"].shape[1] - batch["response_mask"].shape[1] - (s - mb["response_mask"].shape[1])
-    state.where = (rows, start, s) if rows and state.record is not None else None
+    """The micro-batch's routing at its real tokens, row after row as the trainer's packed forward runs them
+    (fsdp_train.pack): [T, L, k] (mb: its rows of the batch, the padding columns they share trimmed, routed_experts
+    with input_ids: fsdp_train.select); and where its R2 recording goes among the batch's columns. An empty
+    micro-batch (a rank's padding forward) gets none."""
+    real = mb["attention_mask"].bool()  # [b, s]
+    p_width, mb_p_width = (x["input_ids"].shape[1] - x["response_mask"].shape[1] for x in (batch, mb))
+    start = p_width - mb_p_width  # the micro-batch's first column among the batch's
+    state.where = (rows, start, real) if rows and state.record is not None else None
     given = mb.get("routed_experts") if rows else None
-    state.given = None if given is None else given.reshape(b * s, state.num_layers, -1)
+    state.given = None if given is None else given[real]  # [T, L, k]
 
 
 def _route_hook(state: Routing, layer: int, renormalised_when: str):
@@ -198,9 +203,11 @@ def _route_hook(state: Routing, layer: int, renormalised_when: str):
         else:
             experts = own if state.given is None else _compare(state, layer, own)
             state.used[layer] = experts
-            if state.where is not None:  # R2: record what the old-log-prob pass used
-                rows, start, s = state.where
-                state.record[rows, start : start + s, layer] = experts.view(len(rows), s, -1).to(torch.int16).cpu()
+            if state.where is not None:  # R2: record what the old-log-prob pass used, at each real token's column
+                rows, start, real = state.where  # real [b, s]
+                columns = torch.full((*real.shape, experts.shape[-1]), -1, dtype=torch.int16)  # [b, s, k]
+                columns[real] = experts.to(torch.int16).cpu()
+                state.record[rows, start : start + real.shape[1], layer] = columns
         # the weights recomputed whatever the experts: the forward and its recomputation then run the same operations
         renormalise = renormalised_when == "always" or getattr(router, renormalised_when)
         return logits, replayed_weights(logits, experts, renormalise).to(weights.dtype), experts

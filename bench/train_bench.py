@@ -116,7 +116,8 @@ def padding_share() -> None:
     print("padding share on a GSM8K-like step (768 sequences, prompts ~93, responses ~232 tokens):")
     print(f"  whole batch padded to its longest prompt + response   {whole:6.1%}")
     print(f"  fixed micro-batches of 8 rows, arrival order          {fixed:6.1%}")
-    print(f"  token budget 16384, rows grouped by length (ours)     {budget:6.1%}")
+    print(f"  token budget 16384, rows grouped by length, padded    {budget:6.1%}")
+    print(f"  the same groups packed (ours: model.use_remove_padding) {0:6.1%}  (bench/packing.py)")
 
 
 def main():

@@ -35,9 +35,8 @@ def test_micro_batches_respect_the_token_budget_and_cover_every_row():
     batch = ft.make_batch(prompts, responses, pad_id=0)
     groups = ft.micro_batches(batch, max_tokens=200)
     assert sorted(i for grp in groups for i in grp) == list(range(40))
-    for grp in groups:
-        width = max(len(prompts[i]) for i in grp) + max(len(responses[i]) for i in grp)
-        assert len(grp) == 1 or len(grp) * width <= 200
+    for grp in groups:  # the budget counts real tokens (veRL's dynamic batch size)
+        assert len(grp) == 1 or sum(len(prompts[i]) + len(responses[i]) for i in grp) <= 200
     more = ft.micro_batches(batch, max_tokens=200, num_groups=len(groups) + 3)
     assert len(more) == len(groups) + 3 and sorted(i for grp in more for i in grp) == list(range(40))
     tiny = ft.micro_batches(ft.select(batch, [0, 1]), max_tokens=10_000, num_groups=4)
@@ -71,7 +70,7 @@ def test_select_and_micro_batches_keep_real_tokens_that_the_response_mask_leaves
     assert two["input_ids"].tolist() == [[7, 12, 13]] and two["response_mask"].tolist() == [[0, 1]]
     both = ft.select(b, [1, 0])
     assert both["input_ids"].tolist() == [[0, 7, 12, 13, 0, 0], [5, 6, 8, 9, 10, 11]]
-    groups = ft.micro_batches(b, max_tokens=8)  # widths 6 and 3: 2 x 6 > 8, so one row each
+    groups = ft.micro_batches(b, max_tokens=8)  # 6 + 3 real tokens > 8, so one row each
     assert sorted(map(sorted, groups)) == [[0], [1]]
 
 
@@ -161,6 +160,8 @@ def reference_run(model, steps: int, lr: float = 1e-3) -> dict:
         optimizer.zero_grad()
         (pg - ENTROPY_COEF * ent + KL_COEF * kl).backward()
         norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0).item()
+        if step == 1:  # the gradients the optimizer takes (clipped), compared before AdamW transforms them
+            out["grads@1"] = fp32_noise.Flat({n: p.grad.detach().clone() for n, p in model.named_parameters()})
         optimizer.step()
         scheduler.step()
         metrics = {
@@ -200,12 +201,17 @@ def check_run(weights: dict, history: list[dict], reference: tuple[dict, dict], 
             fp32_noise.check(h[key], ref[at], noise[at], f"{what} {at}")
 
 
+def flat_norm(named: dict) -> float:
+    return torch.linalg.norm(fp32_noise.flat(named, named)).item()
+
+
 def max_weight_diff(a: dict, b: dict) -> float:
     return max((a[k].float() - b[k].float()).abs().max().item() for k in b if k in a)
 
 
 def test_two_ranks_one_rank_and_plain_pytorch_agree_with_unequal_micro_batches(random_models, reference, tmp_path):
-    """World sizes 1 and 2 equal the float64 plain run. At 2 ranks the token budget (40) is below the longest
+    """World sizes 1 and 2 equal the float64 plain run (the whole padded batch in one forward): step 1's gradients,
+    every step's metrics, the final weights. At 2 ranks the token budget (40) is below the longest
     rows (41..47 tokens): each gets a micro-batch of its own, and its tokens are in the loss. Every batch has
     response-mask holes (train_worker.global_batch): masked real tokens that still condition later ones."""
     path = random_models["tied"]
@@ -217,6 +223,11 @@ def test_two_ranks_one_rank_and_plain_pytorch_agree_with_unequal_micro_batches(r
     check_run(torch.load(tmp_path / "ws1" / "final_ws1.pt"), one[0]["history"], reference, "world 1")
     check_run(torch.load(tmp_path / "ws2" / "final_ws2.pt"), two[0]["history"], reference, "world 2")
     assert two[0]["history"] == two[1]["history"]  # every rank reports the same global metrics
+    ref, noise = reference
+    for world in (1, 2):  # the packed micro-batches' gradients, before AdamW: the padded whole batch's in float64
+        grads = torch.load(tmp_path / f"ws{world}" / f"grads_ws{world}.pt")
+        assert set(grads) == set(ref["grads@1"]) and flat_norm(grads) > 0
+        fp32_noise.check(grads, ref["grads@1"], noise["grads@1"], f"world {world} step 1 gradients")
 
 
 def test_activation_checkpointing_and_bf16_compute(random_models, reference, tmp_path):

@@ -201,7 +201,7 @@ def test_replay_sends_each_token_to_the_given_experts_weighted_as_its_router_wou
     for mode in ("R3", "disabled"):
         policy = ft.load_model(moe_model, device=CPU, activation_checkpointing=True)
         moe.attach(policy, mode)
-        logp, _ = ft.compute_logprobs(policy, batch, temperature=1.0, max_tokens=24)  # a micro-batch per row
+        logp, _ = ft.compute_logprobs(policy, batch, temperature=1.0, max_tokens=18)  # a micro-batch per row
         assert moe.disagreement(moe.take_sums(policy)) == {"layers": 1.0, "tokens": 1.0}
         if mode == "R3":
             fp32_noise.check(logp, ref["told"], noise["told"], "replayed")
@@ -317,7 +317,7 @@ def sgd_step(model, batch) -> fp32_noise.Flat:
 
     def step():
         optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
-        ft.train_step(model, optimizer, batch, loss_fn, temperature=1.0, max_tokens=24, grad_clip=1e9)
+        ft.train_step(model, optimizer, batch, loss_fn, temperature=1.0, max_tokens=18, grad_clip=1e9)  # row each
 
     return read_back(model, step)
 
@@ -388,29 +388,31 @@ def base_forward(moe_model) -> tuple[dict, dict]:
 
 
 def test_r2_records_the_experts_each_token_used_at_its_own_column(moe_model, base_forward):
-    """R2's recording through fsdp_train.compute_logprobs, a micro-batch per row: each trims other padding
-    (fsdp_train.select), and a response shorter than the batch's longest does not end at the batch's right edge.
-    The recording [B, P + R, L, k] holds at every token the experts transformers' own routers pick for it (top-2 of
-    the float64 model, no near-tie), and -1 at padding."""
+    """R2's recording through fsdp_train.compute_logprobs, a micro-batch per row (each trims other padding:
+    fsdp_train.select; a response shorter than the batch's longest does not end at the batch's right edge), and all
+    rows packed into one micro-batch (the routing of a packed row's tokens goes back to their columns). The
+    recording [B, P + R, L, k] holds at every token the experts transformers' own routers pick for it (top-2 of the
+    float64 model, no near-tie), and -1 at padding."""
     import fsdp_train as ft
     import moe
 
     ft.init_distributed()
     batch = sample_batch()
-    assert sorted(ft.micro_batches(batch, 24)) == [[0], [1], [2]]
+    assert sorted(ft.micro_batches(batch, 18)) == [[0], [1], [2]] and ft.micro_batches(batch, 64) == [[0, 1, 2]]
     assert batch["response_mask"].sum(-1).tolist() == [8, 12, 3]  # two rows trim response padding
     ref, noise = base_forward
     expected = own_experts(ref["probs"], noise["probs"], batch)
     policy = ft.load_model(moe_model, device=CPU)
     moe.attach(policy, "R2")
-    moe.start_recording(policy, batch)
-    logp, _ = ft.compute_logprobs(policy, batch, temperature=1.0, max_tokens=24)
-    got = moe.recorded(policy, batch)
-    real = batch["attention_mask"].bool()
-    shares = [matching(got[row], expected[row], real[row]) for row in range(3)]
-    assert shares == [1.0] * 3, f"each row's recording holds its tokens' own experts at {shares} of (token, layer)"
-    assert (got[~real] == -1).all()
-    fp32_noise.check(logp, ref["logp"], noise["logp"], "recorded pass")  # recording changes nothing
+    for budget in (18, 64):
+        moe.start_recording(policy, batch)
+        logp, _ = ft.compute_logprobs(policy, batch, temperature=1.0, max_tokens=budget)
+        got = moe.recorded(policy, batch)
+        real = batch["attention_mask"].bool()
+        shares = [matching(got[row], expected[row], real[row]) for row in range(3)]
+        assert shares == [1.0] * 3, f"budget {budget}: the recording holds each token's experts at {shares}"
+        assert (got[~real] == -1).all()
+        fp32_noise.check(logp, ref["logp"], noise["logp"], f"recorded pass, budget {budget}")  # changes nothing
 
 
 def matching(routing: torch.Tensor, experts: torch.Tensor, real: torch.Tensor) -> float:

@@ -91,6 +91,16 @@ def full_weights(model) -> dict:
     }
 
 
+def full_grads(model) -> dict:
+    """Every trainable parameter's gradient as a full tensor on the CPU (FSDP2's are sharded DTensors; a collective:
+    every rank calls it)."""
+    return {
+        name: (p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad).detach().cpu().clone()
+        for name, p in model.named_parameters()
+        if p.grad is not None
+    }
+
+
 def lora_checks(path: str, model, rank: int, world: int, device) -> dict:
     """On a probe: does the LoRA model (adapters on) give the base model's log-probs bit for bit (the base loaded
     without LoRA), does its reference (the same model, adapters off) give them, and the low_var_kl between the two."""
@@ -149,6 +159,13 @@ def main():
             torch.save(full_weights(model), os.path.join(args.out, f"loaded_ws{world}.pt"))
         else:
             full_weights(model)
+    grads = {}  # step 1's gradients (clipped, as the optimizer takes them), full tensors: the packed path's
+
+    def keep_first_grads(*_) -> None:
+        if not grads:
+            grads.update(full_grads(model))
+
+    optimizer.register_step_pre_hook(keep_first_grads)
     history, over_budget = [], 0
     for step in range(start, args.steps + 1):
         batch = global_batch(step, model.config.vocab_size)
@@ -172,6 +189,8 @@ def main():
             after = full_weights(model)
             metrics["weights_unchanged"] = float(all(torch.equal(before[k], after[k]) for k in before))
         history.append({"step": step, **metrics})
+        if step == 1 and rank == 0:
+            torch.save(grads, os.path.join(args.out, f"grads_ws{world}.pt"))
         if step == args.crash_save_at:
             ft.torch.save = lambda *a, **k: os.kill(os.getpid(), signal.SIGKILL)  # dies mid-save, after DCP shards
         if step in (args.save_at, args.crash_save_at):
