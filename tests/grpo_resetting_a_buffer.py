@@ -18,9 +18,9 @@ import sync  # noqa: E402
 push = sync.push_weights
 
 
-def push_then_reset(llm, named_tensors) -> int:
+def push_then_reset(llm, named_tensors, after_load=None) -> int:
     """sync.push_weights, then the rotary table zeroed: the fault, made in the engine, not in the code under test."""
-    count = push(llm, named_tensors)
+    count = push(llm, named_tensors, after_load)
 
     def reset(model):
         name = next(name for name, _ in model.named_buffers() if name.endswith("cos_sin_cache"))

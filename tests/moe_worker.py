@@ -56,7 +56,7 @@ def pushed(path: str) -> dict:
             p.add_(torch.randn_like(p) * 0.02)
     trainer = functools.partial(fsdp_train.sequence_logprobs, model)
     before = sync.check_sync(llm, trainer, max_tokens=32)
-    grpo.push(llm, model)
+    grpo.push(llm, model, after_load=grpo.engine_after_load(path))
     after = sync.check_sync(llm, trainer, max_tokens=32)
     del llm
     gc.collect()

@@ -8,6 +8,9 @@ step's parts are a typed record whose defaults are plain GRPO's.
 - The parts (ast and import): grpo.py imports no feature through importlib; Parts is a dataclass whose every field
   defaults to a GRPO function or to None (an optional hook); only main builds the parts (choose_parts), and only
   choose_parts builds a Parts.
+- The components (ast): the code of sync.py, fsdp_train.py, rollout.py, losses.py and reward.py, comments and
+  docstrings aside, names no feature (FEATURE_WORD): LoRA's merge, MoE's expert repacking and routing field reach
+  them as arguments.
 - By deletion: for each feature file, a copy of the tree without it imports grpo and prints the configuration
   (`grpo.py --config tiny.yaml --print-config`), all in one process (the libraries imported once).
 """
@@ -16,6 +19,7 @@ import ast
 import glob
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -53,6 +57,7 @@ SETUP = {  # grpo.py's set-up and finish code: where a feature's file may be imp
     "model_head",
     "start_engine",
     "start_proven_engine",
+    "engine_after_load",
     "match_engine_dtypes",
     "finish",
     "evaluate",
@@ -79,7 +84,7 @@ def modules() -> dict[str, ast.Module]:
 
 def imported(node: ast.AST) -> set[str]:
     """The top-level module names every import inside node imports: import statements, and calls that import by
-    name (grpo.feature("dapo"), importlib.import_module("dapo"))."""
+    name (importlib.import_module("dapo"), or a helper named feature)."""
     names = set()
     for n in ast.walk(node):
         if isinstance(n, ast.Import):
@@ -131,6 +136,51 @@ def test_no_phase_names_a_feature_module_or_key():
         assert "feature" not in names, f"grpo.{phase.name} imports a feature's file"
 
 
+FEATURE_WORD = re.compile(r"lora|moe|expert|router|adapter|(?<![a-z])tool", re.IGNORECASE)  # not "functools"
+GRPO_ALONE = ("sync", "fsdp_train", "rollout", "losses", "reward")
+
+
+def code_words(tree: ast.Module) -> list[tuple[int, str]]:
+    """(line, word) of every identifier (names, attributes, definitions, arguments, keywords, imports) and every
+    string constant of a module's code, its docstrings aside."""
+    docstrings = {
+        id(node.body[0].value)
+        for node in ast.walk(tree)
+        if isinstance(node, (ast.Module, ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))
+        and node.body
+        and isinstance(node.body[0], ast.Expr)
+        and isinstance(node.body[0].value, ast.Constant)
+        and isinstance(node.body[0].value.value, str)
+    }
+    words = []
+    for n in ast.walk(tree):
+        if isinstance(n, ast.Name):
+            words.append((n.lineno, n.id))
+        elif isinstance(n, ast.Attribute):
+            words.append((n.lineno, n.attr))
+        elif isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            words.append((n.lineno, n.name))
+        elif isinstance(n, ast.arg):
+            words.append((n.lineno, n.arg))
+        elif isinstance(n, ast.keyword) and n.arg:
+            words.append((n.lineno, n.arg))
+        elif isinstance(n, ast.alias):
+            words += [(n.lineno, n.name), (n.lineno, n.asname or "")]
+        elif isinstance(n, ast.Constant) and isinstance(n.value, str) and id(n) not in docstrings:
+            words.append((n.lineno, n.value))
+    return words
+
+
+@pytest.mark.parametrize("component", GRPO_ALONE)
+def test_a_components_code_names_no_feature(component):
+    """The code of sync.py, fsdp_train.py, rollout.py, losses.py and reward.py (identifiers and strings; comments and
+    docstrings may say where a feature plugs in) names no feature: LoRA, MoE, experts, routers, adapters, tools.
+    Someone who copies one gets GRPO alone."""
+    named = [f"{component}.py:{line}: {word[:60]!r}" for line, word in code_words(modules()[component])
+             if FEATURE_WORD.search(word)]  # fmt: skip
+    assert not named, named
+
+
 def test_the_parts_are_a_typed_record_of_grpos_functions_built_once():
     """grpo.py imports nothing through importlib (a feature's file is a plain import inside its guard); grpo.Parts is a
     dataclass, every field typed and defaulting to a function of plain GRPO (grpo.py's or a component's) or to None
@@ -143,19 +193,22 @@ def test_the_parts_are_a_typed_record_of_grpos_functions_built_once():
     tree = modules()["grpo"]
     assert "importlib" not in imported(tree) and "importlib" not in open(os.path.join(ROOT, "grpo.py")).read()
     assert dataclasses.is_dataclass(grpo.Parts)
+    import data
+    import rollout
+
+    grpos = {  # plain GRPO's step: the functions the README's reading order names
+        "pick_groups": grpo.next_groups,
+        "scored_samples": grpo.sample_and_score,
+        "sample": rollout.generate,
+        "score": data.gsm8k_score,
+        "advantages": grpo.grpo_advantages,
+        "policy_term": grpo.policy_term,
+    }
     fields = dataclasses.fields(grpo.Parts)
-    assert {"pick_groups", "scored_samples", "sample", "score", "advantages", "policy_term"} <= {f.name for f in fields}
-    components = {m: __import__(m) for m in COMPONENTS} | {"grpo": grpo, "data": __import__("data")}
     for field in fields:
         assert field.type is not dataclasses.MISSING and field.default is not dataclasses.MISSING, field.name
-        if field.default is None:
-            continue
-        owner = getattr(field.default, "__module__", None)
-        assert owner in components, f"Parts.{field.name} defaults to {field.default!r}, not a GRPO function"
-        assert getattr(components[owner], field.default.__name__) is field.default, field.name
-    defaults = grpo.Parts()
-    for feature in FEATURES:  # no default comes from a feature file
-        assert all(getattr(getattr(defaults, f.name), "__module__", None) != feature for f in fields), feature
+        assert field.default is grpos.get(field.name), f"Parts.{field.name} defaults to {field.default!r}"
+    assert set(grpos) <= {f.name for f in fields}
     for name, module in modules().items():
         for function in (n for n in ast.walk(module) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))):
             called = {

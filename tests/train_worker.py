@@ -208,7 +208,7 @@ def main():
 
         convert = None
         if args.lora:  # the merged model and hf/lora_adapter, as grpo.finish exports
-            convert = functools.partial(lora.export, settings=model.adapter_settings, base_model=args.model)
+            convert = functools.partial(lora.export, settings=model.adapt_settings, base_model=args.model)
         ft.export_hf(model, os.path.join(args.out, "hf"), AutoTokenizer.from_pretrained(args.model), convert)
         probe = global_batch(99, model.config.vocab_size)
         logp, _ = ft.compute_logprobs(
