@@ -143,10 +143,8 @@ def grpo_step(run: "Run", step: int) -> dict:
         m.update(update_actor(run, batch, t))
         if run.capture:  # the update's own forward stood in for the old pass: the diagnostics come from it
             m.update(correct_rollout(run, batch, batch["update_logprobs"], apply=False))
-        if run.mode is None:
-            m.update(update_weights(run, step, t))
-        elif run.mode.update_weights is not None:  # none for a replay: it has no engine
-            m.update(run.mode.update_weights(run, step, t))
+        pushing = update_weights if run.mode is None else run.mode.update_weights  # a replay has none: no engine
+        m.update(pushing(run, step, t) if pushing is not None else {})
         m.update(validate_and_save(run, step, t))
         with timed(t, "logging"):  # the metrics' all-gathers; the file write after is ~0.1 ms
             m.update(metrics.batch_metrics(batch, run.cfg["data"], t, run.world, parts.field_metrics))
@@ -622,6 +620,7 @@ class Parts:
     recording: Recording | None = None  # R2: the old pass's routing, for the update (moe.recording)
     routing_metrics: RoutingMetrics | None = None  # a Mixture-of-Experts model's routing replay (moe.metrics_part)
     adapter: Adapter | None = None  # LoRA's layers on the policy (lora.adapter_part)
+    needs_old_pass: bool = False  # the old-log-prob pass before the update: the rollout correction, ..., dumps
 
 
 def choose_parts(cfg: dict) -> Parts:
@@ -652,20 +651,23 @@ def choose_parts(cfg: dict) -> Parts:
         import dapo
 
         parts.shape_rewards = dapo.reward_shaper(cfg)
-    if cfg["trainer"]["dump_batches"]:  # every step's batch saved
-        parts.dump = data.dump_batch
+    if cfg["trainer"]["dump_batches"]:  # every step's batch saved, with explicit old log-probs
+        parts.dump, parts.needs_old_pass = data.dump_batch, True
+    if cfg["trainer"]["replay_batches"]:  # dumped batches replayed (main's run mode): they bring their old log-probs
+        parts.needs_old_pass = True
     if router_replay != "disabled" or rollout_cfg["enable_rollout_routing_replay"]:  # MoE's routing replay
         import moe
 
         parts.routing_metrics = moe.metrics_part(cfg)
-        if router_replay == "R2":
-            parts.recording = moe.recording
+        if router_replay == "R2":  # it replays the old-log-prob pass's routing
+            parts.recording, parts.needs_old_pass = moe.recording, True
         if rollout_cfg["enable_rollout_routing_replay"]:  # R3: the engine's routing, a field of each sample
             parts.sample = functools.partial(rollout.generate, output_fields=moe.routing_fields)
     if algorithm["adv_estimator"] != "grpo" or algorithm["use_kl_in_reward"]:  # the GRPO family's estimators
         import grpo_family
 
         parts.advantages = grpo_family.advantages_part(cfg, functools.partial(cluster.global_rows, n=rollout_cfg["n"]))
+        parts.needs_old_pass = parts.needs_old_pass or algorithm["use_kl_in_reward"]  # the KL before the update
     if correction["bypass_mode"]:  # the rollout correction's bypass: vLLM's log-probs as the old ones
         import rollout_correction
 
@@ -675,6 +677,7 @@ def choose_parts(cfg: dict) -> Parts:
         import rollout_correction
 
         parts.correct = rollout_correction.corrector(correction, cfg["trainer"]["replay_batches"])
+        parts.needs_old_pass = True  # the old log-probs before the update
     if lora_on(cfg["model"]):  # LoRA
         import lora
 
@@ -828,7 +831,7 @@ def setup(cfg: dict, parts: Parts, mode: Mode | None = None) -> Run:
         kl_coef=cfg["algorithm"]["kl_ctrl"]["kl_coef"],  # as veRL's, the adaptive one restarts on resume
         after_load=engine_after_load(model_path),
     )
-    run.capture = cfg["algorithm"]["rollout_correction"]["bypass_mode"] or on_policy_shortcut(cfg)
+    run.capture = parts.given_old is not None or on_policy_shortcut(cfg, parts)  # bypass: vLLM's log-probs as old
     starting = start_proven_engine if mode is None else mode.start_engine  # a replay has no engine
     if starting is not None:  # the engine, one per rank, AFTER torch.distributed
         starting(run, model_path, pushing=start > 1 or bool(cfg["model"]["lora_adapter_path"]))
@@ -863,15 +866,10 @@ def match_engine_dtypes(run: Run, other_dtypes: dict) -> None:
     sync.engine_dtypes, {} for most families; vLLM builds Apertus's xIELU in bf16 whatever the run's dtype): they
     compute with the engine's values, and the push sends and proves those tensors in the engine's dtype
     (engine_dtypes.py)."""
-    if not other_dtypes:
-        return
-    import engine_dtypes
+    if other_dtypes:  # most families: none
+        import engine_dtypes
 
-    matched = engine_dtypes.match(run.policy, other_dtypes, run.engine_dtype)
-    if run.ref is not None and run.ref is not run.policy:  # the reference computes as the policy does
-        engine_dtypes.match(run.ref, other_dtypes, run.engine_dtype)
-    kept = "/".join(sorted({str(dtype) for dtype in other_dtypes.values()}))
-    log0(run.rank, f"engine dtypes: the engine keeps {matched} tensors in {kept}; the trainer computes alike")
+        log0(run.rank, engine_dtypes.match_models(run.policy, run.ref, other_dtypes, run.engine_dtype))
 
 
 def exact_run(cfg: dict, engine_dtype: torch.dtype | None) -> bool:
@@ -885,20 +883,17 @@ def exact_run(cfg: dict, engine_dtype: torch.dtype | None) -> bool:
     return cfg["model"]["compute_dtype"] == "float32" and engine_exact
 
 
-def on_policy_shortcut(cfg: dict) -> bool:
+def on_policy_shortcut(cfg: dict, parts: Parts) -> bool:
     """On-policy shortcut (TRL's, and veRL's legacy dp_actor.py): with ONE mini-batch and one epoch the policy
     that sampled IS the one being updated, so the update's own forward gives the old log-probs (ratio = 1,
     pg_clipfrac and ppo_kl exactly 0) and the separate old-log-prob pass is skipped. With several mini-batches
     the later ones would take an already-updated policy as "old": never. veRL 0.9.1 always runs that pass
-    (actor.recompute_old_log_prob=true); so do a rollout correction and the KL in the reward (they need the old
-    log-probs before the update) and R2 (it replays that pass's routing); dumps carry explicit old log-probs,
-    replays bring them."""
-    actor, trainer, correction = cfg["actor"], cfg["trainer"], cfg["algorithm"]["rollout_correction"]
+    (actor.recompute_old_log_prob=true); so does a run whose features need that pass (parts.needs_old_pass: a
+    rollout correction and the KL in the reward need the old log-probs before the update, R2 replays that pass's
+    routing, dumps carry explicit old log-probs, replays bring them)."""
+    actor = cfg["actor"]
     one_update = actor["ppo_epochs"] == 1 and actor["ppo_mini_batch_size"] == cfg["data"]["train_batch_size"]
-    needs_old_pass = actor["recompute_old_log_prob"] or correction["rollout_is"] or correction["rollout_rs"]
-    needs_old_pass = needs_old_pass or cfg["algorithm"]["use_kl_in_reward"]
-    needs_old_pass = needs_old_pass or actor["router_replay"]["mode"] == "R2"  # R2 replays that pass's routing
-    return one_update and not needs_old_pass and not trainer["dump_batches"] and not trainer["replay_batches"]
+    return one_update and not actor["recompute_old_log_prob"] and not parts.needs_old_pass
 
 
 def load_data(cfg: dict, rank: int, world: int, train: bool = True) -> tuple:
@@ -906,14 +901,14 @@ def load_data(cfg: dict, rank: int, world: int, train: bool = True) -> tuple:
     or built (tiny.py) is fetched by each node's first rank, then read from disk by the node's others. A
     missing model or file, a model vLLM cannot serve, a bad row, an overlong prompt with filtering off, or a
     data source without a scorer stops the run here, in one line."""
-    data_cfg, trainer = cfg["data"], cfg["trainer"]
+    data_cfg, trainer, name = cfg["data"], cfg["trainer"], cfg["model"]["path"]
     tiny_paths = None
-    tools = cfg["model"]["path"] == "tiny_tools"  # tiny.py's set-up that calls a calculator (multi_turn.py)
-    if tools or "tiny" in (cfg["model"]["path"], data_cfg["train"], data_cfg["val"]):
+    if name in tiny.MODELS or "tiny" in (data_cfg["train"], data_cfg["val"]):  # tiny.py's set-up, built offline
+        kind = tiny.MODELS.get(name, {})  # tiny.build's keywords for that set-up
         tiny_paths = cluster.node_first(
-            lambda first: tiny.build(os.path.join(".cache", "tiny"), seed=cfg["model"]["tiny_seed"], tools=tools)
+            lambda first: tiny.build(os.path.join(".cache", "tiny"), seed=cfg["model"]["tiny_seed"], **kind)
         )
-    if cfg["model"]["path"] in ("tiny", "tiny_tools"):
+    if name in tiny.MODELS:
         model_path = tiny_paths["model"]
     else:  # a local directory, or a hub id fetched by each node's first rank
         model_path = cluster.node_first(lambda first: data.resolve_model(cfg["model"]["path"], download=first))

@@ -949,7 +949,8 @@ def test_the_on_policy_shortcut_only_where_the_sampling_policy_is_the_one_update
     import grpo
 
     base = ["data.train_batch_size=8", "actor.ppo_mini_batch_size=8"]
-    assert grpo.on_policy_shortcut(config.load_config(None, base))
+    cfg = config.load_config(None, base)
+    assert grpo.on_policy_shortcut(cfg, grpo.choose_parts(cfg))
     rs = ["algorithm.rollout_correction.rollout_rs=token_k1", "algorithm.rollout_correction.rollout_rs_threshold=2"]
     for extra in (
         ["actor.ppo_mini_batch_size=4"],
@@ -959,8 +960,11 @@ def test_the_on_policy_shortcut_only_where_the_sampling_policy_is_the_one_update
         rs,
         ["trainer.dump_batches=dump"],
         ["trainer.replay_batches=dump"],
+        ["algorithm.use_kl_in_reward=true"],
+        ["actor.router_replay.mode=R2"],
     ):
-        assert not grpo.on_policy_shortcut(config.load_config(None, base + extra)), extra
+        cfg = config.load_config(None, base + extra)
+        assert not grpo.on_policy_shortcut(cfg, grpo.choose_parts(cfg)), extra
 
 
 def test_on_policy_shortcut_equals_the_separate_old_log_prob_pass(tmp_path, tiny_build):

@@ -6,8 +6,8 @@ step's parts are a typed record whose defaults are plain GRPO's.
   and a feature file imports only the component it extends; no phase of grpo.py (every other function) names a
   feature module or a feature's key.
 - The parts (ast and import): grpo.py imports no feature through importlib; Parts is a dataclass whose every field
-  defaults to a GRPO function or to None (an optional hook); only main builds the parts (choose_parts), and only
-  choose_parts builds a Parts.
+  defaults to a GRPO function, to None (an optional hook) or to False (a flag); only main builds the parts
+  (choose_parts), and only choose_parts builds a Parts.
 - The components (ast): the code of sync.py, fsdp_train.py, rollout.py, losses.py and reward.py, comments and
   docstrings aside, names no feature (FEATURE_WORD): LoRA's merge, MoE's expert repacking and routing field reach
   them as arguments.
@@ -183,9 +183,9 @@ def test_a_components_code_names_no_feature(component):
 
 def test_the_parts_are_a_typed_record_of_grpos_functions_built_once():
     """grpo.py imports nothing through importlib (a feature's file is a plain import inside its guard); grpo.Parts is a
-    dataclass, every field typed and defaulting to a function of plain GRPO (grpo.py's or a component's) or to None
-    (an optional hook, guarded where it is called); choose_parts is called by main alone, Parts() by choose_parts
-    alone: no product function falls back to building the parts."""
+    dataclass, every field typed and defaulting to a function of plain GRPO (grpo.py's or a component's), to None
+    (an optional hook, guarded where it is called) or to False (a flag a feature raises); choose_parts is called by
+    main alone, Parts() by choose_parts alone: no product function falls back to building the parts."""
     import dataclasses
 
     import grpo
@@ -207,7 +207,8 @@ def test_the_parts_are_a_typed_record_of_grpos_functions_built_once():
     fields = dataclasses.fields(grpo.Parts)
     for field in fields:
         assert field.type is not dataclasses.MISSING and field.default is not dataclasses.MISSING, field.name
-        assert field.default is grpos.get(field.name), f"Parts.{field.name} defaults to {field.default!r}"
+        plain = grpos.get(field.name, False if field.type is bool else None)  # a hook: None; a feature's need: False
+        assert field.default is plain, f"Parts.{field.name} defaults to {field.default!r}"
     assert set(grpos) <= {f.name for f in fields}
     for name, module in modules().items():
         for function in (n for n in ast.walk(module) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))):
