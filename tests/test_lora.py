@@ -1,10 +1,10 @@
 """LoRA (fsdp_train.LoraLinear and friends) against PEFT itself, a test-only dependency: the layer's output and
 gradients, which modules a target list adapts, the adapter files; then the training side under torchrun
-(tests/train_worker.py --lora): the policy at step 0 is the base bit for bit and its KL 0, world sizes 1 and 2
+(tests/helpers/train_worker.py --lora): the policy at step 0 is the base bit for bit and its KL 0, world sizes 1 and 2
 equal the float64 plain run, kill and resume is bitwise with only the adapters in the checkpoint, the exported
 adapter reloads in PEFT with the trainer's log-probs; and the push: vLLM serves the MERGED policy.
 
-fp32 bounds are fp32_noise.FACTOR x the fp32 noise measured at test time (tests/fp32_noise.py).
+fp32 bounds are fp32_noise.FACTOR x the fp32 noise measured at test time (tests/helpers/fp32_noise.py).
 """
 
 import copy
@@ -17,7 +17,6 @@ import torch
 from peft import LoraConfig, PeftModel, get_peft_model
 from peft.tuners.lora.layer import Linear as PeftLinear
 from test_fsdp_train import check_run, reference_run
-from test_grpo import VAL_KEY, one_error_line, read_jsonl, read_metrics, run_grpo
 from train_worker import lora_settings
 from transformers import AutoModelForCausalLM
 
@@ -27,6 +26,7 @@ import lora
 import rollout
 import sync
 from conftest import ROOT, run_torchrun
+from grpo_runs import VAL_KEY, one_error_line, read_jsonl, read_metrics, run_grpo
 
 RANK, ALPHA = 4, 8  # scaling 2: a broken scaling cannot hide behind 1
 

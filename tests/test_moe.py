@@ -24,11 +24,12 @@ import pytest
 import safetensors
 import torch
 import transformers
-from test_grpo import ROOT, comparable, read_metrics, run_grpo
 from transformers import AutoModelForCausalLM
 
 import fp32_noise
 import tiny
+from conftest import ROOT
+from grpo_runs import comparable, read_metrics, run_grpo
 
 MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64, norm_topk_prob=True)
 SYNC = 1e-4  # vLLM against the trainer after a push, fp32 (docs/cpu-notes.md), as test_families
@@ -505,7 +506,7 @@ PUSHED = ("olmoe", "qwen2_moe")  # families of NOT_RENORMALISED that vLLM serves
 def moe_runs(moe_model, family_model, tiny_build, tmp_path_factory):
     """{"one": 3 steps at 1 rank (two mini-batches each; dumped, checkpointed at step 2, exported), "two": its
     dumps replayed at 2 ranks, "resumed": from its step-2 checkpoint, "lora": 2 steps with LoRA and one mini-batch
-    (exported)}: the output directories; and what tests/moe_worker.py measured: the export of "one" served, and
+    (exported)}: the output directories; and what tests/helpers/moe_worker.py measured: the export of "one" served, and
     the OLMoE and Qwen2-MoE models' pushes ("pushed")."""
     root = tmp_path_factory.mktemp("moe-runs")
     model = f"model.path={moe_model}"
@@ -514,7 +515,7 @@ def moe_runs(moe_model, family_model, tiny_build, tmp_path_factory):
     run_grpo(root / "resumed", 1, model, *RUN, f"trainer.resume={root / 'one' / 'checkpoints' / 'step_2'}")
     run_grpo(root / "lora", 1, model, *RUN, *LORA_RUN)
     served = subprocess.run(
-        [sys.executable, "tests/moe_worker.py", str(root / "one" / "hf"), *map(family_model, PUSHED)],
+        [sys.executable, "tests/helpers/moe_worker.py", str(root / "one" / "hf"), *map(family_model, PUSHED)],
         cwd=ROOT,
         capture_output=True,
         text=True,
@@ -572,7 +573,7 @@ def test_vllm_serves_the_pushed_weights_of_routers_that_do_not_renormalise(moe_r
     """OLMoE and Qwen2-MoE, served by vLLM's own implementations of them: the trainer's model as the loop loads it
     (its routers hooked), its weights moved and pushed into vLLM under the checkpoint's per-expert names
     (grpo.push): vLLM's sampled log-probs are the trainer's, as they were not before the push (moe_runs'
-    tests/moe_worker.py)."""
+    tests/helpers/moe_worker.py)."""
     _, served = moe_runs
     gaps = served["pushed"]
     print("vLLM against the trainer, before and after the push:", gaps)

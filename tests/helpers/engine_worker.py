@@ -2,7 +2,7 @@
 grpo.sample_groups (the training loop's sampling, seeded per generation batch and rank) on the SAME prompt on
 every rank.
 
-torchrun --nproc_per_node 2 tests/engine_worker.py MODEL_PATH
+torchrun --nproc_per_node 2 tests/helpers/engine_worker.py MODEL_PATH
 """
 
 import functools

@@ -1,14 +1,14 @@
 """grpo.py with the weight push switched off: the engine keeps serving the initial weights while the
-trainer moves on (the bug the run-time proofs must catch). Used by tests/test_grpo.py and tests/test_gpu.py.
+trainer moves on (the bug the run-time proofs must catch). Used by tests/test_end_to_end.py and tests/test_gpu.py.
 
-    python tests/grpo_without_push.py --config tiny.yaml [key=value ...]
-    WITHOUT_PUSH_PROOF=1 python tests/grpo_without_push.py ...    # the exact proof off too: the log-prob probe alone
+    python tests/helpers/grpo_without_push.py --config tiny.yaml [key=value ...]
+    WITHOUT_PUSH_PROOF=1 python tests/helpers/grpo_without_push.py ...    # the exact proof off: the probe alone
 """
 
 import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 import cluster  # noqa: E402
 import grpo  # noqa: E402

@@ -2,7 +2,7 @@
 suite runs, one after another in this process. Prints one JSON line: {engine: {fault: the proof's message, or "" when
 it passed}}.
 
-python tests/push_proof_worker.py TINY_MODEL MOE_MODEL GEMMA2_MODEL APERTUS_MODEL OUT_DIR
+python tests/helpers/push_proof_worker.py TINY_MODEL MOE_MODEL GEMMA2_MODEL APERTUS_MODEL OUT_DIR
 
     engines  fp32 and bf16 (tiny.py's tied Qwen2), lora (LoRA's merged push into an fp32 engine), moe (a tiny
              Qwen3-MoE, its experts pushed as the checkpoint's per-expert tensors), gemma2 (a tied Gemma 2, which

@@ -1,7 +1,7 @@
 """Worker for test_moe: Mixture-of-Experts models served by vLLM against the trainer, in one process (an engine
 per model). Prints one JSON line.
 
-python tests/moe_worker.py HF_DIR [DIR ...]
+python tests/helpers/moe_worker.py HF_DIR [DIR ...]
     HF_DIR, an exported model (hf/), served and loaded by the trainer: "sync": vLLM's sampled log-probs against the
     trainer's, max |difference|; "logits": the trainer's logits against transformers' from_pretrained, max |diff|.
     Each DIR, a model loaded as the loop loads it (its routers hooked: moe.attach_for_run), its weights moved (a

@@ -5,7 +5,7 @@ then the trainer's log-probs (fsdp_train.compute_logprobs) with that routing rep
 (the routing dropped: each router's own choice), each against vLLM's sampled log-probs. Prints one JSON line:
 {"replayed": max |difference|, "own": max |difference|, "disagreement": share of (token, layer) pairs}.
 
-python tests/gpu_worker.py OUT_DIR DTYPE      # float32 or bfloat16, one engine per process
+python tests/helpers/gpu_worker.py OUT_DIR DTYPE      # float32 or bfloat16, one engine per process
 """
 
 import json

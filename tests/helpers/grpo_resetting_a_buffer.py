@@ -3,13 +3,13 @@ sent (Apertus's xIELU beta and eps, before the push sent them): after each real 
 (cos_sin_cache) is zeroed. Used by tests/test_push_proof.py: the exact proof, against the buffers as the engine
 loaded them, must stop the run at step 1's push, naming the step and the buffer.
 
-    python tests/grpo_resetting_a_buffer.py --config tiny.yaml [key=value ...]
+    python tests/helpers/grpo_resetting_a_buffer.py --config tiny.yaml [key=value ...]
 """
 
 import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 import cluster  # noqa: E402
 import grpo  # noqa: E402

@@ -1,7 +1,7 @@
 """grpo.setup() on a resumed run, then: do Python's, NumPy's and torch's RNG states equal those saved in
 the checkpoint? (vLLM re-seeds them when its engine starts, so they must be restored after it.)
 
-    python tests/setup_worker.py CHECKPOINT_DIR --config tiny.yaml key=value ...   # prints one JSON line
+    python tests/helpers/setup_worker.py CHECKPOINT_DIR --config tiny.yaml key=value ...   # prints one JSON line
 """
 
 import json
@@ -9,7 +9,7 @@ import os
 import random
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402

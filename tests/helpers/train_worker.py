@@ -1,12 +1,13 @@
 """torchrun worker for tests/test_fsdp_train.py.
 
-    torchrun --nproc_per_node N tests/train_worker.py MODEL_PATH OUT_DIR --steps 3 [--save-at 2 --kill-after-save]
+    torchrun --nproc_per_node N tests/helpers/train_worker.py MODEL_PATH OUT_DIR --steps 3
+                                                      [--save-at 2 --kill-after-save]
                                                       [--resume] [--nan-at 2] [--crash-save-at 2] [--export]
                                                       [--lora 4]
 
 Every step trains on a synthetic GRPO mini-batch that is identical whatever the world size (seeded by
 the step): 8 sequences whose response lengths differ wildly, split across ranks so that rank 0 holds
-most of the tokens. Each rank reports the metrics of every step (tests/reporting.py), and how many of
+most of the tokens. Each rank reports the metrics of every step (tests/helpers/reporting.py), and how many of
 its rows were longer than --max-tokens (they get a micro-batch of their own). --lora R trains LoRA adapters
 (lora_settings) instead of the whole model, and reports lora_checks before training (step0) and after (trained):
 whether the policy's and its adapters-off reference's log-probs equal the base model's bit for bit, and their KL.
