@@ -161,7 +161,8 @@ def reference_run(model, steps: int, lr: float = 1e-3) -> dict:
         (pg - ENTROPY_COEF * ent + KL_COEF * kl).backward()
         norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0).item()
         if step == 1:  # the gradients the optimizer takes (clipped), compared before AdamW transforms them
-            out["grads@1"] = fp32_noise.Flat({n: p.grad.detach().clone() for n, p in model.named_parameters()})
+            grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.requires_grad}  # LoRA: its
+            out["grads@1"] = fp32_noise.Flat(grads)  # adapters alone; the frozen base has no gradient
         optimizer.step()
         scheduler.step()
         metrics = {
