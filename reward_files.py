@@ -2,7 +2,7 @@
 in place of the GSM8K rule. Standard library only: copy it anywhere.
 
     score = load_scorer("my_reward.py", "compute_score")
-    score(row, "the response text")   # -> (reward, extras)
+    score(row, "the response text", cfg["reward"])   # -> (reward, extras); the reward.* keys unused
 
 The file's function has veRL's signature, compute_score(data_source, solution_str, ground_truth, extra_info),
 and returns a number, or a dict with a numeric "score" whose other keys are extra outputs (logged as
@@ -25,12 +25,13 @@ def scorer(settings: dict):
 
 
 def load_scorer(path: str, name: str):
-    """score(row, text) -> (reward: float, extras: dict) with the function `name` of the file `path`, loaded
+    """score(row, text, settings) -> (reward: float, extras: dict) with the function `name` of the file `path`
+    (settings, the reward.* keys of the built-in scorer, unused: the file's function has its own), loaded
     once per process; row: a data row ({"data_source", "ground_truth", "extra_info", "where"}). A return that is
     not a finite number (or a dict with one as "score") raises RewardFileError naming the file and the row."""
     fn = load_reward_function(path, name)
 
-    def custom(row, text):
+    def custom(row, text, settings=None):
         out = fn(
             data_source=row["data_source"],
             solution_str=text,

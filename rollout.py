@@ -14,14 +14,15 @@ On GPU the engine can sleep while the trainer updates (sleep/wake below); on CPU
 """
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
-import torch
 import transformers
 import vllm
 from transformers import AutoConfig
 from vllm import LLM, ModelRegistry, SamplingParams
 from vllm.inputs import TokensPrompt
+from vllm.outputs import CompletionOutput
 from vllm.platforms import current_platform
 
 
@@ -153,6 +154,7 @@ def generate(
     seed: int | None = None,
     prompt_ids: list[list[int]] | None = None,
     template_kwargs: dict | None = None,
+    output_fields: Callable[[CompletionOutput], dict] | None = None,
 ) -> list[Sample]:
     """Sample n responses for each chat prompt; returns len(prompts) * n Samples, the n samples of a
     prompt consecutive. temperature=0 (with n=1) is greedy: validation uses this same function.
@@ -160,7 +162,9 @@ def generate(
     seed: if given, prompt i is sampled with seed + i * n (vLLM gives its n children seed + j), so
     the samples do not depend on batch composition or engine state: a resumed run resamples the same.
     prompt_ids: already rendered prompts (render_prompt), to skip re-tokenising; else render_prompt with
-    template_kwargs renders them.
+    template_kwargs renders them. output_fields(vLLM's CompletionOutput) -> the sample's own fields, for what an
+    engine returns beyond tokens and log-probs (fsdp_train.add_fields' layout; e.g. moe.routing_fields); none by
+    default.
     """
     tokenizer = llm.get_tokenizer()
     if prompt_ids is None:
@@ -193,19 +197,10 @@ def generate(
                     logprobs=[lp[t].logprob for t, lp in zip(response, c.logprobs, strict=True)],
                     text=tokenizer.decode(response, skip_special_tokens=True),
                     truncated=c.finish_reason == "length",
-                    fields=routing_field(c.routed_experts),
+                    fields={} if output_fields is None else output_fields(c),
                 )
             )
     return samples
-
-
-def routing_field(routed_experts) -> dict:
-    """A Mixture-of-Experts engine's routing of a sample (enable_return_routed_experts: CompletionOutput.routed_experts,
-    uint8 [prompt + response - 1, layers, top-k], every token but the last, which vLLM never ran) as the sample's
-    batch field routed_experts: per token from the prompt's first, int16, -1 where there is none (padding, the last
-    token). {} without it."""
-    routing = None if routed_experts is None else torch.as_tensor(routed_experts).to(torch.int16)
-    return {} if routing is None else {"routed_experts": ("token", routing, -1)}
 
 
 def check_outputs(outputs, num_prompts: int, n: int) -> None:

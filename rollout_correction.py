@@ -50,12 +50,6 @@ RS_THRESHOLD_FORMS = (
 )
 
 
-def _check_same_shape(where: str, **tensors: torch.Tensor) -> None:
-    shapes = {name: tuple(t.shape) for name, t in tensors.items()}
-    if len(set(shapes.values())) > 1:
-        raise ValueError(f"{where}: shapes must match, got {shapes}")
-
-
 class CorrectionError(ValueError):
     """algorithm.rollout_correction settings this file cannot use; the message is one line."""
 
@@ -148,9 +142,9 @@ def bypass_rejection(policy_term, settings: dict):
     """bypass_mode with rollout_rs (veRL's compute_policy_loss_bypass_mode): vLLM's log-probs stand as the old
     ones, and the rejection is taken against the CURRENT policy's log-probs inside the loss, for the policy term
     only (its metrics too); the entropy and KL terms keep the whole response mask. Wraps
-    policy_term(logp, old_logp, mb, aggregate) -> (loss, metrics), mb carrying rollout_logprobs [b, R]."""
+    policy_term(actor, logp, old_logp, mb, aggregate) -> (loss, metrics), mb carrying rollout_logprobs [b, R]."""
 
-    def rejecting_policy_term(logp, old_logp, mb, aggregate):
+    def rejecting_policy_term(actor, logp, old_logp, mb, aggregate):
         kept = rollout_rejection_mask(
             logp.detach(),
             mb["rollout_logprobs"],
@@ -158,7 +152,7 @@ def bypass_rejection(policy_term, settings: dict):
             settings["rollout_rs"],
             settings["rollout_rs_threshold"],
         )  # [b, R]
-        return policy_term(logp, old_logp, {**mb, "response_mask": kept}, aggregate)
+        return policy_term(actor, logp, old_logp, {**mb, "response_mask": kept}, aggregate)
 
     return rejecting_policy_term
 
@@ -203,7 +197,7 @@ def rollout_is_weights(old_logp, rollout_logp, mask, level="token", threshold=2.
         raise ValueError(f"rollout_is_weights: level={level!r}; accepted: token, sequence")
     error = f"rollout_is_weights: threshold={threshold!r}; accepted: {IS_THRESHOLD_FORMS}"
     lo, hi = _bounds(threshold, True, False, error)
-    _check_same_shape("rollout_is_weights", old_logp=old_logp, rollout_logp=rollout_logp, mask=mask)
+    losses.check_same_shape("rollout_is_weights", old_logp=old_logp, rollout_logp=rollout_logp, mask=mask)
     with torch.no_grad():
         delta = old_logp - rollout_logp  # [B, R]
         if level == "sequence":
@@ -244,7 +238,7 @@ def rollout_rejection_mask(old_logp, rollout_logp, mask, modes="token_k1", thres
     if len(specs) == 1:  # one threshold for every option
         specs = specs * len(options)
     bounds = [_bounds(spec, o[-1] == "1", o[-1] == "1", error) for o, spec in zip(options, specs, strict=True)]
-    _check_same_shape("rollout_rejection_mask", old_logp=old_logp, rollout_logp=rollout_logp, mask=mask)
+    losses.check_same_shape("rollout_rejection_mask", old_logp=old_logp, rollout_logp=rollout_logp, mask=mask)
     x = torch.clamp(old_logp - rollout_logp, -SAFETY_BOUND, SAFETY_BOUND)  # [B, R]
     keep = torch.ones_like(x)  # [B, R]
     for option, (lo, hi) in zip(options, bounds, strict=True):

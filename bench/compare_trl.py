@@ -72,7 +72,8 @@ def flatgrpo_round(
             f"trainer.output_dir={out}",
         ]
         if ranks == 1:
-            grpo.train(config.load_config(os.path.join(ROOT, "tiny.yaml"), overrides))
+            cfg = config.load_config(os.path.join(ROOT, "tiny.yaml"), overrides)
+            grpo.train(cfg, grpo.choose_parts(cfg))
         else:
             env = {**os.environ, "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // ranks))}
             proc = subprocess.run(

@@ -11,9 +11,10 @@ coverage (coverage.py, a dev-only dependency), joins the ranks' data and prints,
   skipped    inside the functions the run enters (at least one statement of their own ran), the share of
              their statements it never runs: the lines a reader of the default path reads for nothing;
   not errors the same without the error paths (raise statements, except clauses and their bodies).
-A feature that is off should cost the default path nothing: run this before and after adding one. It is a check:
-it exits 1 below its thresholds (at least EXECUTED of the statements executed, at most SKIPPED of the entered
-functions' statements skipped, error paths included), and the README's figures come from it.
+A feature that is off should cost the default path nothing: run this before and after adding one (`--list` names
+each skipped line). A report, not a check: its former targets (90% executed, 6% skipped) rewarded moving a branch
+into a helper the run never enters; the check of the default path is now bench/learner_read.py (a learner's read:
+the lines read, and the share of them that serves a feature that is off).
 """
 
 import ast
@@ -25,7 +26,6 @@ import tempfile
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MISSION = ["grpo.py", "rollout.py", "reward.py", "losses.py", "fsdp_train.py", "sync.py"]
 DEFAULT_RUN = ["--config", "tiny.yaml", "trainer.total_steps=2"]
-EXECUTED, SKIPPED = 90.0, 6.0  # percent: the thresholds the check holds the default path to
 
 
 def run_rank(data_file: str, argv: list[str]) -> None:
@@ -147,10 +147,7 @@ def main() -> None:
         if proc.returncode != 0:
             sys.exit(f"the run failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
         executed, skipped = report(data_file, show)
-    verdict = executed >= EXECUTED and skipped <= SKIPPED
-    print(f"{'ok' if verdict else 'FAILED'}: executed {executed:.1f}% (>= {EXECUTED:g}%), skipped {skipped:.1f}% "
-          f"(<= {SKIPPED:g}%)")  # fmt: skip
-    sys.exit(0 if verdict else 1)
+    print(f"executed {executed:.1f}%, skipped {skipped:.1f}% of the entered functions' statements")
 
 
 if __name__ == "__main__":

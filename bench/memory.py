@@ -118,7 +118,7 @@ def point(args) -> dict:
     tokens, kw = int(batch["attention_mask"].sum()), dict(temperature=1.0, max_tokens=10**9, chunk_size=args.chunk)
     if args.point == "train":
         optimizer, _ = ft.make_optimizer(model, lr=1e-6)
-        loss_fn = grpo.grpo_loss_fn(config.load_config(None, CONFIG))
+        loss_fn = grpo.grpo_loss_fn(config.load_config(None, CONFIG), grpo.policy_term)
         step = lambda b: ft.train_step(model, optimizer, b, loss_fn, entropy_fn=losses.entropy_from_logits, **kw)  # noqa: E731
         step(micro_batch(1, model.config.vocab_size, 8, 8))  # warm-up: AdamW's states exist before the measurement
         run = lambda: step(batch)  # noqa: E731
@@ -213,7 +213,7 @@ def time_table(model: str, rows: int, chunk: int, rounds: int) -> None:
     _, _, device = ft.init_distributed()
     policy = ft.load_model(model, device=device, activation_checkpointing=True)
     optimizer, _ = ft.make_optimizer(policy, lr=1e-6)
-    loss_fn = grpo.grpo_loss_fn(config.load_config(None, CONFIG))
+    loss_fn = grpo.grpo_loss_fn(config.load_config(None, CONFIG), grpo.policy_term)
     batch = micro_batch(rows, policy.config.vocab_size)
     tokens = int(batch["attention_mask"].sum())
     paths = {"plain (chunk 0)": 0, f"chunked ({chunk})": chunk}

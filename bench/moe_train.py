@@ -147,10 +147,11 @@ def measure(model, optimizer, batch, impl: str, steps: int, max_tokens: int, cud
         torch.cuda.empty_cache()
         return {"oom": True}
     seconds, seqlens = statistics.median(times), batch["attention_mask"].sum(-1).tolist()
+    flops = ft.estimate_flops(model.config, seqlens, moe.active_mlp_params(model.config))
     return {
         "seconds": seconds,
         "tokens_s": sum(seqlens) / seconds,
-        "mfu": ft.mfu(ft.estimate_flops(model.config, seqlens), seconds, 1, ft.peak_flops()),
+        "mfu": ft.mfu(flops, seconds, 1, ft.peak_flops()),
         "peak_gb": torch.cuda.max_memory_allocated() / 2**30 if cuda else None,
         "resident_gb": resident,
     }

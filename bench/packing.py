@@ -176,7 +176,7 @@ def compare(name: str, path: str, lengths, budget: int, rounds: int, checkpointi
     model.padded_logprobs = padded_logprobs.__get__(model)
     register_fsdp_forward_method(model, "padded_logprobs")
     optimizer, _ = ft.make_optimizer(model, lr=1e-7)
-    loss_fn = grpo.grpo_loss_fn(config.load_config(None, LOSS))
+    loss_fn = grpo.grpo_loss_fn(config.load_config(None, LOSS), grpo.policy_term)
     batch = grpo_batch(lengths, model.config.vocab_size)
     kw = dict(temperature=1.0, max_tokens=budget, chunk_size=ft.LOGPROB_CHUNK)
     passes = {

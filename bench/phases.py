@@ -89,7 +89,7 @@ def run(overrides: list[str]) -> list[dict]:
             overrides
             + [f"trainer.output_dir={out}", "trainer.logger=[]", "trainer.plot=false", "trainer.export_hf=false"],
         )
-        grpo.train(cfg)
+        grpo.train(cfg, grpo.choose_parts(cfg))
         with open(os.path.join(out, "metrics.jsonl")) as f:
             rows = [json.loads(line) for line in f]
     return rows

@@ -26,6 +26,7 @@ import torch  # noqa: E402
 from transformers import AutoModelForCausalLM, Qwen3Config, Qwen3MoeConfig  # noqa: E402
 
 import fsdp_train  # noqa: E402
+import moe  # noqa: E402
 import rollout  # noqa: E402
 import sync  # noqa: E402
 import tiny  # noqa: E402
@@ -47,6 +48,7 @@ def bench(name: str, path: str, reps: int) -> float:
     sync.record_cpu_packing()  # as grpo.start_engine: the proof reads what the CPU engine packs
     llm = rollout.make_engine(path, dtype="float32", max_model_len=512, gpu_memory_utilization=0.3)
     buffers = sync.engine_buffers(llm)
+    repack = functools.partial(moe.repack_cpu_experts, bit_sum=sync.bit_sum)  # CPU-only, a MoE model's (grpo.py's)
     nbytes = sum(p.numel() * p.element_size() for p in model.parameters())
     target = {n: torch.empty_like(p) for n, p in model.named_parameters()}
 
@@ -56,13 +58,13 @@ def bench(name: str, path: str, reps: int) -> float:
                 target[n].copy_(p)
 
     copy_s = timed(baseline, reps)
-    pushed = sync.push_weights(llm, sync.full_params(model, split=split))
-    push_s = timed(lambda: sync.push_weights(llm, sync.full_params(model, split=split)), reps)
+    pushed = sync.push_weights(llm, sync.full_params(model, split=split), repack)
+    push_s = timed(lambda: sync.push_weights(llm, sync.full_params(model, split=split), repack), reps)
     sums = {}
 
     def push_and_prove():
         sums.clear()
-        sync.push_weights(llm, sync.with_bit_sums(sync.full_params(model, split=split), sums))
+        sync.push_weights(llm, sync.with_bit_sums(sync.full_params(model, split=split), sums), repack)
         sync.check_push(llm, sums, buffers)
 
     proven_s = timed(push_and_prove, reps)

@@ -1,4 +1,5 @@
-"""Shared fixtures: tiny offline models built by tiny.py, and a helper to run torchrun scripts."""
+"""Shared fixtures: tiny offline models built by tiny.py, and a helper to run torchrun scripts (tests/helpers/: the
+workers and helper modules the test modules run and import; on sys.path from here)."""
 
 import json
 import os
@@ -14,6 +15,9 @@ os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+HELPERS = os.path.join(ROOT, "tests", "helpers")  # the workers and shared helpers the test modules run and import
+sys.path.insert(0, HELPERS)  # fp32_noise, reporting, the workers' shared constants
+PYTHONPATH = os.pathsep.join([ROOT, HELPERS, os.path.join(ROOT, "tests")])  # what a process a test starts imports
 
 # `make test` runs two pytest workers (pytest-xdist). Each worker gets its share of the cores, and every process
 # a test starts gets its share of the worker's: OpenMP threads that outnumber the cores spin-wait, and a run
@@ -75,7 +79,7 @@ def run_python(*args: str, timeout: int = 600, check: bool = True) -> subprocess
     proc = subprocess.run(
         [sys.executable, *args],
         cwd=ROOT,
-        env={**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": threads(1)},
+        env={**os.environ, "PYTHONPATH": PYTHONPATH, "OMP_NUM_THREADS": threads(1)},
         capture_output=True,
         text=True,
         timeout=timeout,
@@ -85,13 +89,13 @@ def run_python(*args: str, timeout: int = 600, check: bool = True) -> subprocess
 
 
 def cli_calls(calls: dict, folder, env: dict | None = None) -> dict:
-    """grpo.py command lines that stop before a model loads, run in ONE process (tests/cli_calls.py: importing vLLM
-    costs seconds per process). calls: {name: argv}; returns {name: {"stdout", "stderr", "exit"}}."""
+    """grpo.py command lines that stop before a model loads, run in ONE process (tests/helpers/cli_calls.py: importing
+    vLLM costs seconds per process). calls: {name: argv}; returns {name: {"stdout", "stderr", "exit"}}."""
     path = os.path.join(folder, "calls.json")
     with open(path, "w") as f:
         json.dump(calls, f)
     proc = subprocess.run(
-        [sys.executable, "tests/cli_calls.py", path],
+        [sys.executable, "tests/helpers/cli_calls.py", path],
         cwd=ROOT,
         capture_output=True,
         text=True,
@@ -103,10 +107,10 @@ def cli_calls(calls: dict, folder, env: dict | None = None) -> dict:
 
 
 def run_torchrun(script: str, nproc: int, *args: str, timeout: int = 600, killed: bool = False) -> list[dict]:
-    """Run tests/<script> under torchrun; returns what each rank report()ed (tests/reporting.py).
+    """Run tests/helpers/<script> under torchrun; returns what each rank report()ed (tests/helpers/reporting.py).
     killed=True: the script is expected to die (SIGKILL) part-way; returns [] after checking it did."""
     results_dir = tempfile.mkdtemp(prefix="torchrun-results-")
-    env = {**os.environ, "OMP_NUM_THREADS": threads(nproc), "PYTHONPATH": ROOT, "TEST_RESULTS": results_dir}
+    env = {**os.environ, "OMP_NUM_THREADS": threads(nproc), "PYTHONPATH": PYTHONPATH, "TEST_RESULTS": results_dir}
     cmd = [
         sys.executable,
         "-m",
@@ -115,7 +119,7 @@ def run_torchrun(script: str, nproc: int, *args: str, timeout: int = 600, killed
         str(nproc),
         "--master_port",
         str(free_port()),
-        os.path.join(ROOT, "tests", script),
+        os.path.join(HELPERS, script),
         *args,
     ]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout, cwd=ROOT)
@@ -150,7 +154,8 @@ def run_nodes(
     port = free_port()
     procs = []
     for k, node in enumerate(nodes):
-        env = {**os.environ, "OMP_NUM_THREADS": threads(nproc * len(nodes)), "PYTHONPATH": ROOT, **node.get("env", {})}
+        env = {**os.environ, "OMP_NUM_THREADS": threads(nproc * len(nodes)), "PYTHONPATH": PYTHONPATH}
+        env.update(node.get("env", {}))
         cmd = [
             *node.get("wrap", []),
             sys.executable,
@@ -177,3 +182,21 @@ def run_nodes(
         stdout, stderr = p.communicate(timeout=timeout)
         out.append(subprocess.CompletedProcess(p.args, p.returncode, stdout, stderr))
     return out
+
+
+CONSTANT = 0.375  # a float32 number, as veRL's reward tensor holds it: the constant reward file's score
+
+
+@pytest.fixture(scope="module")
+def reward_files(tmp_path_factory) -> dict:
+    root = tmp_path_factory.mktemp("rewards")
+    files = {
+        "constant": f"def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
+        f"    return {CONSTANT}\n",
+        "nan_at_row_2": "def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
+        "    return float('nan') if extra_info['index'] == 2 else 1.0\n",
+        "broken": "import no_such_module\n",
+    }
+    for name, text in files.items():
+        (root / f"{name}.py").write_text(text)
+    return {name: str(root / f"{name}.py") for name in files}

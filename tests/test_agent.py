@@ -4,8 +4,8 @@ tiny_tools model.
 - The pieces, in process: requests read and refused as OpenAI's API does, Hermes calls as vLLM's parser makes
   them, the ids between two calls against multi_turn's, each call's plan (the sample it continues or a split, its
   prompt, budget and seed) against hand-made histories, one-line errors.
-- One vLLM engine (tests/agent_worker.py): examples/gsm8k_calculator_agent.py samples, token for token and log-prob
-  for log-prob, what rollout.multi_turn samples with the same seeds; requests as other agents write them.
+- One vLLM engine (tests/helpers/agent_worker.py): examples/gsm8k_calculator_agent.py samples, token for token and
+  log-prob for log-prob, what rollout.multi_turn samples with the same seeds; requests as other agents write them.
 - One 2-rank run of grpo.py (fp32, 2 steps of 2 mini-batches, dumped) whose agent does one of each hostile thing
   (HOSTILE) and otherwise runs the example: every step completes, each case is counted, vLLM's log-probs are the
   trainer's, each dumped sample is the concatenation of its calls, the example's samples are multi_turn's at 2
@@ -22,7 +22,6 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from test_families import SYNC, plain_logprobs
-from test_grpo import comparable, error_line_of_call, read_metrics, run_grpo
 from test_multi_turn import tools_build  # noqa: F401  (the tiny_tools build, a module fixture)
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -32,8 +31,9 @@ import fsdp_train
 import multi_turn
 import tiny
 from conftest import ROOT, cli_calls, run_python
+from grpo_runs import comparable, error_line_of_call, read_metrics, run_grpo
 
-RUN = [  # the recipe (recipes/tiny_calculator_agent.yaml) on test_grpo's SMALL run: 2 mini-batches per step
+RUN = [  # the recipe (recipes/tiny_calculator_agent.yaml) on grpo_runs' SMALL run: 2 mini-batches per step
     "model.path=tiny_tools",
     "data.max_response_length=96",
     "rollout.n=4",
@@ -675,7 +675,7 @@ def episode(client, row):
 def agent_run(tools_build, tmp_path_factory):  # noqa: F811
     """The 2-rank run with HOSTILE's agent (a 20 s limit per episode, 8 requests, 4 workers per rank), dumped; its
     replay at 1 rank; step 1 of the example agent with rollout ranks (2 trainers, 1 rollout rank), dumped; then
-    tests/agent_worker.py (one engine, the example agent against multi_turn)."""
+    tests/helpers/agent_worker.py (one engine, the example agent against multi_turn)."""
     root = tmp_path_factory.mktemp("agent-run")
     agents = root / "agents"
     agents.mkdir()
@@ -689,7 +689,9 @@ def agent_run(tools_build, tmp_path_factory):  # noqa: F811
     example = os.path.join(ROOT, "examples", "gsm8k_calculator_agent.py")
     one_step = ["trainer.total_steps=1", "trainer.val_every=0", f"trainer.dump_batches={root / 'rr_dump'}"]
     run_grpo(root / "rollout_ranks", 3, *RUN, f"rollout.agent.path={example}", "rollout.n_gpus_per_node=1", *one_step)
-    run_python("tests/agent_worker.py", os.path.dirname(tools_build["model"]), str(agents), str(root / "engine.json"))
+    run_python(
+        "tests/helpers/agent_worker.py", os.path.dirname(tools_build["model"]), str(agents), str(root / "engine.json")
+    )
     with open(root / "engine.json") as f:
         engine = json.load(f)
     return root, read_metrics(root / "run"), read_metrics(root / "replay"), engine
@@ -886,7 +888,7 @@ def test_an_agent_run_replays_at_one_rank_with_the_same_update(agent_run):
 
 
 def test_requests_as_other_agents_write_them_are_served(agent_run):
-    """tests/agent_worker.py's "shapes": a developer or system message, text parts, temperature / top_p / seed /
+    """tests/helpers/agent_worker.py's "shapes": a developer or system message, text parts, temperature / top_p / seed /
     max_tokens / stop set, two drafts at once, tool_choice none then auto, tool messages with their ids, user
     follow-ups, a client of its own: every call answered (chat.completion objects that openai's type validates,
     max_tokens and the stop string honoured), two samples per episode (the drafts; each later call extended the

@@ -11,10 +11,10 @@ import sys
 import time
 
 import pytest
-from test_grpo import SMALL, comparable, read_metrics, run_grpo
 
 import fsdp_train
-from conftest import ROOT, free_port, run_nodes, run_torchrun
+from conftest import HELPERS, ROOT, free_port, run_nodes, run_torchrun
+from grpo_runs import SMALL, comparable, read_metrics, run_grpo
 
 
 def reports(results_dir) -> list[dict]:
@@ -32,7 +32,7 @@ def test_node_first_fetches_once_per_node_without_a_shared_disk(tmp_path, fail_n
         d.mkdir()
     extra = [] if fail_node is None else ["--fail-node", str(fail_node)]
     procs = run_nodes(
-        [os.path.join(ROOT, "tests", "cluster_worker.py")],
+        [os.path.join(HELPERS, "cluster_worker.py")],
         2,
         [{"args": [str(d), *extra], "env": {"TEST_RESULTS": str(results)}} for d in disks],
         timeout=300,
@@ -53,9 +53,9 @@ def test_node_first_fetches_once_per_node_without_a_shared_disk(tmp_path, fail_n
 
 # ------------------------------------------------------------------------------ end to end
 # 4 prompts x 4 samples per step in 2 mini-batches, DAPO's dynamic sampling on with generation batches of 3 prompts
-# (more than the 2 ranks, an uneven split: 2 and 1; 2 or 3 batches per step), rewards from tests/parity_reward.py
-# (which prompts have no signal is set by their index), checkpoints every 2 steps; a straight 2-rank run is what
-# every interrupted run must equal.
+# (more than the 2 ranks, an uneven split: 2 and 1; 2 or 3 batches per step), rewards from
+# tests/helpers/parity_reward.py (which prompts have no signal is set by their index), checkpoints every 2 steps; a
+# straight 2-rank run is what every interrupted run must equal.
 GEN_BATCH, N = 3, 4
 CLUSTER = [
     f"rollout.n={N}",
@@ -68,7 +68,7 @@ CLUSTER = [
     "trainer.sync_check_every=0",
     "algorithm.filter_groups.enable=true",
     f"data.gen_batch_size={GEN_BATCH}",
-    "custom_reward_function.path=tests/parity_reward.py",
+    "custom_reward_function.path=tests/helpers/parity_reward.py",
     "trainer.export_hf=false",
 ]
 
@@ -83,7 +83,7 @@ def straight(tiny_build, tmp_path_factory):
 
 
 def handed_out(folder) -> dict[int, list[float]]:
-    """{prompt index: its rewards} from tests/parity_reward.py's logs (every rank's)."""
+    """{prompt index: its rewards} from tests/helpers/parity_reward.py's logs (every rank's)."""
     scores = {}
     for name in os.listdir(folder):
         with open(os.path.join(folder, name)) as f:
@@ -152,9 +152,9 @@ def test_dynamic_sampling_keeps_the_first_groups_with_signal_in_generation_order
 
 
 def test_max_num_gen_batches_stops_after_exactly_that_many(tiny_build, tmp_path):
-    """algorithm.filter_groups.max_num_gen_batches=2 with prompts that never have a signal (tests/parity_reward.py
-    scores the samples of a prompt whose index is a multiple of 3 alike): the run stops with its one line after
-    exactly 2 generation batches of 2 prompts (the rewards handed out: 2 x 2 x 4)."""
+    """algorithm.filter_groups.max_num_gen_batches=2 with prompts that never have a signal
+    (tests/helpers/parity_reward.py scores the samples of a prompt whose index is a multiple of 3 alike): the run stops
+    with its one line after exactly 2 generation batches of 2 prompts (the rewards handed out: 2 x 2 x 4)."""
     import reward
 
     data_file = tmp_path / "no_signal.jsonl"
@@ -240,8 +240,8 @@ def test_a_stop_signal_to_one_rank_stops_every_rank_after_the_step(straight, tmp
 
 
 def test_a_signal_on_one_rank_is_seen_by_every_rank():
-    """tests/stop_worker.py, 2 ranks: cluster.stop_requested() on every rank returns the first stop signal that ANY
-    rank caught: 0 before; SIGINT (Ctrl-C, caught like SIGTERM, not a KeyboardInterrupt) sent to rank 1 twice: 2 on
+    """tests/helpers/stop_worker.py, 2 ranks: cluster.stop_requested() on every rank returns the first stop signal that
+    ANY rank caught: 0 before; SIGINT (Ctrl-C, caught like SIGTERM, not a KeyboardInterrupt) sent to rank 1 twice: 2 on
     both ranks; then SIGTERM to rank 1: still 2 (a repeat is ignored: torchrun forwards a Ctrl-C once more)."""
     reports = run_torchrun("stop_worker.py", 2)
     assert [r["seen"] for r in reports] == [[0, 2, 2], [0, 2, 2]]

@@ -7,11 +7,11 @@ import math
 
 import pytest
 import torch
-from test_grpo import read_metrics, run_grpo
 
 import reward
+from grpo_runs import read_metrics, run_grpo
 
-N, BATCH, MAX_RESPONSE = 8, 8, 32  # tests/test_grpo.py's SMALL: 8 prompts x 8 samples of <= 32 tokens
+N, BATCH, MAX_RESPONSE = 8, 8, 32  # grpo_runs.SMALL: 8 prompts x 8 samples of <= 32 tokens
 RS_THRESHOLD = 1e-4  # token_k3 > 1e-4 (|log-ratio| > ~0.014 nats): a few per cent of the bf16 tokens here
 CORRECTED = [
     "rollout.dtype=bfloat16",

@@ -1,8 +1,8 @@
 """Bring your model: every dense family in FAMILIES trains through grpo.py (1 rank, fp32), and the quirks of real
 checkpoints are handled. One tiny random model per family (tiny.save_random_family_model, ~1 s each), two runs per
-family in one module fixture, all in one process (tests/families_worker.py): 2 steps (the exact proof of every push
-and the sync checks: vLLM serves what the trainer trains), then resumed from its step-2 checkpoint for a third step;
-run 1's export (hf/, written at step 2)
+family in one module fixture, all in one process (tests/helpers/families_worker.py): 2 steps (the exact proof of every
+push and the sync checks: vLLM serves what the trainer trains), then resumed from its step-2 checkpoint for a third
+step; run 1's export (hf/, written at step 2)
 reloads in transformers' own from_pretrained with the log-probs the resumed trainer computed at step 3 (its old
 log-probs, dumped), within fp32_noise.FACTOR x the fp32 noise measured here.
 
@@ -10,7 +10,7 @@ OLMo 2 and GPT-NeoX are served by vLLM 0.32 through its Transformers backend, wh
 class for the whole process: without fsdp_train.trainer_model_class (the trainer's own copy of the modeling module)
 both stop at step 0 (`'Olmo2Model' object has no attribute 'do_not_compile'`). GPT-NeoX's weights are not named as
 Llama's (gpt_neox.embed_in, embed_out): the trainer's reading through transformers' from_pretrained is what loads
-them. The tied Qwen2 is the default tiny model of every other test (test_grpo: resume, export, 2 ranks); here
+them. The tied Qwen2 is the default tiny model of every other test (test_end_to_end: resume, export, 2 ranks); here
 an untied one, as Qwen2.5-7B.
 
 The quirky checkpoint (one run, tests below): a Qwen2 whose config, tokenizer and generation config carry the
@@ -25,7 +25,6 @@ import pytest
 import safetensors
 import torch
 import transformers
-from test_grpo import SMALL, one_error_line, read_metrics, run_grpo
 from test_logit_rules import GEMMA2_RUN
 from tokenizers import processors
 from transformers import AutoModelForCausalLM, GenerationConfig
@@ -33,6 +32,7 @@ from transformers import AutoModelForCausalLM, GenerationConfig
 import fp32_noise
 import tiny
 from conftest import run_python
+from grpo_runs import SMALL, one_error_line, read_metrics, run_grpo
 
 # family -> (config class, its keys on top of tiny.TINY). Untied heads where the released models have them.
 FAMILIES = {
@@ -94,8 +94,8 @@ def family_models(tiny_tokenizer, tmp_path_factory):
 @pytest.fixture(scope="module")
 def family_runs(family_models, tiny_build, tmp_path_factory):
     """family -> (model path, run directory, run 1's result, the resumed run's result: {"returncode", "stderr"}),
-    every family's two runs made on first use, one after another in one process (tests/families_worker.py: grpo.main
-    in process, the libraries imported once)."""
+    every family's two runs made on first use, one after another in one process (tests/helpers/families_worker.py:
+    grpo.main in process, the libraries imported once)."""
     root = tmp_path_factory.mktemp("families")
     argvs = {}
     for family in FAMILIES:
@@ -108,7 +108,11 @@ def family_runs(family_models, tiny_build, tmp_path_factory):
         argvs[f"{family}_bf16"] = {"first": bf16}
     (root / "runs.json").write_text(json.dumps(argvs))
     proc = run_python(
-        "tests/families_worker.py", str(root / "runs.json"), str(root / "results.json"), timeout=1500, check=False
+        "tests/helpers/families_worker.py",
+        str(root / "runs.json"),
+        str(root / "results.json"),
+        timeout=1500,
+        check=False,
     )
     results = json.loads((root / "results.json").read_text()) if (root / "results.json").exists() else {}
     assert results, proc.stderr[-3000:]

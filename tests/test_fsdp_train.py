@@ -125,7 +125,7 @@ def test_mfu_matches_the_formula_by_hand():
 
 # ------------------------------------------------------------------ the exact update
 # The reference is the plain run in float64; the bounds are fp32_noise.FACTOR x the fp32 noise measured at
-# test time (tests/fp32_noise.py). Measured (2 x86 cores, AVX-512): noise of the weights after 3 steps
+# test time (tests/helpers/fp32_noise.py). Measured (2 x86 cores, AVX-512): noise of the weights after 3 steps
 # 6e-7 (max |w - ref|: Adam turns the tiny, noisy gradient of a k_proj bias into a 1e-4 relative change), of
 # the metrics 1 to 5 fp32 roundings of their value; the code's error / the noise at world sizes 1 and 2
 # (2: 40-token budget, rows longer than it), recompute included: weights <= 0.92, pg_loss 0.95, grad_norm
@@ -135,7 +135,7 @@ METRICS = ("actor/pg_loss", "actor/grad_norm", "actor/entropy", "actor/kl_loss",
 
 def reference_run(model, steps: int, lr: float = 1e-3) -> dict:
     """Plain PyTorch, one process, whole batch in one forward, in the model's dtype (float64: the reference;
-    float32: measures the fp32 noise, tests/fp32_noise.py): what the distributed update must equal. The
+    float32: measures the fp32 noise, tests/helpers/fp32_noise.py): what the distributed update must equal. The
     batch's inputs are made in fp32 as the worker makes them, then cast. Returns, for each step s,
     "weights@s" (all weights after it) and "<metric>@s"."""
     dtype = next(model.parameters()).dtype
@@ -161,7 +161,8 @@ def reference_run(model, steps: int, lr: float = 1e-3) -> dict:
         (pg - ENTROPY_COEF * ent + KL_COEF * kl).backward()
         norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0).item()
         if step == 1:  # the gradients the optimizer takes (clipped), compared before AdamW transforms them
-            out["grads@1"] = fp32_noise.Flat({n: p.grad.detach().clone() for n, p in model.named_parameters()})
+            grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.requires_grad}  # LoRA: its
+            out["grads@1"] = fp32_noise.Flat(grads)  # adapters alone; the frozen base has no gradient
         optimizer.step()
         scheduler.step()
         metrics = {
@@ -180,7 +181,7 @@ def reference_run(model, steps: int, lr: float = 1e-3) -> dict:
 @pytest.fixture(scope="module")
 def reference(random_models):
     """(reference, noise): reference_run on the tied model for 3 steps in float64, and how far fp32 lands
-    from it at 1 and 2 threads (tests/fp32_noise.py)."""
+    from it at 1 and 2 threads (tests/helpers/fp32_noise.py)."""
     model = AutoModelForCausalLM.from_pretrained(random_models["tied"], dtype=torch.float32)
     return fp32_noise.measure(
         lambda dtype: reference_run(
@@ -191,7 +192,7 @@ def reference(random_models):
 
 def check_run(weights: dict, history: list[dict], reference: tuple[dict, dict], what: str):
     """The worker's final weights and every step's metrics against the float64 reference, within FACTOR x
-    the fp32 noise (tests/fp32_noise.py)."""
+    the fp32 noise (tests/helpers/fp32_noise.py)."""
     ref, noise = reference
     steps = history[-1]["step"]
     fp32_noise.check(weights, ref[f"weights@{steps}"], noise[f"weights@{steps}"], f"{what} weights")
@@ -307,7 +308,7 @@ def test_nan_gradient_skips_the_step_and_leaves_weights_untouched(random_models,
 def test_export_hf_loads_in_transformers_and_vllm(random_models, tmp_path):
     """The exported model in transformers and in vLLM gives the trainer's log-probs: the trainer's (FSDP2,
     2 ranks, compute_logprobs) and vLLM's sampling log-probs against transformers' forward in float64 on the
-    exported weights, within FACTOR x the fp32 noise of that forward (tests/fp32_noise.py)."""
+    exported weights, within FACTOR x the fp32 noise of that forward (tests/helpers/fp32_noise.py)."""
     import rollout
 
     run_torchrun("train_worker.py", 2, random_models["tied"], str(tmp_path), "--steps", "1", "--export")

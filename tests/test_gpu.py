@@ -3,7 +3,7 @@ them where a GPU is (docs/tests.md: 'On a GPU'). They fit in about 7 minutes of 
 
 - the recipe at a small real shape (Qwen2.5-0.5B's, random weights) for 2 steps through bench/recipe.py: bf16
   compute with fp32 master weights, sleep mode, torch.compile and CUDA graphs, the exact proof after every push;
-- R3 against vLLM's own routing (tests/gpu_worker.py): in fp32 the trainer's log-probs replaying vLLM's routing
+- R3 against vLLM's own routing (tests/helpers/gpu_worker.py): in fp32 the trainer's log-probs replaying vLLM's routing
   are vLLM's; in bf16 replaying it brings the trainer closer to vLLM than its own routing does;
 - the tiny demo learning (bf16);
 - a push that never happens, caught by the exact proof at step 1 in bf16 (where the log-prob probe only warns);
@@ -18,9 +18,9 @@ import sys
 
 import pytest
 import torch
-from test_grpo import one_error_line, read_metrics, run_grpo
 
 from conftest import ROOT
+from grpo_runs import one_error_line, read_metrics, run_grpo
 
 pytestmark = [
     pytest.mark.gpu,
@@ -72,7 +72,7 @@ def test_the_recipe_at_a_small_real_shape_proves_every_push(tmp_path):
 def test_r3_replays_vllms_own_routing(dtype, tmp_path):
     """vLLM returns each token's experts (its Model Runner V2); the trainer replaying them computes vLLM's policy:
     in fp32 to fp32 noise, while its own routing may pick other experts; in bf16 closer than its own routing."""
-    report = json.loads(python("tests/gpu_worker.py", str(tmp_path), dtype).stdout.strip().splitlines()[-1])
+    report = json.loads(python("tests/helpers/gpu_worker.py", str(tmp_path), dtype).stdout.strip().splitlines()[-1])
     print(dtype, report)
     if dtype == "float32":
         assert report["replayed"] <= SYNC, report
@@ -104,8 +104,8 @@ def test_the_tiny_demo_learns_on_the_gpu(tiny_build, tmp_path):
 
 
 def test_a_push_that_never_happens_is_caught_at_step_1(tiny_build, tmp_path):
-    """tests/grpo_without_push.py (the engine keeps the initial weights) in bf16: the exact proof stops the run at
-    step 1's push, in one line naming the step and the first group whose weights the engine does not hold."""
+    """tests/helpers/grpo_without_push.py (the engine keeps the initial weights) in bf16: the exact proof stops the run
+    at step 1's push, in one line naming the step and the first group whose weights the engine does not hold."""
     proc = run_grpo(
         tmp_path,
         1,
@@ -113,7 +113,7 @@ def test_a_push_that_never_happens_is_caught_at_step_1(tiny_build, tmp_path):
         "trainer.total_steps=2",
         "trainer.val_every=0",
         "actor.lr=1e-3",
-        script="tests/grpo_without_push.py",
+        script="tests/helpers/grpo_without_push.py",
         check=False,
     )
     line = one_error_line(proc)

@@ -1,9 +1,16 @@
 """The layout's rules, enforced: every optional feature is a file of its own that enters the loop only in grpo.py's
-set-up (choose_parts and the functions that build the run) and finish, and can be deleted with its key off.
+set-up (choose_parts and the functions that build the run) and finish, and can be deleted with its key off; the
+step's parts are a typed record whose defaults are plain GRPO's.
 
 - Statically (ast): no project module imports a feature file, but grpo.py inside its set-up and finish functions,
   and a feature file imports only the component it extends; no phase of grpo.py (every other function) names a
   feature module or a feature's key.
+- The parts (ast and import): grpo.py imports no feature through importlib; Parts is a dataclass whose every field
+  defaults to a GRPO function, to None (an optional hook) or to False (a flag); only main builds the parts
+  (choose_parts), and only choose_parts builds a Parts.
+- The components (ast): the code of sync.py, fsdp_train.py, rollout.py, losses.py and reward.py, comments and
+  docstrings aside, names no feature (FEATURE_WORD): LoRA's merge, MoE's expert repacking and routing field reach
+  them as arguments.
 - By deletion: for each feature file, a copy of the tree without it imports grpo and prints the configuration
   (`grpo.py --config tiny.yaml --print-config`), all in one process (the libraries imported once).
 """
@@ -12,6 +19,7 @@ import ast
 import glob
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -38,10 +46,9 @@ EXTENDS = {"grpo_family": {"losses"}, "rollout_correction": {"losses"}}  # a fea
 SETUP = {  # grpo.py's set-up and finish code: where a feature's file may be imported (feature), its keys read
     "main",
     "choose_parts",
-    "rollout_ranks_parts",
-    "agent_parts",
-    "feature",
     "lora_on",
+    "rollout_ranks_on",
+    "rollout_ranks_run",
     "setup",
     "exact_run",
     "on_policy_shortcut",
@@ -50,6 +57,7 @@ SETUP = {  # grpo.py's set-up and finish code: where a feature's file may be imp
     "model_head",
     "start_engine",
     "start_proven_engine",
+    "engine_after_load",
     "match_engine_dtypes",
     "finish",
     "evaluate",
@@ -76,7 +84,7 @@ def modules() -> dict[str, ast.Module]:
 
 def imported(node: ast.AST) -> set[str]:
     """The top-level module names every import inside node imports: import statements, and calls that import by
-    name (grpo.feature("dapo"), importlib.import_module("dapo"))."""
+    name (importlib.import_module("dapo"), or a helper named feature)."""
     names = set()
     for n in ast.walk(node):
         if isinstance(n, ast.Import):
@@ -126,6 +134,93 @@ def test_no_phase_names_a_feature_module_or_key():
         assert not names & set(FEATURES), f"grpo.{phase.name} names {names & set(FEATURES)}"
         assert not strings & FEATURE_KEYS, f"grpo.{phase.name} reads {strings & FEATURE_KEYS}"
         assert "feature" not in names, f"grpo.{phase.name} imports a feature's file"
+
+
+FEATURE_WORD = re.compile(r"lora|moe|expert|router|adapter|(?<![a-z])tool", re.IGNORECASE)  # not "functools"
+GRPO_ALONE = ("sync", "fsdp_train", "rollout", "losses", "reward")
+
+
+def code_words(tree: ast.Module) -> list[tuple[int, str]]:
+    """(line, word) of every identifier (names, attributes, definitions, arguments, keywords, imports) and every
+    string constant of a module's code, its docstrings aside."""
+    docstrings = {
+        id(node.body[0].value)
+        for node in ast.walk(tree)
+        if isinstance(node, (ast.Module, ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))
+        and node.body
+        and isinstance(node.body[0], ast.Expr)
+        and isinstance(node.body[0].value, ast.Constant)
+        and isinstance(node.body[0].value.value, str)
+    }
+    words = []
+    for n in ast.walk(tree):
+        if isinstance(n, ast.Name):
+            words.append((n.lineno, n.id))
+        elif isinstance(n, ast.Attribute):
+            words.append((n.lineno, n.attr))
+        elif isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            words.append((n.lineno, n.name))
+        elif isinstance(n, ast.arg):
+            words.append((n.lineno, n.arg))
+        elif isinstance(n, ast.keyword) and n.arg:
+            words.append((n.lineno, n.arg))
+        elif isinstance(n, ast.alias):
+            words += [(n.lineno, n.name), (n.lineno, n.asname or "")]
+        elif isinstance(n, ast.Constant) and isinstance(n.value, str) and id(n) not in docstrings:
+            words.append((n.lineno, n.value))
+    return words
+
+
+@pytest.mark.parametrize("component", GRPO_ALONE)
+def test_a_components_code_names_no_feature(component):
+    """The code of sync.py, fsdp_train.py, rollout.py, losses.py and reward.py (identifiers and strings; comments and
+    docstrings may say where a feature plugs in) names no feature: LoRA, MoE, experts, routers, adapters, tools.
+    Someone who copies one gets GRPO alone."""
+    named = [f"{component}.py:{line}: {word[:60]!r}" for line, word in code_words(modules()[component])
+             if FEATURE_WORD.search(word)]  # fmt: skip
+    assert not named, named
+
+
+def test_the_parts_are_a_typed_record_of_grpos_functions_built_once():
+    """grpo.py imports nothing through importlib (a feature's file is a plain import inside its guard); grpo.Parts is a
+    dataclass, every field typed and defaulting to a function of plain GRPO (grpo.py's or a component's), to None
+    (an optional hook, guarded where it is called) or to False (a flag a feature raises); choose_parts is called by
+    main alone, Parts() by choose_parts alone: no product function falls back to building the parts."""
+    import dataclasses
+
+    import grpo
+
+    tree = modules()["grpo"]
+    assert "importlib" not in imported(tree) and "importlib" not in open(os.path.join(ROOT, "grpo.py")).read()
+    assert dataclasses.is_dataclass(grpo.Parts)
+    import data
+    import rollout
+
+    grpos = {  # plain GRPO's step: the functions the README's reading order names
+        "pick_groups": grpo.next_groups,
+        "scored_samples": grpo.sample_and_score,
+        "sample": rollout.generate,
+        "score": data.gsm8k_score,
+        "advantages": grpo.grpo_advantages,
+        "policy_term": grpo.policy_term,
+    }
+    fields = dataclasses.fields(grpo.Parts)
+    for field in fields:
+        assert field.type is not dataclasses.MISSING and field.default is not dataclasses.MISSING, field.name
+        plain = grpos.get(field.name, False if field.type is bool else None)  # a hook: None; a feature's need: False
+        assert field.default is plain, f"Parts.{field.name} defaults to {field.default!r}"
+    assert set(grpos) <= {f.name for f in fields}
+    for name, module in modules().items():
+        for function in (n for n in ast.walk(module) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))):
+            called = {
+                n.func.attr if isinstance(n.func, ast.Attribute) else getattr(n.func, "id", "")
+                for n in ast.walk(function)
+                if isinstance(n, ast.Call)
+            }
+            if "choose_parts" in called:
+                assert (name, function.name) == ("grpo", "main"), f"{name}.{function.name} builds the parts"
+            if "Parts" in called:
+                assert (name, function.name) == ("grpo", "choose_parts"), f"{name}.{function.name} builds a Parts"
 
 
 DELETE = """import contextlib, io, json, os, sys

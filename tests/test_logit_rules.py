@@ -8,17 +8,16 @@ every rule changes the log-probs by whole nats. The chunked path (ft._forward, a
 train_step run it: one piece, and chunks of 16 with recompute) must give the log-probs, entropy, loss and
 every gradient of the plain path: log_softmax(model(...).logits / T) from HF's full forward, in float64, and
 compute_logprobs' no-grad pass its log-probs and entropy,
-within fp32_noise.FACTOR x the fp32 noise measured at test time (tests/fp32_noise.py). Each test also
+within fp32_noise.FACTOR x the fp32 noise measured at test time (tests/helpers/fp32_noise.py). Each test also
 shows that the bare output embedding (fsdp_train's default head) misses the reference by far more than
 that bound, so the test fails when its rule breaks. World size 2 (FSDP2: the rule runs inside the root's
-registered forward): the large-logit Gemma 2 through tests/logprob_worker.py.
+registered forward): the large-logit Gemma 2 through tests/helpers/logprob_worker.py.
 Measured (2 x86 cores): code error / noise 0.2-1.1 for every rule and scale; the bare head misses by
 70x-4e8x the bound."""
 
 import pytest
 import torch
 import transformers
-from test_grpo import one_error_line, read_metrics, run_grpo
 from test_logprobs import TEMPERATURE, batch, check_all, plain_path, weighted_loss
 from transformers import AutoModelForCausalLM
 
@@ -28,6 +27,7 @@ import logit_rules
 import losses
 import tiny
 from conftest import run_torchrun
+from grpo_runs import one_error_line, read_metrics, run_grpo
 
 MINICPM3_MLA = dict(
     num_key_value_heads=4, q_lora_rank=64, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=16, v_head_dim=32
@@ -136,7 +136,7 @@ def test_chunked_logprobs_and_gradients_are_the_models_own(family_models, monkey
 
 
 def test_large_softcapped_logits_at_world_size_2(family_models, tmp_path):
-    """FSDP2 at 2 ranks (tests/logprob_worker.py): compute_logprobs and train_step with the soft-cap inside the
+    """FSDP2 at 2 ranks (tests/helpers/logprob_worker.py): compute_logprobs and train_step with the soft-cap inside the
     root's registered forward; the ranks' rows joined, and rank 0's full gradients, against the float64 plain
     path. load_model's start-up check runs there too (collective)."""
     model = load(family_models("softcap"), "large")
@@ -254,7 +254,7 @@ def test_a_gemma2_like_model_trains_with_its_soft_cap_at_fp32_noise(capped_gemma
 
 
 def test_a_trainer_without_the_soft_cap_stops_at_start_up(capped_gemma2, tiny_build, tmp_path):
-    """The issue's bug put back (tests/grpo_without_logit_rule.py: the chunked path without the soft-cap, the
+    """The issue's bug put back (tests/helpers/grpo_without_logit_rule.py: the chunked path without the soft-cap, the
     load-time check off): sync.check_sync measures the trainer's own path, so the start-up check (step 0)
     sees vLLM's log-probs nats away from the trainer's and stops the run in one line."""
     proc = run_grpo(
@@ -262,7 +262,7 @@ def test_a_trainer_without_the_soft_cap_stops_at_start_up(capped_gemma2, tiny_bu
         1,
         f"model.path={capped_gemma2}",
         *GEMMA2_RUN,
-        script="tests/grpo_without_logit_rule.py",
+        script="tests/helpers/grpo_without_logit_rule.py",
         check=False,
     )
     line = one_error_line(proc)

@@ -6,7 +6,7 @@ and 2 (FSDP2: the root's embed_tokens / norm / lm_head must be unsharded for the
 gradients reduce-scattered).
 
 The plain path runs in float64 (the reference) and, to measure the fp32 noise, in float32 at 1 and 2
-threads; the chunked path must be within fp32_noise.FACTOR x that noise (tests/fp32_noise.py). Measured
+threads; the chunked path must be within fp32_noise.FACTOR x that noise (tests/helpers/fp32_noise.py). Measured
 (2 x86 cores, AVX-512): noise log-probs 1.5-1.7e-6, entropy 1.4e-6, loss 0.7-1.7e-7, gradients (largest
 relative, a layer-1 k_proj bias when tied) 1.1-3.2e-6; the code's error / the noise, in process at 1 and 2
 threads and under torchrun at world sizes 1 and 2, any chunk size:
@@ -59,7 +59,7 @@ def weighted_loss(logp, entropy, mb, counts):
 
 def plain_path(model, b: dict) -> dict:
     """The definition, with nothing chunked, in the model's dtype (float64: the reference; float32: what measures
-    the fp32 noise, tests/fp32_noise.py): full logits from HF's forward, log-softmax, entropy, loss, grads."""
+    the fp32 noise, tests/helpers/fp32_noise.py): full logits from HF's forward, log-softmax, entropy, loss, grads."""
     r = b["response_mask"].shape[1]
     dtype = next(model.parameters()).dtype
     model.zero_grad(set_to_none=True)
@@ -97,7 +97,7 @@ def big_vocab_models(tiny_tokenizer, tmp_path_factory):
 @pytest.fixture(scope="module")
 def references(big_vocab_models):
     """head -> (reference, noise): plain_path in float64 and how far fp32 lands from it at 1 and 2 threads
-    (tests/fp32_noise.py), computed on first use."""
+    (tests/helpers/fp32_noise.py), computed on first use."""
     cache = {}
 
     def get(head):

@@ -1,13 +1,13 @@
 """grpo.py's step phases against an independent computation, at 1 and 2 ranks.
 
-tests/loop_worker.py runs the advantages part (grpo.choose_parts), grpo.update_actor (fsdp_train.train_step with
+tests/helpers/loop_worker.py runs the advantages part (grpo.choose_parts), grpo.update_actor (fsdp_train.train_step with
 grpo.grpo_loss_fn) and grpo.batch_metrics on a known batch under torchrun. Here the same quantities are
 written out from veRL's formulas in plain PyTorch (one process, the whole batch, no losses.py), with
 the recipe's regularisers on (entropy_coeff 0.003, low_var_kl 0.001), temperature 0.7, clip 0.2 / 0.28
 and the dual clip firing.
 
 The formulas run in float64 (the reference); the bounds are fp32_noise.FACTOR x the fp32 noise of the same
-formulas in float32 at 1 and 2 threads (tests/fp32_noise.py). Measured (2 x86 cores, AVX-512): the code's
+formulas in float32 at 1 and 2 threads (tests/helpers/fp32_noise.py). Measured (2 x86 cores, AVX-512): the code's
 error / the noise at world sizes 1 and 2: the SGD step (= the gradient, read back from the weights; its noise
 is the weights' rounding, 6e-8) 1.0-1.01, pg_loss <= 1.18, grad_norm <= 1.0, every other metric <= 0.77
 (exactly 0 where the reference is: on-policy clip fractions and ppo_kl), advantages and batch metrics 0.11.
@@ -170,9 +170,9 @@ def grad_norm(model) -> torch.Tensor:
 def reference(model, mode: str, settings: tuple | None = None) -> dict:
     """The metrics and the SGD step (lr 1: before - after = the gradient) of one update on the whole batch,
     from the formulas, in the model's dtype (float64: the reference; float32: measures the fp32 noise,
-    tests/fp32_noise.py). Returns {metric: value, "step": {name: before - after}}. seq_mean_empty: row
+    tests/helpers/fp32_noise.py). Returns {metric: value, "step": {name: before - after}}. seq_mean_empty: row
     EMPTY_ROW has no response tokens and the loss terms are seq-mean-token-mean over ALL 16 rows. FAMILY
-    modes: off-policy, with that loss mode or aggregation (tests/loop_worker.py). settings: (loss mode,
+    modes: off-policy, with that loss mode or aggregation (tests/helpers/loop_worker.py). settings: (loss mode,
     aggregation, clip_ratio_low, divisor) instead of SETTINGS[mode] (the GRID)."""
     on_policy, seq_mean_empty = mode == "on_policy", mode == "seq_mean_empty"
     dtype = next(model.parameters()).dtype
@@ -408,7 +408,7 @@ def test_advantages_are_group_normalised_rewards(runs, batch_references, world):
 @pytest.mark.parametrize("mode", MODES)
 def test_update_matches_the_formulas(runs, references, world, mode):
     """Every metric and every parameter's gradient (the SGD step) equal the float64 formulas within FACTOR x
-    the fp32 noise measured on this machine (tests/fp32_noise.py)."""
+    the fp32 noise measured on this machine (tests/helpers/fp32_noise.py)."""
     reports, folder = runs[world]
     ref, noise = references(mode)
     if mode == "off_policy":  # the batch really exercises every branch of the loss

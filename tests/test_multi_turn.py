@@ -2,7 +2,7 @@
 
 - The pieces, in process: the calculator's safe evaluator, Hermes parsing, failed calls as tool responses, veRL's
   truncation, the tool-response tokens against the chat template's text, tool files, the metrics.
-- One vLLM engine (tests/multi_turn_worker.py) with every request it receives recorded: each turn generates from
+- One vLLM engine (tests/helpers/multi_turn_worker.py) with every request it receives recorded: each turn generates from
   the whole history token for token, the loss mask is 1 exactly on what vLLM sampled, a sample without tool calls
   is the single-turn sample, a raising tool and a short budget do not stop the rollout.
 - Runs of grpo.py: 2 ranks with a dump (vLLM's log-probs = the trainer's at fp32; the dump audited), its replay
@@ -18,7 +18,6 @@ import time
 import pytest
 import torch
 from test_families import SYNC, plain_logprobs
-from test_grpo import comparable, error_line_of_call, read_metrics, run_grpo
 from transformers import AutoModelForCausalLM, AutoTokenizer
 from transformers.utils import get_json_schema
 
@@ -26,8 +25,9 @@ import fp32_noise
 import multi_turn
 import tiny
 from conftest import ROOT, cli_calls, run_python
+from grpo_runs import comparable, error_line_of_call, read_metrics, run_grpo
 
-# the recipe's keys (recipes/tiny_calculator.yaml) as overrides on test_grpo's SMALL run: 2 mini-batches per step
+# the recipe's keys (recipes/tiny_calculator.yaml) as overrides on grpo_runs' SMALL run: 2 mini-batches per step
 MULTI_TURN = [
     "model.path=tiny_tools",
     "rollout.multi_turn.enable=true",
@@ -624,7 +624,7 @@ def test_turn_metrics_on_known_values():
 @pytest.fixture(scope="module")
 def engine(tools_build, tmp_path_factory):
     out = tmp_path_factory.mktemp("multi-turn-engine") / "record.json"
-    run_python("tests/multi_turn_worker.py", tools_build["dir"], str(out))
+    run_python("tests/helpers/multi_turn_worker.py", tools_build["dir"], str(out))
     return json.loads(out.read_text())
 
 

@@ -1,7 +1,7 @@
 """Packed micro-batches (veRL's use_remove_padding: fsdp_train.pack, varlen_attention, micro-batches of real tokens)
 against an independent oracle: every sequence run ALONE through transformers' own model (no padding, no packing;
 eager attention, the family's reference implementation: it honours Gemma 2's attention soft-cap, which transformers'
-sdpa drops), in float64, with the fp32 noise measured here (tests/fp32_noise.py).
+sdpa drops), in float64, with the fp32 noise measured here (tests/helpers/fp32_noise.py).
 
 The trainer side is the trainer's own model (fsdp_train.load_model: its class, its attention, the family's logit
 rule) through compute_logprobs with a budget of BUDGET real tokens, so the batch is cut into micro-batches of several

@@ -2,14 +2,15 @@
 against what the engine computes with, in every dtype; the engine's buffers held to their values at load.
 
 - The pieces, in process: bit sums unchanged by fusion, reordering and zero padding, changed by one bit; the groups.
-- Planted faults (tests/push_proof_worker.py, one process, an engine at a time): in the CPU engines the suite runs
+- Planted faults (tests/helpers/push_proof_worker.py, one process, an engine at a time): in the CPU engines the suite
+runs
   (fp32 and bf16 tiny Qwen2, LoRA's merged push, a tiny Qwen3-MoE, a tied Gemma 2 without a head module as on a
   GPU) each fault is caught and named: one tensor not sent (a linear weight the CPU engine packs away; one expert),
   the tied head left stale, a layer one step behind, a buffer the reload resets; a correct push passes. Apertus in
   fp32: a trainer computing with the engine's bf16 tensors proves its pushes; one that does not is stopped naming
   those tensors and their dtypes; a push without the persistent buffers, naming the buffer the reload reset.
 - Through the loop: a bf16 run whose engine resets a buffer at every push stops at step 1 naming it
-  (tests/grpo_resetting_a_buffer.py; grpo.update_weights holds the buffers to their values at load).
+  (tests/helpers/grpo_resetting_a_buffer.py; grpo.update_weights holds the buffers to their values at load).
 - Every run of the suite proves every push: a mismatch would stop it (grpo.update_weights).
 """
 
@@ -19,11 +20,11 @@ import pytest
 import torch
 import transformers
 from test_families import FAMILIES
-from test_grpo import one_error_line, read_metrics, run_grpo
 
 import sync
 import tiny
 from conftest import run_python
+from grpo_runs import one_error_line, read_metrics, run_grpo
 
 
 def test_bit_sums_see_one_bit_and_not_the_layout():
@@ -69,7 +70,7 @@ def planted(tiny_build, tiny_tokenizer, tmp_path_factory) -> dict:
         config_class, keys = FAMILIES[name]
         family[name] = tiny.save_random_family_model(str(root / name), tiny_tokenizer, config_class, seed=1, **keys)
     args = (tiny_build["model"], moe, family["gemma2"], family["apertus"], str(root))
-    proc = run_python("tests/push_proof_worker.py", *args, timeout=900)
+    proc = run_python("tests/helpers/push_proof_worker.py", *args, timeout=900)
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
@@ -115,14 +116,14 @@ def test_a_tensor_kept_in_another_dtype_and_a_buffer_not_sent_are_named(planted)
 
 
 def test_a_buffer_reset_by_a_push_stops_the_run_naming_the_step_and_the_buffer(tiny_build, tmp_path):
-    """Through the loop: tests/grpo_resetting_a_buffer.py's engine zeroes its rotary table at every push, as vLLM's
-    reload resets a buffer it is not sent. A bf16 run (where the log-probs only warn: the issue's run trained on, 13
-    nats off) stops at step 1's push, in one line naming the step and the buffer, before step 1 is logged:
+    """Through the loop: tests/helpers/grpo_resetting_a_buffer.py's engine zeroes its rotary table at every push, as
+    vLLM's reload resets a buffer it is not sent. A bf16 run (where the log-probs only warn: the issue's run trained
+    on, 13 nats off) stops at step 1's push, in one line naming the step and the buffer, before step 1 is logged:
     grpo.update_weights holds the buffers to their values when the engine loaded (engine_buffers then)."""
     bf16 = ["rollout.dtype=bfloat16", "model.compute_dtype=bfloat16", "trainer.total_steps=2", "trainer.val_every=0"]
     small = ["data.train_batch_size=4", "actor.ppo_mini_batch_size=4", "data.max_response_length=16"]
     quiet = ["trainer.export_hf=false", "trainer.plot=false", "trainer.sync_check_every=0"]
-    proc = run_grpo(tmp_path, 1, *bf16, *small, *quiet, script="tests/grpo_resetting_a_buffer.py", check=False)
+    proc = run_grpo(tmp_path, 1, *bf16, *small, *quiet, script="tests/helpers/grpo_resetting_a_buffer.py", check=False)
     assert one_error_line(proc) == (
         "error: step 1: the engine's buffer model.layers.0.self_attn.rotary_emb.cos_sin_cache changed since it "
         "loaded (a reload reset it: a buffer the push does not send)"

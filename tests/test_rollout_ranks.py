@@ -4,8 +4,8 @@ mini-batches a step, sampled, validated; the runs are shared by the tests (modul
 - k = 0 (async_training.staleness_threshold): the same metrics and bit-identical weights as the same seeded
   colocated 2-rank run.
 - k = 1, proven from its dumps and per-step checkpoints with an independent computation (HF's model in float64
-  on the checkpoint's weights; tolerances: tests/fp32_noise.py): batch s was sampled by the weights of step s - 2;
-  vLLM's log-probs are that policy's at fp32 noise and not the current one's; the old-log-prob pass is the current
+  on the checkpoint's weights; tolerances: tests/helpers/fp32_noise.py): batch s was sampled by the weights of step s -
+  2; vLLM's log-probs are that policy's at fp32 noise and not the current one's; the old-log-prob pass is the current
   policy's; the IS weights and advantages are the formulas on the dumped batch; the update equals a colocated
   replay of the dumped batches (trainer.replay_batches: the update tests/test_loop.py checks against the formulas).
 - k = 2 (1 trainer rank, 1 rollout rank), the same way: the batches at the bound (staleness 2), each proven
@@ -32,7 +32,6 @@ import torch.distributed as dist
 import transformers
 from safetensors.torch import load_file
 from test_cluster import wait_for_step, worker_of_rank
-from test_grpo import SMALL, comparable, read_metrics, run_grpo
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 from transformers import AutoModelForCausalLM
 
@@ -40,6 +39,7 @@ import fp32_noise
 import fsdp_train
 import tiny
 from conftest import ROOT, cli_calls, free_port
+from grpo_runs import SMALL, comparable, read_metrics, run_grpo
 
 RANKS = ["rollout.n_gpus_per_node=1"]  # 1 rollout rank; torchrun's 3 processes leave 2 trainer ranks
 ONE_STEP_OFF = [

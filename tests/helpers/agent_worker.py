@@ -1,7 +1,7 @@
 """Worker for test_agent: one vLLM engine (world size 1) on tiny.py's tiny_tools model, the agent endpoint (agent.py)
 and multi_turn.generate side by side, written as JSON to OUT.
 
-python tests/agent_worker.py TINY_TOOLS_DIR AGENTS_DIR OUT
+python tests/helpers/agent_worker.py TINY_TOOLS_DIR AGENTS_DIR OUT
 
   "calculator":  examples/gsm8k_calculator_agent.py through the endpoint, and rollout.multi_turn's rollout with the
                  calculator (max_assistant_turns 3), 8 test prompts x 4 samples, seed 7, temperature 1, 96 tokens: each
@@ -31,7 +31,7 @@ import reward
 import rollout
 
 SETTINGS = dict(max_assistant_turns=3, max_user_turns=None, max_parallel_calls=1)
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def config(path: str, workers: int = 4) -> dict:

@@ -2,7 +2,7 @@
 grpo.sample_groups (the training loop's sampling, seeded per generation batch and rank) on the SAME prompt on
 every rank.
 
-torchrun --nproc_per_node 2 tests/engine_worker.py MODEL_PATH
+torchrun --nproc_per_node 2 tests/helpers/engine_worker.py MODEL_PATH
 """
 
 import functools
@@ -60,7 +60,7 @@ for s in samples:
 # the loop's sampling: one prompt twice in generation batch 3, then alone in batch 3 and in batch 4
 cfg = config.load_config(None, ["rollout.n=4", "data.max_response_length=8"])
 parts = grpo.choose_parts(cfg)
-parts.score = lambda row, text: (0.0, {})
+parts.score = lambda row, text, settings: (0.0, {})
 run = types.SimpleNamespace(cfg=cfg, llm=llm, rank=rank, gen_cursor=3, parts=parts)
 prompt = {"prompt": [{"role": "user", "content": "Tom has 3 apples."}]}
 loop_samples = {"batch 3": grpo.sample_groups(run, [prompt, prompt], {})}

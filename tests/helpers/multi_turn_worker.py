@@ -2,7 +2,7 @@
 several settings, every request vLLM receives recorded (the engine's own generate, wrapped to log its inputs, seeds
 and outputs), written as JSON to OUT.
 
-python tests/multi_turn_worker.py TINY_TOOLS_DIR OUT
+python tests/helpers/multi_turn_worker.py TINY_TOOLS_DIR OUT
 
   "calculator":  the calculator, 8 prompts x 4 samples, temperature 1, 96 tokens; also rollout.generate's
                  single-turn samples of the same prompts and seed ("single")

@@ -2,7 +2,7 @@
 suite runs, one after another in this process. Prints one JSON line: {engine: {fault: the proof's message, or "" when
 it passed}}.
 
-python tests/push_proof_worker.py TINY_MODEL MOE_MODEL GEMMA2_MODEL APERTUS_MODEL OUT_DIR
+python tests/helpers/push_proof_worker.py TINY_MODEL MOE_MODEL GEMMA2_MODEL APERTUS_MODEL OUT_DIR
 
     engines  fp32 and bf16 (tiny.py's tied Qwen2), lora (LoRA's merged push into an fp32 engine), moe (a tiny
              Qwen3-MoE, its experts pushed as the checkpoint's per-expert tensors), gemma2 (a tied Gemma 2, which
@@ -17,6 +17,7 @@ python tests/push_proof_worker.py TINY_MODEL MOE_MODEL GEMMA2_MODEL APERTUS_MODE
              xIELU pushed and summed in fp32), buffer_not_sent (the push without the persistent buffers)
 """
 
+import functools
 import gc
 import itertools
 import json
@@ -28,6 +29,7 @@ import engine_dtypes
 import fsdp_train
 import logit_rules
 import lora
+import moe
 import rollout
 import sync
 
@@ -46,10 +48,13 @@ def pushed(llm, model, leave_out: str = "", behind: dict | None = None, buffers:
     checkpoint's names, but `leave_out`; tensors named in `behind` sent from there (the step before) instead; then
     the persistent buffers (sync.full_buffers), unless buffers is False."""
     sums, dtype = {}, sync.engine_dtype(llm)
-    tensors = sync.full_params(model, dtype, model.checkpoint_names, model.checkpoint_split)
+    transform = getattr(model, "push_transform", None)  # LoRA's merged weights (lora.adapter)
+    tensors = sync.full_params(model, dtype, model.checkpoint_names, model.checkpoint_split, transform)
     sent = ((name, (behind or {}).get(name, t)) for name, t in sync.with_bit_sums(tensors, sums) if name != leave_out)
     after = sync.full_buffers(model, dtype, model.checkpoint_names) if buffers else ()
-    sync.push_weights(llm, itertools.chain(sent, after))
+    sync.push_weights(
+        llm, itertools.chain(sent, after), functools.partial(moe.repack_cpu_experts, bit_sum=sync.bit_sum)
+    )
     return sums
 
 
@@ -107,7 +112,13 @@ def faults(kind: str, path: str) -> dict:
         sync._repack_tied_lm_head = repack
     before = {
         name: t.clone()
-        for name, t in sync.full_params(model, sync.engine_dtype(llm), model.checkpoint_names, model.checkpoint_split)
+        for name, t in sync.full_params(
+            model,
+            sync.engine_dtype(llm),
+            model.checkpoint_names,
+            model.checkpoint_split,
+            getattr(model, "push_transform", None),
+        )
         if ".layers.1." in name
     }
     move(model, 4)

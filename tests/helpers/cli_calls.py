@@ -1,8 +1,8 @@
 """Several grpo.py command lines in ONE process: the imports (vLLM's above all) cost seconds per process, and the
-command lines of tests/test_grpo.py that stop before a model loads (--print-config, --help, a bad data file) need
+command lines of tests/test_config.py that stop before a model loads (--print-config, --help, a bad data file) need
 them only once. Each call is grpo.main(argv), what `python grpo.py ARGV` runs.
 
-    python tests/cli_calls.py CALLS.json      # CALLS.json: {"name": [argv, ...], ...}
+    python tests/helpers/cli_calls.py CALLS.json      # CALLS.json: {"name": [argv, ...], ...}
 
 prints one JSON object {"name": {"stdout", "stderr": what the call printed, "exit": the status grpo.main returned,
 or argparse's SystemExit code (--help: 0)}} as its last line. Calls run in the file's order; a call that fails
@@ -15,7 +15,7 @@ import json
 import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 import cluster  # noqa: E402
 import grpo  # noqa: E402

@@ -1,8 +1,8 @@
-"""How grpo.py's process ends, stressed (tests/test_grpo.py::test_every_end_of_a_run_is_clean): every documented
+"""How grpo.py's process ends, stressed (tests/test_config.py::test_every_end_of_a_run_is_clean): every documented
 way a run stops, each repeated many times, in children forked from this process. It imports grpo once (a fresh
 interpreter costs ~15 s of CPU here, most of the error paths a fraction of a second).
 
-    torchrun --nproc_per_node 2 tests/exit_worker.py PLAN.json OUT_DIR
+    torchrun --nproc_per_node 2 tests/helpers/exit_worker.py PLAN.json OUT_DIR
 
 PLAN.json: a list of cases {"name", "argv", "world": 1 or 2, "reps", "stop": bool, "blind": bool}.
 world 1: `python grpo.py` (torchrun's variables removed), the reps shared between the ranks, two at a time on
@@ -28,7 +28,7 @@ import signal
 import sys
 import threading
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 import torch  # noqa: E402
 

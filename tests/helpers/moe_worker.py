@@ -1,7 +1,7 @@
 """Worker for test_moe: Mixture-of-Experts models served by vLLM against the trainer, in one process (an engine
 per model). Prints one JSON line.
 
-python tests/moe_worker.py HF_DIR [DIR ...]
+python tests/helpers/moe_worker.py HF_DIR [DIR ...]
     HF_DIR, an exported model (hf/), served and loaded by the trainer: "sync": vLLM's sampled log-probs against the
     trainer's, max |difference|; "logits": the trainer's logits against transformers' from_pretrained, max |diff|.
     Each DIR, a model loaded as the loop loads it (its routers hooked: moe.attach_for_run), its weights moved (a
@@ -56,7 +56,7 @@ def pushed(path: str) -> dict:
             p.add_(torch.randn_like(p) * 0.02)
     trainer = functools.partial(fsdp_train.sequence_logprobs, model)
     before = sync.check_sync(llm, trainer, max_tokens=32)
-    grpo.push(llm, model)
+    grpo.push(llm, model, after_load=grpo.engine_after_load(path))
     after = sync.check_sync(llm, trainer, max_tokens=32)
     del llm
     gc.collect()

@@ -1,11 +1,11 @@
 """Worker for test_gpu (a CUDA GPU): R3 against vLLM's own routing. A tiny Qwen3-MoE (4 experts, top-2) served by
 vLLM with enable_return_routed_experts (its Model Runner V2, the GPU default), in fp32 and in bf16: samples of a few
-prompts, their routing as the loop batches it (grpo.groups_to_batch: rollout.routing_field, fsdp_train.add_fields),
+prompts, their routing as the loop batches it (grpo.groups_to_batch: moe.routing_field, fsdp_train.add_fields),
 then the trainer's log-probs (fsdp_train.compute_logprobs) with that routing replayed (moe.attach R3) and without
 (the routing dropped: each router's own choice), each against vLLM's sampled log-probs. Prints one JSON line:
 {"replayed": max |difference|, "own": max |difference|, "disagreement": share of (token, layer) pairs}.
 
-python tests/gpu_worker.py OUT_DIR DTYPE      # float32 or bfloat16, one engine per process
+python tests/helpers/gpu_worker.py OUT_DIR DTYPE      # float32 or bfloat16, one engine per process
 """
 
 import json
@@ -32,7 +32,8 @@ def main(out: str, dtype: str) -> None:
     prompts = [[{"role": "user", "content": f"Tom has {k} apples and {k + 3} pens."}] for k in range(4)]
     llm = rollout.make_engine(path, dtype=dtype, max_model_len=256, gpu_memory_utilization=0.3,
                               enable_return_routed_experts=True, enforce_eager=True)  # fmt: skip
-    samples = rollout.generate(llm, prompts, n=4, temperature=1.0, max_tokens=32, seed=0)
+    samples = rollout.generate(llm, prompts, n=4, temperature=1.0, max_tokens=32, seed=0,
+                               output_fields=moe.routing_fields)  # fmt: skip
     group = {"samples": samples, "rewards": torch.zeros(len(samples)), "extras": [{}] * len(samples)}
     batch = grpo.groups_to_batch([group], pad_id=tokenizer.pad_token_id)
     assert (batch["routed_experts"] >= 0).any(), "vLLM returned no routing"

@@ -3,13 +3,13 @@ hands over no rule: the bare output embedding) and load_model's start-up check o
 computes another policy than vLLM samples from (the bug of issue 29). Used by tests/test_logit_rules.py: the
 start-up sync check must stop the run anyway.
 
-    python tests/grpo_without_logit_rule.py --config tiny.yaml [key=value ...]
+    python tests/helpers/grpo_without_logit_rule.py --config tiny.yaml [key=value ...]
 """
 
 import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 import cluster  # noqa: E402
 import fsdp_train  # noqa: E402

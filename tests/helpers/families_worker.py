@@ -3,7 +3,8 @@ imported once; each family's modules are the trainer's own copies, fsdp_train.tr
 Transformers backend decorates the shared ones in this same process, as in a real run). Writes one JSON file:
 {family: {"first": {"returncode", "stderr"}, "resumed": {...} or null}}, the resumed run only after a good first.
 
-python tests/families_worker.py RUNS_JSON OUT_JSON     # RUNS_JSON: {family: {"first": argv, "resumed": argv or absent}}
+python tests/helpers/families_worker.py RUNS_JSON OUT_JSON
+    # RUNS_JSON: {family: {"first": argv, "resumed": argv or absent}}
 """
 
 import contextlib

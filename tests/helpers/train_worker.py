@@ -1,12 +1,13 @@
 """torchrun worker for tests/test_fsdp_train.py.
 
-    torchrun --nproc_per_node N tests/train_worker.py MODEL_PATH OUT_DIR --steps 3 [--save-at 2 --kill-after-save]
+    torchrun --nproc_per_node N tests/helpers/train_worker.py MODEL_PATH OUT_DIR --steps 3
+                                                      [--save-at 2 --kill-after-save]
                                                       [--resume] [--nan-at 2] [--crash-save-at 2] [--export]
                                                       [--lora 4]
 
 Every step trains on a synthetic GRPO mini-batch that is identical whatever the world size (seeded by
 the step): 8 sequences whose response lengths differ wildly, split across ranks so that rank 0 holds
-most of the tokens. Each rank reports the metrics of every step (tests/reporting.py), and how many of
+most of the tokens. Each rank reports the metrics of every step (tests/helpers/reporting.py), and how many of
 its rows were longer than --max-tokens (they get a micro-batch of their own). --lora R trains LoRA adapters
 (lora_settings) instead of the whole model, and reports lora_checks before training (step0) and after (trained):
 whether the policy's and its adapters-off reference's log-probs equal the base model's bit for bit, and their KL.
@@ -208,7 +209,7 @@ def main():
 
         convert = None
         if args.lora:  # the merged model and hf/lora_adapter, as grpo.finish exports
-            convert = functools.partial(lora.export, settings=model.adapter_settings, base_model=args.model)
+            convert = functools.partial(lora.export, settings=model.adapt_settings, base_model=args.model)
         ft.export_hf(model, os.path.join(args.out, "hf"), AutoTokenizer.from_pretrained(args.model), convert)
         probe = global_batch(99, model.config.vocab_size)
         logp, _ = ft.compute_logprobs(

@@ -1,7 +1,7 @@
 """torchrun worker for tests/test_cluster.py: cluster.catch_stop_signals and stop_requested when a signal reaches ONE
 rank (one node preempted, a Ctrl-C in one terminal).
 
-    torchrun --nproc_per_node 2 tests/stop_worker.py
+    torchrun --nproc_per_node 2 tests/helpers/stop_worker.py
 
 Each rank reports what stop_requested() returned in three rounds: no signal; after rank 1 got SIGINT twice; after
 rank 1 also got SIGTERM.

@@ -1,6 +1,6 @@
 """torchrun worker for tests/test_loop.py: grpo.py's step phases on a known batch, no engine.
 
-    torchrun --nproc_per_node N tests/loop_worker.py MODEL_PATH OUT_DIR
+    torchrun --nproc_per_node N tests/helpers/loop_worker.py MODEL_PATH OUT_DIR
 
 One global step of 4 prompts x n = 4 samples with a known reward pattern (tests/test_loop.py holds
 it), split over the ranks as grpo.py splits it (data.local_positions). Each rank assembles its
@@ -8,7 +8,7 @@ advantages with the loop's advantages part (grpo.choose_parts), runs grpo.update
 grpo.grpo_loss_fn) once off-policy (dumped-style old log-probs: clipping and the dual clip fire) and
 once on-policy (from the same initial weights), and computes metrics.batch_metrics. The optimizer is
 SGD with lr 1 and no clipping, so weights_after - weights_before = -gradient. Rank 0 saves the
-weights; every rank reports its metrics (tests/reporting.py). The GRPO family: one off-policy update per
+weights; every rank reports its metrics (tests/helpers/reporting.py). The GRPO family: one off-policy update per
 FAMILY entry (a loss mode, an aggregation, or two PPO epochs), and per ESTIMATORS entry the advantages part
 (with rejected tokens in the response mask) written out by data.dump_batch. Then 4 global steps with the real AdamW
 and LR schedule (constant with one mini-batch per step, cosine with two) record the lr of every optimizer

@@ -1,6 +1,6 @@
 """torchrun worker for tests/test_cluster.py: cluster.node_first on several (simulated) nodes.
 
-    torchrun --nnodes 2 --node_rank K --nproc_per_node 2 ... tests/cluster_worker.py NODE_DIR [--fail-node K]
+    torchrun --nnodes 2 --node_rank K --nproc_per_node 2 ... tests/helpers/cluster_worker.py NODE_DIR [--fail-node K]
 
 NODE_DIR is this node's own "disk" (each node process gets another one). fetch(first=True) "downloads":
 it counts itself in NODE_DIR/downloads and writes NODE_DIR/model; fetch(first=False) only reads the file,

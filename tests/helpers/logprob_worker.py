@@ -1,6 +1,6 @@
 """torchrun worker for tests/test_logprobs.py: fsdp_train's chunked log-probs under FSDP2.
 
-    torchrun --nproc_per_node N tests/logprob_worker.py MODEL_PATH OUT_DIR --chunk-sizes 0,16,40
+    torchrun --nproc_per_node N tests/helpers/logprob_worker.py MODEL_PATH OUT_DIR --chunk-sizes 0,16,40
 
 For each chunk size, on the same FSDP2 model: compute_logprobs (no grad) and one train_step whose
 optimizer only records the gradients it is handed (grad_clip = inf leaves them as they are). The batch
