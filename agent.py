@@ -42,6 +42,7 @@ rollout.agent.max_requests requests), or sends a request the endpoint refuses (a
 model, n > 1, streaming, a huge message, malformed JSON, tools the template cannot render). docs/features.md.
 """
 
+import functools
 import http.server
 import importlib.util
 import inspect
@@ -59,7 +60,6 @@ import sys
 import threading
 import time
 from dataclasses import dataclass, field
-from types import SimpleNamespace
 
 TOOL_CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)  # Hermes, as multi_turn.py (veRL's parser)
 MODELS = re.compile(r"(/[^/]+)?/v1/models(/(?P<model>.+))?/?")  # GET [/<episode>]/v1/models[/<id>]
@@ -84,11 +84,53 @@ class RequestError(Exception):
 
 
 # ----------------------------------------------------------------------------------------- the loop's part
-def parts(cfg: dict):
-    """The loop's parts for rollout.agent.path (grpo.choose_parts), after check_settings: scored_samples (an
-    episode of the agent file per sample, grpo.sample_and_score's signature) and field_metrics (agent/*)."""
+def parts(cfg: dict, parts, group_advantages):
+    """The step's parts for rollout.agent.path (grpo.choose_parts), after check_settings: scored_samples (n episodes
+    of each row by the agent file, one sample each, grpo.sample_and_score's signature: the episode's last, which
+    validation scores; the samples before it, where the agent rewrote its history, travel with it), sample_groups
+    (the default's, each episode's earlier samples before its last in its group: episode_groups), advantages (GRPO's
+    over episodes: episode_advantages with group_advantages, losses.grpo_advantages) and field_metrics (agent/*)."""
     check_settings(cfg)
-    return SimpleNamespace(scored_samples=sampler(cfg), field_metrics=field_metrics)
+    parts.scored_samples, parts.field_metrics = sampler(cfg), field_metrics
+    parts.sample_groups = episode_groups(parts.sample_groups)
+    parts.advantages = functools.partial(episode_advantages, group_advantages=group_advantages)
+    return parts
+
+
+def episode_groups(sample_groups):
+    """The step's sample_groups with each episode's samples all in its group, in the episode's order: the samples
+    before its last (AgentSample.earlier) put before it, each with the episode's reward."""
+
+    def every_sample(run, prompts: list[dict], t: dict) -> list[dict]:
+        import torch
+
+        groups = sample_groups(run, prompts, t)
+        for group in groups:
+            last = group["samples"]
+            group["samples"] = [s for sample in last for s in (*sample.earlier, sample)]
+            counts = torch.tensor([len(sample.earlier) + 1 for sample in last])  # [n]: each episode's samples
+            group["rewards"] = group["rewards"].repeat_interleave(counts)
+            group["extras"] = [e for s, e in zip(last, group["extras"], strict=True) for _ in range(len(s.earlier) + 1)]
+        return groups
+
+    return every_sample
+
+
+def episode_advantages(run, batch: dict, group_advantages) -> dict:
+    """adv for an agent's rows: GRPO's advantage of each episode (group_advantages: losses.grpo_advantages, over the
+    episodes of each prompt, batch["uid"]), an episode of several rows (which share its reward) counting once, then
+    given to each of its rows and broadcast over its tokens of the response mask: batch["advantages"] [B, R] (veRL's
+    multi-trajectory groups). batch["episode"] [B]: each row's episode, i * n + j for episode j of prompt i."""
+    first_row = {}  # episode -> its first row
+    for k, episode in enumerate(batch["episode"].tolist()):
+        first_row.setdefault(episode, k)
+    rows = list(first_row.values())
+    norm = run.cfg["algorithm"]["norm_adv_by_std_in_grpo"]
+    per_episode = group_advantages(batch["rewards"][rows], batch["uid"][rows].tolist(), norm_by_std=norm)  # [E]
+    index = {episode: i for i, episode in enumerate(first_row)}
+    per_row = per_episode[[index[episode] for episode in batch["episode"].tolist()]]  # [B]
+    batch["advantages"] = per_row[:, None] * batch["response_mask"]  # [B, R]
+    return {}
 
 
 def check_settings(cfg: dict) -> None:
@@ -123,8 +165,9 @@ def check_settings(cfg: dict) -> None:
 def sampler(cfg: dict):
     """scored_samples(run, rows, t, *, n, temperature, top_p, top_k, max_tokens, seed) -> (samples, rewards [N],
     extras): n episodes of each row, run by the agent file's function against this rank's endpoint (both started at
-    the first call, kept for the run), each giving one sample or more (AgentSample), each sample its episode's
-    reward. t["gen"]: their wall time (the episodes score themselves: t["reward"] is 0)."""
+    the first call, kept for the run), each giving one sample or more (AgentSample): its last, with its episode's
+    reward, the ones before it in its .earlier. t["gen"]: their wall time (the episodes score themselves:
+    t["reward"] is 0)."""
     settings, data = cfg["rollout"]["agent"], cfg["data"]
     state = {}
 
@@ -151,7 +194,11 @@ def sampler(cfg: dict):
             for k, row in enumerate(row for row in rows for _ in range(n))
         ]
         state["endpoint"].run_episodes(episodes, state["workers"])
-        samples = [s for e in episodes for s in e.finish(state["endpoint"])]
+        samples = []  # each episode's last sample, the ones before it in its .earlier
+        for episode in episodes:
+            *earlier, last = episode.finish(state["endpoint"])
+            last.earlier = earlier
+            samples.append(last)
         t["gen"], t["reward"] = time.perf_counter() - start, 0.0
         return samples, torch.tensor([s.reward for s in samples], dtype=torch.float32), [{} for _ in samples]
 
@@ -195,6 +242,7 @@ class AgentSample:
     outcome: dict = field(default_factory=dict)  # the episode's: error, timeout, refused, splits
     history: tuple = ()  # (messages + the answer, normalised; tools) of its last call: what a next call extends
     in_flight: int = 0  # its calls being sampled (a call that extends it meanwhile starts a new sample)
+    earlier: list = field(default_factory=list)  # the episode's samples before this one, its last (agent.sampler)
 
     @property
     def fields(self) -> dict:

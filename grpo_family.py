@@ -229,7 +229,7 @@ def compute_advantages(run, batch: dict, gather) -> dict:
     minus run.kl_coef times the old policy's KL to the reference on every sampled token, before rejection), then
     algorithm.adv_estimator's advantages and returns over the response mask (after rejection). run: cfg,
     positions (this rank's prompts), kl_coef (moved by algorithm.kl_ctrl's adaptive controller, after the
-    penalty). gather(tensors, positions) -> (the whole batch's tensors, this rank's rows in them)
+    penalty). gather(tensors, positions, groups) -> (the whole batch's tensors, this rank's rows in them)
     (cluster.global_rows). Fills
     batch["token_level_rewards"], ["advantages"], ["returns"] [B, R]; returns the KL metrics."""
     algorithm, n, kl_coef = run.cfg["algorithm"], run.cfg["rollout"]["n"], run.kl_coef
@@ -238,7 +238,7 @@ def compute_advantages(run, batch: dict, gather) -> dict:
     local = [losses.token_level_scores(batch["rewards"], sampled), sampled, batch["response_mask"]]
     if algorithm["use_kl_in_reward"]:
         local += [batch["old_logprobs"], batch["ref_logprobs"]]
-    everything, mine = gather(local, run.positions)
+    everything, mine = gather(local, run.positions, batch["uid"].tolist())
     rewards, out = everything[0], {}  # [B_all, R]
     if algorithm["use_kl_in_reward"]:
         scores, g_sampled, _, old, ref = everything
