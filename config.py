@@ -416,3 +416,13 @@ def check_config(cfg: dict) -> dict:
             f"{m['exclude_modules']!r} with LoRA off; set model.lora_rank > 0 (or model.lora_adapter_path)"
         )
     return cfg
+
+
+def lora_on(model: dict) -> bool:
+    """Does the run train LoRA adapters (model.lora_rank > 0, or an adapter directory, model.lora_adapter_path)?"""
+    return bool(model["lora_rank"] or model["lora_adapter_path"])
+
+
+def rollout_ranks_on(cfg: dict) -> bool:
+    """Does the run put its engines on ranks of their own (rollout.n_gpus_per_node, or an asynchronous run)?"""
+    return bool(cfg["rollout"]["n_gpus_per_node"] or cfg["async_training"]["staleness_threshold"])

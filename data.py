@@ -312,6 +312,17 @@ def load_replay(run, step: int) -> dict:
     return batch
 
 
+def dumped_reference(reference):
+    """A replayed batch's reference part: its dumped reference log-probs kept; reference (run, batch, t) for a dump
+    without them."""
+
+    def dumped_or_computed(run, batch: dict, t: dict) -> None:
+        if "ref_logprobs" not in batch:
+            reference(run, batch, t)
+
+    return dumped_or_computed
+
+
 def dumped_advantages(run, batch: dict) -> dict:
     """A replayed batch's advantages part: the dumped advantages (and returns), as they are."""
     return {}

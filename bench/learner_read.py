@@ -50,9 +50,9 @@ DEFAULT_RUN = ["--config", "tiny.yaml", "trainer.total_steps=2"]
 LIMIT = 6.0  # percent: the most of the read that may serve a feature that is off
 READ_LIMIT = 2100  # the most lines a learner reads on the default path
 FEATURE_WORD = re.compile(r"lora|moe|expert|router|adapter|(?<![a-z])tool", re.IGNORECASE)
-PART_HOOKS = {  # the optional parts, reached as parts.<name>; and, as a parts entry, a run mode (a parts table's)
-    "given_old", "dump", "correct", "recording", "routing_metrics", "shape_rewards", "field_metrics", "adapter",
-    "needs_old_pass", "train", "start_engine", "next_batch", "update_weights", "validate", "stop_vote",
+PART_HOOKS = {  # the optional parts reached as parts.<name> (None by default), the flags features raise, and a run
+    "field_metrics", "needs_old_pass", "given_old", "needs_reference",  # mode's phases kept in a parts table
+    "train", "start_engine", "next_batch", "update_weights", "validate", "stop_vote",
 }  # fmt: skip
 FEATURE_FILES = {  # a name or string equal to one of these names a feature's file (an import, feature("dapo"))
     "rollout_correction", "dapo", "grpo_family", "multi_turn", "moe", "lora", "logit_rules", "reward_files",
@@ -67,9 +67,10 @@ FEATURE_KEYS = {  # a subscript by one of these reads a feature's key (tests/tes
 }  # fmt: skip
 PROSE_FEATURE = re.compile(  # a docstring or comment line that names an optional feature
     r"lora|adapter|mixture-of-experts|\bmoe\b|expert|router|routing|\bR[23]\b|multi-turn|multi_turn|(?<![a-z])tool"
-    r"|agent|episode|rollout.correction|rollout_corr|IS weights|rejection|bypass|dapo|dynamic sampling|overlong"
+    r"|(?<!torchrun's )agent|episode|rollout.correction|IS weights|rejection|bypass|dapo|dynamic sampling"
+    r"|overlong.(buffer|penalty)"
     r"|grpo.family|gspo|cispo|sapo|rloo|reinforce|geo_mean|kl in the reward|use_kl_in_reward|reward file"
-    r"|custom_reward|dump|replay|rollout ranks?|staleness|async|logit rule|logit_rule|engine.dtype|persistent buffer"
+    r"|custom_reward|dump|replay|rollout ranks?|staleness|async|logit rule|logit_rule|engine.dtypes|persistent buffer"
     r"|distill|teacher",
     re.IGNORECASE,
 )
@@ -78,6 +79,7 @@ PROSE_FAMILY = re.compile(  # ... or another model family's need
     r"|qwen3|nemotron|sliding|soft-?cap|carr(y|ies) state|state along",
     re.IGNORECASE,
 )
+ENTERED = []  # "<module>.<function>" of every function the run entered (count fills it; --entered prints it)
 NOT_READ = {"choose_parts", "choose_model_parts"}  # with records of the defaults (grpo.Parts, grpo.ModelParts), the
 # learner reads those instead
 HOOKS = {  # identifiers of the components' and the set-up's plug-in points for a feature
@@ -235,6 +237,7 @@ def count(tree_root: str, data_file: str, show: bool, with_choose_parts: bool, c
             if not any(s not in missing for s in own_statements):
                 continue  # not entered: not read
             lines = {line for line in own if text[line - 1].strip()}
+            ENTERED.append(f"{name[:-3]}.{function}")
             off_skipped = {
                 line
                 for s in own_statements
@@ -281,6 +284,7 @@ def main() -> None:
     ap.add_argument("--with-choose-parts", action="store_true", help="count choose_parts as read (see the method)")
     ap.add_argument("--code-only", action="store_true", help="prose never off (the method before issue 60)")
     ap.add_argument("--with-module", action="store_true", help="count the files' module-level lines as read too")
+    ap.add_argument("--entered", action="store_true", help="print every function the run entered, one per line")
     args = ap.parse_args()
     tree = os.path.abspath(args.tree)
     with tempfile.TemporaryDirectory() as tmp:
@@ -293,6 +297,8 @@ def main() -> None:
         if proc.returncode != 0:
             sys.exit(f"the run failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
         read, off = count(tree, data_file, args.list, args.with_choose_parts, args.code_only, args.with_module)
+    if args.entered:
+        print("entered:", " ".join(ENTERED))
     share, ok = 100 * off / read, 100 * off / read <= LIMIT and read <= READ_LIMIT
     verdict = "ok" if ok else "FAILED"
     print(f"{verdict}: {read} lines read (<= {READ_LIMIT}), {off} of them serve a feature that is off: {share:.1f}% "

@@ -27,11 +27,11 @@ import transformers
 from test_families import FAMILIES
 from test_logit_rules import FALCON_H1_SMALL
 from test_moe import MOE
+from trainer_models import load_as_a_run
 from transformers import AutoModelForCausalLM
 
 import fp32_noise
 import fsdp_train as ft
-import logit_rules
 import losses
 import tiny
 
@@ -135,7 +135,7 @@ def trainer_and_oracle(family_model):
     def get(family):
         if family not in cache:
             path = family_model(family)
-            model = ft.load_model(path, device=torch.device("cpu"), head=logit_rules.logits_head)
+            model = load_as_a_run(path, device=torch.device("cpu"))
             prompts, responses = rows(model.config.get_text_config().vocab_size)
             own = oracle(path)
             cache[family] = model, prompts, responses, fp32_noise.measure(lambda d: alone(own, prompts, responses, d))
@@ -257,7 +257,7 @@ def test_a_model_that_carries_state_along_a_row_runs_right_padded_rows(tiny_toke
         str(tmp_path / "falcon_h1"), tiny_tokenizer, transformers.FalconH1Config, seed=2, **FALCON_H1_SMALL
     )
     ft.init_distributed()
-    model = ft.load_model(path, device=torch.device("cpu"), head=logit_rules.logits_head)
+    model = load_as_a_run(path, device=torch.device("cpu"))
     assert not model.packs_sequences
     prompts, responses = rows(model.config.vocab_size)
     own = oracle(path)
