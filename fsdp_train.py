@@ -595,9 +595,11 @@ def varlen_attention(
     forward: check_logits_fn's probe, a padded batch with transformers' 4-D mask, varlen_mask) each row is one
     sequence. Scores transformed before the softmax are another attention: UnsupportedModel."""
     if kwargs.get("softcap") is not None:
+        keys = ", ".join(logit_rule_keys(module.config))
         raise UnsupportedModel(
-            f"varlen_attention: this model soft-caps its attention scores ({kwargs['softcap']}); build it with an "
-            "attention that does (FlashAttention 2, or a family's own)"
+            f"varlen_attention: {type(module).__name__} transforms its attention scores before the softmax (config "
+            f"keys that may set it: {keys}); build the model with an attention that does (FlashAttention 2, or its "
+            "family's own)"
         )
 
     def attend(q, k, v, mask):  # [n, H, L, d], keys and values [n, K, L, d] -> [n, H, L, d]

@@ -666,7 +666,7 @@ def choose_parts(cfg: dict) -> Parts:
     if router_replay != "disabled" or rollout_cfg["enable_rollout_routing_replay"]:  # MoE's routing replay
         import moe
 
-        parts = moe.replay_parts(cfg, parts, rollout)
+        parts = moe.replay_parts(cfg, parts)
     if algorithm["adv_estimator"] != "grpo" or algorithm["use_kl_in_reward"]:  # the GRPO family's estimators
         import grpo_family
 

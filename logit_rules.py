@@ -18,23 +18,27 @@ import fsdp_train
 
 
 def loader(load):
-    """The model record's load for a family with a logit rule: load(path, ...), then the log-prob path given the
-    family's head (logits_head, fsdp_train.use_logits_head) and, where the model computes attention with
-    fsdp_train's varlen_attention and its scores are soft-capped (Gemma 2's attn_logit_softcapping), the soft-capped
-    attention (softcapped_attention)."""
+    """The model record's load for a family with a logit rule: load(path, ...), then its rule used (use_rule)."""
 
     def load_with_rule(path: str, **settings):
         model = load(path, **settings)
-        rule, head = logits_head(model)
-        if head is not None:
-            fsdp_train.use_logits_head(model, rule, head)
-        decoder = model.get_decoder()
-        softcapped = getattr(model.config.get_text_config(), "attn_logit_softcapping", None)
-        if softcapped and decoder.config._attn_implementation == fsdp_train.VARLEN_ATTENTION:
-            decoder.set_attn_implementation(SOFTCAPPED_ATTENTION)
+        use_rule(model)
         return model
 
     return load_with_rule
+
+
+def use_rule(model) -> None:
+    """The trainer's log-prob path given the family's head (logits_head, fsdp_train.use_logits_head) and, where its
+    attention scores are soft-capped (Gemma 2's attn_logit_softcapping) and FlashAttention does not compute them,
+    the soft-capped attention (softcapped_attention)."""
+    rule, head = logits_head(model)
+    if head is not None:
+        fsdp_train.use_logits_head(model, rule, head)
+    decoder = model.get_decoder()
+    softcapped = getattr(model.config.get_text_config(), "attn_logit_softcapping", None)
+    if softcapped and decoder.config._attn_implementation not in fsdp_train.FLASH_VARLEN:
+        decoder.set_attn_implementation(SOFTCAPPED_ATTENTION)
 
 
 def logits_head(model) -> tuple[str, Callable[[torch.Tensor], torch.Tensor]]:
@@ -116,7 +120,7 @@ def softcapped_attention(
 def eager_softcapped(module, q, k, v, mask, *, dropout: float, scaling, sliding_window, softcap) -> torch.Tensor:
     """transformers' eager attention with soft-capped scores, on rows [n, H, L, d] (keys and values [n, K, L, d]) ->
     [n, H, L, d]: scores softcap * tanh(q k^T * scaling / softcap), masked (causal and within the sliding window:
-    fsdp_train.causal_mask; or as the 4-D mask says, True: attend), softmax in fp32, dropout, times v."""
+    fsdp_train.causal_mask; or as the 4-D mask says, True: attend), softmax in fp32 (or wider), dropout, times v."""
     groups = q.shape[1] // k.shape[1]
     scaling = scaling if scaling is not None else q.shape[-1] ** -0.5
     if softcap is None:  # a layer without a cap in such a model: plain attention
@@ -125,7 +129,7 @@ def eager_softcapped(module, q, k, v, mask, *, dropout: float, scaling, sliding_
     k, v = k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1)  # [n, H, L, d]
     scores = torch.tanh(q @ k.transpose(-1, -2) * scaling / softcap) * softcap  # [n, H, L, L]
     scores = scores.masked_fill(~mask, torch.finfo(scores.dtype).min)
-    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+    probs = torch.softmax(scores, dim=-1, dtype=torch.promote_types(scores.dtype, torch.float32)).to(q.dtype)
     return torch.nn.functional.dropout(probs, p=dropout, training=module.training) @ v
 
 
