@@ -19,8 +19,11 @@ import itertools
 import json
 
 import pytest
+import torch
+from test_multi_turn import tools_build  # noqa: F401  (the tiny_tools build, a module fixture)
 
 import config
+from conftest import cli_calls
 
 # feature -> its on-keys (overrides of tiny.yaml); {files} are filled in by the module's files fixture
 FEATURES = {
@@ -262,3 +265,175 @@ def test_every_pair_keeps_both_features_needs_or_stops_in_one_line(files, first,
         return
     assert frozenset(pair) not in REFUSED, f"{pair} admitted: it should stop in one line"
     assert what_the_step_does(cfg, parts) == expected(pair), pair
+
+
+# ------------------------------------------------------------------------------------ combination runs
+# The combinations the docs recommend, each a short run (2 steps, 8 prompts x 4 samples, ONE mini-batch: the
+# on-policy shortcut is live unless a feature needs the old pass), asserting what breaks when a feature's need is
+# dropped. The 1-rank runs share one process (tests/helpers/cli_calls.py: vLLM imported once).
+COMBINED = [
+    "trainer.total_steps=2",
+    "data.train_batch_size=8",
+    "actor.ppo_mini_batch_size=8",
+    "rollout.n=4",
+    "data.max_response_length=32",
+    "trainer.val_every=0",
+    "trainer.export_hf=false",
+    "trainer.sync_check_every=1",
+]
+SYNC = 1e-4  # vLLM against the trainer after a push, fp32 (docs/cpu-notes.md)
+LENGTH_REWARD = "def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
+LENGTH_REWARD += "    return (len(solution_str) % 3) / 2\n"  # rewards that vary within a group, even for a random model
+ONE_CALL_AGENT = '''from reward import compute_score
+
+
+def episode(client, row):
+    """One chat completion of the row's prompt, scored with GSM8K's rule."""
+    model = client.models.list().data[0].id
+    reply = client.chat.completions.create(model=model, messages=list(row["prompt"]))
+    return compute_score(reply.choices[0].message.content or "", row["ground_truth"])
+'''
+
+
+@pytest.fixture(scope="module")
+def combination_runs(tiny_build, tiny_tokenizer, tmp_path_factory) -> dict:
+    """{name: output directory} of the 1-rank combination runs, each dumping its batches into <dir>/dump:
+    "lora_correction" (LoRA + the rollout correction's IS weights), "r2_rloo" (a tiny Qwen3-MoE, test_moe's, with R2
+    and RLOO, rewards by LENGTH_REWARD), "agent_sapo" (ONE_CALL_AGENT with SAPO's loss)."""
+    import transformers
+    from test_moe import MOE
+
+    import tiny
+
+    root = tmp_path_factory.mktemp("combinations")
+    moe = tiny.save_random_family_model(str(root / "moe"), tiny_tokenizer, transformers.Qwen3MoeConfig, seed=1, **MOE)
+    (root / "length_reward.py").write_text(LENGTH_REWARD)
+    (root / "agent.py").write_text(ONE_CALL_AGENT)
+    runs = {
+        "lora_correction": [
+            "model.lora_rank=8",
+            "algorithm.rollout_correction.rollout_is=token",
+            "trainer.save_every=2",
+        ],
+        "r2_rloo": [
+            f"model.path={moe}",
+            "actor.router_replay.mode=R2",
+            "algorithm.adv_estimator=rloo",
+            f"custom_reward_function.path={root / 'length_reward.py'}",
+        ],
+        "agent_sapo": [f"rollout.agent.path={root / 'agent.py'}", "actor.policy_loss.loss_mode=sapo"],
+    }
+    calls = {
+        name: ["--config", "tiny.yaml", *COMBINED, *keys]
+        + [f"trainer.output_dir={root / name}", f"trainer.dump_batches={root / name / 'dump'}"]
+        for name, keys in runs.items()
+    }
+    results = cli_calls(calls, root)
+    for name, result in results.items():
+        assert result["exit"] == 0, (name, result["stderr"][-3000:])
+    return {name: root / name for name in runs}
+
+
+def steps_of(out) -> list[dict]:
+    from grpo_runs import read_metrics
+
+    steps = [m for m in read_metrics(out) if "training/global_step" in m]
+    assert [m["training/global_step"] for m in steps] == [1, 2]
+    return steps
+
+
+def test_lora_with_the_rollout_correction_weighs_the_merged_policys_samples(combination_runs):
+    """LoRA + rollout_is=token: every step the old-log-prob pass runs and the IS weights are computed from it before
+    the update: the dumped is_weights are min(exp(old - rollout), 2) on every sampled token (the formula on the
+    dumped log-probs) and the correction's metrics are logged; vLLM serves base + adapters (its log-probs the
+    trainer's); the policy trains adapters only (the checkpoint holds nothing else), the base the reference (KL 0 at
+    step 1, > 0 at step 2)."""
+    out = combination_runs["lora_correction"]
+    steps = steps_of(out)
+    for m in steps:
+        assert m["timing_s/old_log_prob"] > 0 and m["rollout/logprob_diff_max"] <= SYNC
+        assert "rollout_corr/rollout_is_mean" in m, sorted(k for k in m if k.startswith("rollout_corr/"))
+    for step in (1, 2):
+        b = torch.load(out / "dump" / f"step_{step}.pt")
+        width = b["response_mask"].shape[1]
+        sampled = b["attention_mask"][:, -width:].float()
+        expected = torch.exp(b["old_logprobs"] - b["rollout_logprobs"]).clamp(max=2.0) * sampled
+        assert torch.allclose(b["is_weights"], expected, rtol=1e-6, atol=0), step
+        assert (b["is_weights"][sampled.bool()] > 0).all()
+    assert steps[0]["actor/kl_loss"] == 0.0 and steps[1]["actor/kl_loss"] > 0
+    from torch.distributed.checkpoint import FileSystemReader
+
+    keys = FileSystemReader(str(out / "checkpoints" / "step_2")).read_metadata().state_dict_metadata
+    trained = [k for k in keys if k.startswith("model.")]
+    assert trained and all(".lora_" in k for k in trained)
+
+
+def test_r2_with_rloo_takes_the_old_pass_and_replays_its_routing(combination_runs):
+    """R2 + RLOO on a tiny Qwen3-MoE, one mini-batch (the GRPO family's block once dropped R2's need: the on-policy
+    shortcut, no routing replayed): every step the update is given the old-log-prob pass's routing
+    (router_replay/update_actor/* logged; one mini-batch: its own routing is that one, disagreement 0), and the
+    advantages are RLOO's on the dumped rewards: r_i minus the mean of the group's other rewards."""
+    out = combination_runs["r2_rloo"]
+    for m in steps_of(out):
+        assert m["timing_s/old_log_prob"] > 0 and m["rollout/logprob_diff_max"] <= SYNC
+        assert m.get("router_replay/update_actor/disagreement") == 0.0, sorted(k for k in m if "router" in k)
+    for step in (1, 2):
+        b = torch.load(out / "dump" / f"step_{step}.pt")
+        rewards = b["rewards"].double().view(-1, 4)  # [prompts, n]
+        others = (rewards.sum(-1, keepdim=True) - rewards) / 3
+        expected = (rewards - others).flatten()[:, None] * b["response_mask"].double()
+        assert rewards.std(-1).max() > 0  # the rewards vary within a group: the advantages are not all 0
+        assert torch.allclose(b["advantages"].double(), expected, rtol=1e-5, atol=1e-6), step
+
+
+def test_an_agent_with_sapo_trains_its_rows_with_sapos_loss(combination_runs):
+    """An agent (one call per episode) + SAPO: the agent's metrics are logged (its parts in place), and every step's
+    policy loss is SAPO's on the agent's rows, ratio 1 (one mini-batch, the weights that sampled): the mean over rows
+    of -(2 / tau) A, tau 1 where A > 0 and 1.05 elsewhere (veRL's seq-mean-token-mean, forced for SAPO), from the
+    dumped advantages; vanilla's loss would be the token mean of -A."""
+    out = combination_runs["agent_sapo"]
+    for step, m in zip((1, 2), steps_of(out), strict=True):
+        assert "agent/error_rate" in m and m["agent/error_rate"] == 0.0
+        assert m["rollout/logprob_diff_max"] <= SYNC
+        b = torch.load(out / "dump" / f"step_{step}.pt")
+        mask = b["response_mask"].double()
+        advantage = (b["advantages"].double() * mask).sum(-1) / mask.sum(-1).clamp(min=1)  # [B]: one per row
+        tau = torch.where(advantage > 0, 1.0, 1.05).double()
+        has_tokens = (mask.sum(-1) > 0).double()
+        expected = (-(2 / tau) * advantage * has_tokens).sum() / mask.shape[0]
+        assert advantage.abs().max() > 0
+        assert m["actor/pg_loss"] == pytest.approx(expected.item(), rel=1e-5, abs=1e-7), step
+
+
+def test_multi_turn_on_a_rollout_rank_dumps_its_turns_and_trains_the_models_tokens_only(tools_build, tmp_path):  # noqa: F811
+    """Multi-turn (tiny.py's tiny_tools model and calculator) with 1 trainer rank and 1 rollout rank: the rollout
+    rank samples with the tools (its parts are the run's), and the trainer rank trains the model's own tokens
+    only: in every dumped batch the response mask is exactly the assistant turns' sampled tokens, vLLM's log-probs
+    are 0 on the tool tokens (some rows have them), the turn counts are the logged num_turns/mean, and vLLM's
+    log-probs are the trainer's."""
+    from grpo_runs import run_grpo
+
+    out = tmp_path / "run"
+    multi_turn = ["model.path=tiny_tools", "rollout.multi_turn.enable=true", "rollout.multi_turn.max_assistant_turns=3"]
+    run_grpo(
+        out,
+        2,
+        *COMBINED,
+        *multi_turn,
+        "data.max_response_length=96",
+        "data.train_batch_size=4",
+        "actor.ppo_mini_batch_size=4",
+        "rollout.n_gpus_per_node=1",
+        f"trainer.dump_batches={out / 'dump'}",
+    )
+    for step, m in zip((1, 2), steps_of(out), strict=True):
+        assert m["rollout/logprob_diff_max"] <= SYNC and "tool_calls/per_sample" in m
+        b = torch.load(out / "dump" / f"step_{step}.pt")
+        width = b["response_mask"].shape[1]
+        sampled = b["attention_mask"][:, -width:].bool()  # [B, R]
+        turn = b["turn_ids"]  # [B, R]: 1, 3, 5: the model's turns; 2, 4: tool responses; 0: padding
+        assert torch.equal(turn > 0, sampled)
+        assert torch.equal(b["response_mask"].bool(), (turn % 2 == 1) & sampled)
+        tool = (turn % 2 == 0) & sampled
+        assert tool.any() and (b["rollout_logprobs"][tool] == 0).all()
+        assert m["num_turns/mean"] == pytest.approx(b["num_turns"].float().mean().item())
