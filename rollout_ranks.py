@@ -301,8 +301,9 @@ def send_weights(run, state, version: int, pushing: bool, when: str) -> None:
     if lead:
         for r in link.rollouts:
             send(link, r, "sums", version=version, sums=sums, when=when)  # the end of the tensors
-        for r in link.rollouts:
-            state.signalled = state.signalled or from_rollout(link, r, ("loaded",), version=version)["signal"]
+        for r in link.rollouts:  # every acknowledgement read (an unread one blocks its rank), the first signal kept
+            signalled = from_rollout(link, r, ("loaded",), version=version)["signal"]
+            state.signalled = state.signalled or signalled
 
 
 def send_tensor(link, version: int, name: str, tensor: torch.Tensor, buffer: bool) -> None:

@@ -25,7 +25,7 @@ import fsdp_train as ft
 import lora
 import rollout
 import sync
-from conftest import ROOT, run_torchrun
+from conftest import ROOT, cli_calls, run_torchrun
 from grpo_runs import VAL_KEY, one_error_line, read_jsonl, read_metrics, run_grpo
 
 RANK, ALPHA = 4, 8  # scaling 2: a broken scaling cannot hide behind 1
@@ -613,3 +613,63 @@ def test_training_from_an_adapter_samples_with_it_and_keeps_the_base_as_referenc
     )
     step1 = read_metrics(tmp_path / "more")[-1]
     assert step1["rollout/logprob_diff_max"] < 1e-3 and step1["actor/kl_loss"] > 0
+
+
+# an adapter whose lora_B is drawn (PEFT starts it at 0: the base), large enough to change the greedy samples
+ADAPTER_B_STD = 0.2
+
+
+@pytest.fixture(scope="module")
+def adapter_and_merged(tiny_build, tmp_path_factory) -> tuple[str, str]:
+    """(a PEFT adapter directory on the tiny model, lora_B drawn with ADAPTER_B_STD; the same adapter merged by PEFT
+    (merge_and_unload) and saved as a plain HF model with the tiny tokenizer)."""
+    from transformers import AutoTokenizer
+
+    root = tmp_path_factory.mktemp("val_only_adapter")
+    peft_model = get_peft_model(
+        AutoModelForCausalLM.from_pretrained(tiny_build["model"], dtype=torch.float32),
+        LoraConfig(r=RANK, lora_alpha=ALPHA, target_modules="all-linear"),
+    )
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name, p in peft_model.named_parameters():
+            if "lora_B" in name:
+                p.copy_(torch.randn(p.shape, generator=g) * ADAPTER_B_STD)
+    peft_model.save_pretrained(str(root / "adapter"))
+    peft_model.merge_and_unload().save_pretrained(str(root / "merged"))
+    AutoTokenizer.from_pretrained(tiny_build["model"]).save_pretrained(str(root / "merged"))
+    return str(root / "adapter"), str(root / "merged")
+
+
+def test_val_only_of_an_adapter_directory_validates_the_base_with_the_adapter(adapter_and_merged, tmp_path):
+    """trainer.val_only with model.lora_adapter_path (model.lora_rank 0: the adapter's) validates the base with the
+    adapter: its greedy generations and metrics are those of val_only on PEFT's merge of the same adapter, saved as a
+    plain HF model, and not the base's (the adapter changes most of them). Three val_only calls of grpo.main in one
+    process (tests/helpers/cli_calls.py: vLLM imported once)."""
+    adapter, merged = adapter_and_merged
+    models = {
+        "adapter": ["model.path=tiny", f"model.lora_adapter_path={adapter}"],
+        "merged": [f"model.path={merged}"],
+        "base": ["model.path=tiny"],
+    }
+    calls = {
+        name: [
+            "--config",
+            "tiny.yaml",
+            "trainer.val_only=true",
+            "data.val_max_samples=16",
+            "data.max_response_length=32",
+        ]
+        + [f"trainer.output_dir={tmp_path / name}", f"trainer.validation_data_dir={tmp_path / name / 'gen'}", *keys]
+        for name, keys in models.items()
+    }
+    results = cli_calls(calls, tmp_path)
+    assert all(r["exit"] == 0 for r in results.values()), results
+    samples = {
+        name: [(s["input"], s["output"]) for s in read_jsonl(tmp_path / name / "gen" / "0.jsonl")] for name in calls
+    }
+    metrics = {name: read_jsonl(tmp_path / name / "val_metrics.jsonl") for name in calls}
+    assert len(samples["adapter"]) == 16 and samples["adapter"] == samples["merged"]
+    assert metrics["adapter"] == metrics["merged"]
+    changed = sum(a != b for a, b in zip(samples["adapter"], samples["base"], strict=True))
+    assert changed > len(samples["base"]) // 2, changed  # the adapter matters: the base alone validates otherwise

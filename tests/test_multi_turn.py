@@ -495,6 +495,26 @@ def test_a_tool_that_answers_after_its_timeout_is_never_read_again(unruly_tools)
     assert [a["dropped"] for a in answers] == [0] * 5
 
 
+def test_a_late_answer_from_an_earlier_turn_never_answers_a_later_turns_call(unruly_tools):
+    """One worker, one pool.run per turn (as multi_turn's rollout calls it). Turn 1: a tool that forks, the child
+    answering 0.5 s after the parent, when turn 1 has its answer and turn 2's call runs on the same worker (it waits
+    2 s). The child's line names turn 1's call, which was the first of its turn, as turn 2's call is of its own: the
+    late line is dropped and counted on turn 2's call, which gets its own answer, and the worker is replaced; turn 3
+    gets its own. (With ids unique within a turn only, turn 2's answer was "the child".)"""
+    pool = multi_turn.ToolPool(unruly_tools, workers=1, timeout=5.0, max_chars=256, side="middle")
+    first = pool.idle[0].process.pid
+    turns = [pool.run([{"name": "fork", "arguments": {"delay": 0.5}}])]
+    assert pool.idle[0].process.pid == first  # the child has not answered yet: the same worker runs turn 2
+    turns.append(pool.run([echo("mine", 2.0)]))
+    replaced = first not in {w.process.pid for w in pool.idle}  # after the stray line
+    turns.append(pool.run([echo("again")]))
+    pool.close()
+    assert [[a["text"] for a in turn] for turn in turns] == [["the parent"], ["mine"], ["again"]]
+    assert [[a["dropped"] for a in turn] for turn in turns] == [[0], [1], [0]]
+    assert all(a["error"] is None and not a["timeout"] for turn in turns for a in turn)
+    assert replaced
+
+
 def test_answers_out_of_order_are_matched_by_id(unruly_tools):
     """Two workers. The first call's tool writes, on its worker's pipe, an answer naming the second call's id (which
     the other worker runs) before its own: that line is dropped and counted on the first call, whose own answer is

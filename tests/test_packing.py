@@ -293,3 +293,85 @@ def test_a_packed_row_without_its_boundaries_is_refused(family_model):
     model = oracle(family_model("qwen2"), ft.VARLEN_ATTENTION)
     with pytest.raises(ValueError, match="would attend across its sequences"):
         model(input_ids=torch.tensor([[5, 6, 7, 8, 9]]), position_ids=torch.tensor([[0, 1, 2, 0, 1]]), use_cache=False)
+
+
+# Rows of one length take varlen_attention's fast path (T = n * L: [1, H, n * L, d] unflattened to [n, H, L, d], no
+# scatter): a group of responses truncated at the response budget has one length, and so do rows whose prompts and
+# responses trade lengths. Each budget cuts them differently: 4 rows in one packed row, 2 and 2, each row alone (n = 1)
+ONE_LENGTH = [(7, 13), (7, 13), (4, 16), (12, 8)]  # (prompt, response): every row 20 tokens
+ONE_LENGTH_BUDGETS = {80: [[0, 1, 2, 3]], 40: [[0, 1], [2, 3]], 20: [[0], [1], [2], [3]]}
+
+
+def one_length_batch(vocab: int) -> tuple[dict, tuple[list, list]]:
+    """ONE_LENGTH's rows (rows 0 and 1 one prompt, as a group's) with per-token weights, like advantages, and the
+    (prompts, responses) they hold."""
+    g = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(3, vocab, (p,), generator=g).tolist() for p, _ in ONE_LENGTH]
+    prompts[1] = prompts[0]
+    responses = [torch.randint(3, vocab, (r,), generator=g).tolist() for _, r in ONE_LENGTH]
+    batch = ft.make_batch(prompts, responses, pad_id=0)
+    batch["weights"] = torch.randn(batch["response_mask"].shape, generator=g)  # [B, R]
+    return batch, (prompts, responses)
+
+
+def alone_with_gradients(model, batch: dict, sequences: tuple[list, list], dtype) -> dict:
+    """Each sequence ALONE through transformers' own model in dtype (float64: a float64 copy), the loss of
+    test_logprobs.weighted_loss summed over the sequences (token-mean over all of them) and its gradients:
+    {"logp", "entropy" [B, R], "grads" {name: tensor}}."""
+    from test_logprobs import ENTROPY_COEF
+
+    m = fp32_noise.float64_copy(model) if dtype == torch.float64 else model
+    m.zero_grad(set_to_none=True)
+    prompts, responses = sequences
+    logp, entropy = (torch.zeros(batch["response_mask"].shape, dtype=dtype) for _ in range(2))
+    total = batch["response_mask"].sum()
+    for i, (p, r) in enumerate(zip(prompts, responses, strict=True)):
+        z = m(input_ids=torch.tensor([p + r]), use_cache=False).logits[0, len(p) - 1 : -1].to(dtype) / TEMPERATURE
+        lp = torch.log_softmax(z, -1).gather(-1, torch.tensor(r)[:, None])[:, 0]  # [r]
+        ent = torch.logsumexp(z, -1) - (torch.softmax(z, -1) * z).sum(-1)  # [r]
+        (((lp * batch["weights"][i, : len(r)].to(dtype)) - ENTROPY_COEF * ent).sum() / total).backward()
+        logp[i, : len(r)], entropy[i, : len(r)] = lp.detach(), ent.detach()
+    grads = {k: p.grad.clone() for k, p in m.named_parameters()}
+    m.zero_grad(set_to_none=True)
+    return {"logp": logp, "entropy": entropy, "grads": grads}
+
+
+@pytest.mark.parametrize("budget", list(ONE_LENGTH_BUDGETS))
+def test_rows_of_one_length_are_each_sequence_alone_in_the_pass_and_the_update(family_model, budget):
+    """The trainer's packed path on micro-batches whose rows all have one length (several rows, and n = 1):
+    compute_logprobs' log-probs and entropy, and train_step's gradients of a token-mean loss, against each sequence
+    alone through transformers' own eager model in float64, at fp32 noise. Qwen2's 4 query and 2 key-value heads:
+    a fast path that reshapes [1, H, n * L, d] into [n, H, L, d] mixes heads and sequences."""
+    from logprob_worker import GradRecorder
+    from test_logprobs import weighted_loss
+
+    ft.init_distributed()
+    path = family_model("qwen2")
+    model = ft.load_model(path, device=torch.device("cpu"), head=logit_rules.logits_head)
+    assert model.packs_sequences
+    batch, sequences = one_length_batch(model.config.vocab_size)
+    groups = ft.micro_batches(batch, budget)
+    assert groups == ONE_LENGTH_BUDGETS[budget]
+    for rows in groups:  # the fast path's configuration: n rows of one length L, T = n * L
+        varlen = ft.pack(ft.select(batch, rows))["varlen"]
+        assert varlen["cu_seq_lens_q"].diff().tolist() == [20] * len(rows) and varlen["max_length_q"] == 20
+    own = oracle(path)
+    ref, noise = fp32_noise.measure(lambda d: alone_with_gradients(own, batch, sequences, d))
+    logp, entropy = ft.compute_logprobs(
+        model, batch, temperature=TEMPERATURE, max_tokens=budget, entropy_fn=losses.entropy_from_logits
+    )
+    fp32_noise.check(logp, ref["logp"], noise["logp"], f"budget {budget}: compute_logprobs logp")
+    fp32_noise.check(entropy, ref["entropy"], noise["entropy"], f"budget {budget}: compute_logprobs entropy")
+    recorder = GradRecorder(list(model.named_parameters()))
+    ft.train_step(
+        model,
+        recorder,
+        batch,
+        weighted_loss,
+        temperature=TEMPERATURE,
+        max_tokens=budget,
+        grad_clip=float("inf"),
+        entropy_fn=losses.entropy_from_logits,
+    )
+    assert set(recorder.grads) == set(ref["grads"])
+    fp32_noise.check(recorder.grads, ref["grads"], noise["grads"], f"budget {budget}: train_step gradients")

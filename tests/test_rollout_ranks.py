@@ -344,13 +344,15 @@ def test_a_stop_at_staleness_1_resumes_without_losing_or_repeating_a_batch(one_s
 GRACE = 60  # seconds from SIGTERM to SIGKILL, as a scheduler's grace period: here a step and a checkpoint take < 15
 
 
-@pytest.mark.parametrize("trainers, rollouts, every", [(1, 1, 2), (2, 2, 3)])
+@pytest.mark.parametrize("trainers, rollouts, every, signalled", [(1, 1, 2, 1), (2, 2, 3, 2)])
 def test_a_stop_signal_to_a_rollout_rank_stops_the_job_after_the_step(
-    one_step_off, tmp_path, trainers, rollouts, every
+    one_step_off, tmp_path, trainers, rollouts, every, signalled
 ):
-    """SIGTERM to the last rollout rank (1 + 1: the only one; 2 + 2: the one that serves trainer rank 1 and reports
-    nothing else), SIGKILL if it still runs GRACE seconds later: it reports the signal with its acknowledgement of
-    the weights, every rank ends after that step (the rollout ranks by themselves, none killed), the step's
+    """SIGTERM to a rollout rank (1 + 1: the only one; 2 + 2: the first, job rank 2, whose acknowledgement trainer
+    rank 0 reads before rank 3's, which carries no signal; the last is signalled in the last step:
+    test_a_stop_to_the_last_of_two_rollout_ranks_in_the_last_step_ends_every_rank_after_it), SIGKILL if it still
+    runs GRACE seconds later: it reports the signal with its acknowledgement of the weights, every rank ends after
+    that step (the rollout ranks by themselves, none killed), the step's
     checkpoint the only one; trainer.resume=auto continues. Each step's batch is generation batch s's prompts (the
     straight run's), trained once, the one sampled ahead sampled again by the resumed weights; the sync proof on
     each fresh batch and every trainer.sync_check_every steps, not on the other stale ones (every = 2 and 3: whatever
@@ -359,7 +361,7 @@ def test_a_stop_signal_to_a_rollout_rank_stops_the_job_after_the_step(
     out, nproc = tmp_path / "run", trainers + rollouts
     options = [f"rollout.n_gpus_per_node={rollouts}", f"trainer.sync_check_every={every}"]
     status, report, killed = signal_a_worker(
-        out, [], [*options, "trainer.save_every=0"], 1, nproc - 1, signal.SIGTERM, nproc=nproc, grace=GRACE
+        out, [], [*options, "trainer.save_every=0"], 1, signalled, signal.SIGTERM, nproc=nproc, grace=GRACE
     )
     stopped = max(r["step"] for r in read_metrics(out))
     assert not killed and status != 0, report[-3000:]
@@ -398,6 +400,27 @@ def test_a_stop_signal_to_a_rollout_rank_stops_the_job_after_the_step(
         assert unproven == [
             {k: v for k, v in same(m).items() if not k.startswith(proof)} for m in straight[: stopped + 1]
         ]
+
+
+def test_a_stop_to_the_last_of_two_rollout_ranks_in_the_last_step_ends_every_rank_after_it(tmp_path):
+    """2 + 2 ranks at k = 1, 2 steps: SIGTERM to job rank 3, the LAST rollout rank (trainer rank 0 reads its
+    acknowledgement of the weights after rank 2's, which carries no signal), once step 1 is logged: its
+    acknowledgement of step 2's weights carries the signal, so the job stops after step 2, the last. Nothing was
+    sampled ahead of the last step, so no rank waits for a batch: every rank ends by itself within GRACE (none
+    killed), the trainer ranks with 128 + SIGTERM after the one line, the checkpoint of step 2 the only one, each
+    step logged once, no error line. (The first rollout rank is signalled mid-run in
+    test_a_stop_signal_to_a_rollout_rank_stops_the_job_after_the_step.)"""
+    out = tmp_path / "run"
+    options = ["rollout.n_gpus_per_node=2", "trainer.total_steps=2", "trainer.val_every=0", "trainer.save_every=0"]
+    status, report, killed = signal_a_worker(out, [], options, 1, 3, signal.SIGTERM, nproc=4, grace=GRACE)
+    assert not killed, report[-3000:]
+    assert status != 0 and "stopped by SIGTERM after step 2" in report, report[-3000:]
+    assert not re.search(r"^error:|the trainer ranks ended the run", report, re.M), report[-3000:]
+    exits = re.findall(r"exitcode\s*:\s*(-?\d+)", report)  # torchrun's summary of the failed workers
+    assert exits and set(exits) <= {"143", "0"}, report[-3000:]
+    assert [m["step"] for m in read_metrics(out)] == [1, 2]
+    checkpoints = fsdp_train.list_checkpoints(str(out / "checkpoints"))
+    assert [os.path.basename(c) for c in checkpoints] == ["step_2"]
 
 
 def test_a_killed_rollout_rank_restarts_the_job_from_the_last_checkpoint(one_step_off, tmp_path):
