@@ -156,7 +156,7 @@ def routed_generate(llm, prompts, **sampling) -> list:
 def check_settings(cfg: dict) -> None:
     """Routing replay's combinations refused (ReplayError, one line): R3 without the rollout's routing; R2 with it,
     or with the rollout correction's bypass (veRL 0.9.1 refuses both: R2 records the old-log-prob pass, which bypass
-    skips); the rollout's routing in a multi-turn run or a replay of dumps (neither carries it)."""
+    skips); the rollout's routing in a multi-turn run, an agent's or a replay of dumps (none carries it)."""
     mode, returned = cfg["actor"]["router_replay"]["mode"], cfg["rollout"]["enable_rollout_routing_replay"]
     if mode == "R3" and not returned:
         raise ReplayError(
@@ -169,8 +169,11 @@ def check_settings(cfg: dict) -> None:
             f"config: actor.router_replay.mode = R2 with {key}=true; R2 replays the old-log-prob pass's routing "
             "(accepted: R3 with the rollout's routing, or R2 without it and without bypass_mode)"
         )
-    if returned and (cfg["rollout"]["multi_turn"]["enable"] or cfg["trainer"]["replay_batches"]):
-        key = "rollout.multi_turn.enable" if cfg["rollout"]["multi_turn"]["enable"] else "trainer.replay_batches"
+    carrying = {"rollout.multi_turn.enable": cfg["rollout"]["multi_turn"]["enable"],
+                "trainer.replay_batches": cfg["trainer"]["replay_batches"],
+                "rollout.agent.path": cfg["rollout"]["agent"]["path"]}  # fmt: skip
+    if returned and any(carrying.values()):
+        key = next(key for key, on in carrying.items() if on)
         raise ReplayError(
             f"config: rollout.enable_rollout_routing_replay=true with {key}: its samples carry no routing "
             "(accepted: enable_rollout_routing_replay=false)"

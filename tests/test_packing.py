@@ -347,7 +347,7 @@ def test_rows_of_one_length_are_each_sequence_alone_in_the_pass_and_the_update(f
 
     ft.init_distributed()
     path = family_model("qwen2")
-    model = ft.load_model(path, device=torch.device("cpu"), head=logit_rules.logits_head)
+    model = load_as_a_run(path, device=torch.device("cpu"))
     assert model.packs_sequences
     batch, sequences = one_length_batch(model.config.vocab_size)
     groups = ft.micro_batches(batch, budget)
