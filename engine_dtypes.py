@@ -68,7 +68,7 @@ def fit(run, held: dict[str, torch.dtype]) -> str:
     run.model.weights = lambda model, dtype: kept(weights(model, dtype), held)
     run.model.buffers = lambda model, dtype: kept(buffers(model, dtype), held)
     dtypes = "/".join(sorted({str(dtype) for dtype in held.values()}))
-    return f"engine dtypes: the engine keeps {len(held)} tensors in {dtypes} ({matched} read so by the trainer)"
+    return f"engine dtypes: the engine keeps {matched} tensors in {dtypes}; the trainer computes alike"
 
 
 def kept(named_tensors, held: dict[str, torch.dtype]):
@@ -82,9 +82,9 @@ def match(model: torch.nn.Module, held: dict[str, torch.dtype], run_dtype: torch
     """Make `model` compute with the values the engine holds where it holds them narrower than the run's dtype (the
     module docstring). held: the engine's tensor name -> its dtype (sync.engine_dtypes); run_dtype: the engine's
     weights' dtype. Names are the checkpoint's (model.checkpoint_names maps the trainer's where they differ). Returns
-    the number of the model's tensors read cast. EngineDtypeError for a layer of the engine none of whose held
-    tensors the model has (sync.engine_dtypes lists only layers holding a parameter in another dtype: that parameter
-    cannot be matched)."""
+    the number of the model's tensors matched (found; the narrower ones read cast). EngineDtypeError for a layer of the
+    engine none of whose held tensors the model has (sync.engine_dtypes lists only layers holding a parameter in
+    another dtype: that parameter cannot be matched)."""
     names = getattr(model, "checkpoint_names", None) or {}
     tensors = {}  # checkpoint name -> (module, its attribute name, is a parameter)
     for module_name, module in model.named_modules():
@@ -106,7 +106,7 @@ def match(model: torch.nn.Module, held: dict[str, torch.dtype], run_dtype: torch
         if torch.finfo(dtype).bits < torch.finfo(run_dtype).bits:  # narrower: read as the engine holds it
             _cast_when_read(module)
             module.engine_dtypes[short] = dtype
-            matched += 1
+        matched += 1
     return matched
 
 

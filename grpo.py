@@ -583,12 +583,12 @@ class Parts:
     wrap it. choose_parts puts a feature's part in place when its key is set. The flags are needs a feature raises."""
 
     pick_groups: PickGroups = next_groups  # DAPO's dynamic sampling (dapo.group_picker)
-    sample_groups: SampleGroups = sample_groups  # an agent's episodes of several samples (agent.parts); bypass
+    sample_groups: SampleGroups = sample_groups  # an agent's episodes of several samples (agent.episode_groups)
     scored_samples: ScoredSamples = sample_and_score  # an agent's episodes (agent.parts); DAPO's overlong penalty
     sample: Sample = rollout.generate  # a multi-turn rollout with tools (multi_turn.sampler); R3's routing (moe)
     score: Score = data.gsm8k_score  # a reward file's function (reward_files.scorer)
-    old_logprobs: OldLogprobs = policy_logprobs  # R2 records its routing (moe.recorded)
-    reference: Reference = reference_logprobs  # LoRA: the policy with its adapters off (lora.reference_part)
+    old_logprobs: OldLogprobs = policy_logprobs  # R2 records its routing; MoE's measured (moe.replay_parts)
+    reference: Reference = reference_logprobs  # LoRA's adapters off (lora.reference_part); bypass's old log-probs
     correct: Correct = diagnose_rollout  # the rollout correction's IS weights and rejection (rollout_correction)
     advantages: Advantages = grpo_advantages  # RLOO, ..., the KL in the reward (grpo_family); an agent's; dumps
     update: Update = update_actor  # a Mixture-of-Experts model's routing metrics (moe.measured)
@@ -619,15 +619,15 @@ class ModelParts:
     functions by default, each field's comment naming what may replace or wrap it. choose_model_parts sets them once,
     from the model's config and the run's features."""
 
-    load: LoadModel = fsdp_train.load_model  # LoRA's layers (lora.loader); a family's logit rule (logit_rules.loader)
+    load: LoadModel = fsdp_train.load_model  # LoRA's layers (lora.loader); a logit rule's head; MoE's routers hooked
     flops: Flops = fsdp_train.estimate_flops  # a Mixture-of-Experts layer's active experts (moe.estimate_flops)
     weights: Weights = sync.full_params  # LoRA's merged weights; the checkpoint's names; tensors in other dtypes
     buffers: Buffers = no_buffers  # a family whose checkpoint holds persistent buffers (sync.full_buffers)
     push: Push = sync.push_weights  # a Mixture-of-Experts model's experts packed again on CPU (moe.repacking)
     start_engine: StartEngine = start_engine  # R3: the routing returned (moe); tensors in other dtypes (engine_dtypes)
-    save: Save = fsdp_train.save_checkpoint  # LoRA's settings saved with its checkpoints (lora.saver)
-    resume: Resume = fsdp_train.load_checkpoint  # LoRA's settings checked (lora.resumer)
-    export: Export = fsdp_train.export_hf  # LoRA's merged model and its adapter (lora.exporter)
+    save: Save = fsdp_train.save_checkpoint  # LoRA's settings saved with its checkpoints (lora.model_parts)
+    resume: Resume = fsdp_train.load_checkpoint  # LoRA's settings checked first (lora.model_parts)
+    export: Export = fsdp_train.export_hf  # LoRA's merged model and its adapter (lora.export)
 
 
 def choose_parts(cfg: dict) -> Parts:
@@ -889,7 +889,9 @@ def setup(cfg: dict, parts: Parts, mode: Mode | None = None) -> Run:
     if "rng" in extra:
         cluster.restore_rng(extra["rng"])  # AFTER the engine: vLLM re-seeds Python's, NumPy's and torch's RNGs
     if trainer["val_before_train"] and trainer["val_every"] > 0 and start == 1:
-        run.logger.log(0, validate(run, 0) if mode is None else mode.validate(run, 0))
+        step0 = validate(run, 0) if mode is None else mode.validate(run, 0)
+        if step0:  # (a run mode without validation gives none)
+            run.logger.log(0, step0)
     cluster.catch_stop_signals()
     return run
 

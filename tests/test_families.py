@@ -423,7 +423,7 @@ def test_the_trainer_reads_the_tensors_the_engine_keeps_in_bf16_in_bf16(family_m
     model = parts.load(path, device=torch.device("cpu"))
     act = [f"model.layers.{k}.mlp.act_fn.{name}" for k in range(4) for name in ("alpha_p", "alpha_n", "beta", "eps")]
     run = types.SimpleNamespace(policy=model, ref=None, engine_dtype=torch.float32, model=parts)
-    assert "(16 read so by the trainer)" in engine_dtypes.fit(run, dict.fromkeys(act, torch.bfloat16))
+    assert "the engine keeps 16 tensors in torch.bfloat16" in engine_dtypes.fit(run, dict.fromkeys(act, torch.bfloat16))
     reference = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     ids = torch.tensor([[(3 + 11 * i) % 400 for i in range(20)]])
     logits = model.eval()(input_ids=ids).logits
