@@ -52,6 +52,7 @@ RENORMALISED_WHEN = {
     "MixtralTopKRouter": "always",
     "MiniMaxTopKRouter": "always",
     "Qwen3_5MoeTopKRouter": "always",
+    "Qwen3NextTopKRouter": "norm_topk_prob",
 }
 MODES = ("disabled", "R2", "R3")  # veRL's actor router_replay.mode
 
@@ -337,13 +338,15 @@ def repack_cpu_experts(model: torch.nn.Module, bit_sum) -> None:
     (w13_weight, w2_weight) into its grouped-GEMM layout once, at load; the in-place reload copies the pushed weights
     in unpacked and does not pack them again (UnquantizedFusedMoEMethod: the experts' process_weights_after_loading
     runs on the first load only), so the experts would compute with scrambled weights. Pack them again here, keeping
-    the bit sums (bit_sum: sync.bit_sum) of what is packed for the push proof (layer.packed_bit_sums). A dense
-    model has no such layer."""
+    the bit sums (bit_sum: sync.bit_sum) of what is packed for the push proof (layer.packed_bit_sums). Every ISA's
+    experts (CPUUnquantizedExperts and its subclasses: X86's "amx" layout, which a bf16 engine on an x86 CPU uses,
+    Arm's, Power's) in that ISA's layout. A dense model has no such layer."""
     from vllm._custom_ops import cpu_prepack_moe_weight
+    from vllm.model_executor.layers.fused_moe.experts.cpu_moe import CPUUnquantizedExperts
 
     for layer in model.modules():
         experts = getattr(getattr(getattr(layer, "quant_method", None), "moe_kernel", None), "fused_experts", None)
-        if type(experts).__name__ == "CPUUnquantizedExperts" and not experts._use_zentorch:
+        if isinstance(experts, CPUUnquantizedExperts) and not experts._use_zentorch:
             layer.packed_bit_sums = {"w13_weight": bit_sum(layer.w13_weight), "w2_weight": bit_sum(layer.w2_weight)}
             for weight in (layer.w13_weight, layer.w2_weight):  # [E, 2I, H], [E, H, I]: packed in place
                 weight.data.copy_(cpu_prepack_moe_weight(weight.data, experts.isa))

