@@ -142,12 +142,12 @@ def replayable(model) -> bool:
 def attach_for_run(policy, reference, mode: str, returned: bool, engine_returns_routing: bool) -> None:
     """What a training loop calls once its models are loaded. A model with routers this file knows is hooked
     whatever the mode (attach: activation checkpointing's recomputation then routes as the forward did), and with
-    R2 or R3 its forwards replay the routing a batch carries; with R3 the reference's too (it scores the tokens
-    vLLM routed), else routing by its own: hooked whenever the policy is, so that no routing a batch carries reaches
-    a decoder without the hook that takes it. A dense model with nothing asked: nothing. returned: the engine
-    returns its routing (rollout.enable_rollout_routing_replay); engine_returns_routing: it can. Raises ReplayError
-    (one line) for replay asked of a dense model or of routers this file does not know, or of an engine that cannot
-    return them."""
+    R2 or R3 its forwards replay the routing a batch carries. A separate reference is hooked with it: with R3 it
+    replays too (it scores the tokens vLLM routed), else it routes by its own; either way no routing a batch carries
+    reaches a decoder without the hook that takes it out of the call. A dense model with nothing asked: nothing.
+    returned: the engine returns its routing (rollout.enable_rollout_routing_replay); engine_returns_routing: it
+    can. Raises ReplayError (one line) for replay asked of a dense model or of routers this file does not know, or
+    of an engine that cannot return them."""
     if mode == "disabled" and not returned and not replayable(policy):
         return
     if returned and not engine_returns_routing:
