@@ -16,11 +16,16 @@ here (tests/helpers/fp32_noise.py).
   every pair disagrees, not replayed). The same on the Qwen3-MoE of tests/test_moe.py packed and as right-padded rows.
   The counts behind the disagreement are the batch's own (tokens given a routing x layers), also when the micro-batch
   list holds an empty one (a rank's padding forward, which must carry none of row 0's routing).
+- A separate reference is hooked as the policy is: no decoder layer of the loop's models receives the routing.
+- Qwen3-Next (gated delta-net beside attention), which vLLM 0.32 serves on a CPU in bf16: an R2 run through grpo.py
+  (2 steps, 1 rank), its step-1 dumped routing each sequence's own, vLLM's log-probs after a push as close to the
+  trainer's as a fresh engine's (the experts packed again in the x86 bf16 engine's layout, moe.repack_cpu_experts).
 
-The tiny configs hold the keys of the family's released config (MiniMax-Text-01's, Qwen3.5-MoE's text_config) with
-small shapes: 4 layers of the family's pattern (3 linear-attention layers, then full attention), 4 experts, top-2.
-vLLM 0.32 on CPU serves neither (docs/features.md, "Mixture-of-Experts"), so they run here without the loop's engine.
-Cost: ~1 minute."""
+The tiny configs hold the keys of the family's released config (MiniMax-Text-01's, Qwen3.5-MoE's text_config,
+Qwen3-Next-80B-A3B's) with small shapes: 4 layers of the family's pattern (3 linear-attention layers, then full
+attention), 4 experts, top-2. vLLM 0.32 on a CPU serves neither MiniMax nor Qwen3.5-MoE (docs/features.md,
+"Mixture-of-Experts"), so they run here without the loop's engine. Cost: ~1 minute in process, and the Qwen3-Next run
+~1.5 minutes."""
 
 import contextlib
 
@@ -239,7 +244,8 @@ def test_r2_records_each_sequences_own_routing_and_the_update_replays_it_in_righ
     grpo.old_logprob_pass(run, batch, {})
     recorded = batch["routed_experts"]  # [B, S, L, k]
     real = batch["attention_mask"].bool()
-    own, noise = fp32_noise.measure(lambda dtype: alone(oracle(path), batch, dtype))
+    initial = oracle(path)
+    own, noise = fp32_noise.measure(lambda dtype: alone(initial, batch, dtype))
     expected = own_top2(own["probs"], noise["probs"], real)
     share = (sorted_routing(recorded) == expected).all(-1)[real].float().mean().item()
     assert share == 1.0, f"{family}: the recording holds each sequence's own routing at {share:.3f} of the pairs"
@@ -249,8 +255,8 @@ def test_r2_records_each_sequences_own_routing_and_the_update_replays_it_in_righ
     out = grpo.update_actor(run, batch, {})
     assert len(after_first) == 2  # one optimizer step per mini-batch
     second = slice(3, 6)  # the second mini-batch's rows (prompt 1)
-    told, told_noise = fp32_noise.measure(lambda dtype: alone(oracle(path, after_first[0]), batch, dtype, recorded))
-    mine, mine_noise = fp32_noise.measure(lambda dtype: alone(oracle(path, after_first[0]), batch, dtype))
+    updated = oracle(path, after_first[0])
+    told, told_noise = fp32_noise.measure(lambda dtype: alone(updated, batch, dtype, recorded))
     update = batch["update_logprobs"]
     fp32_noise.check(update[second], told["logp"][second], told_noise["logp"], f"{family} replayed in the update")
     fp32_noise.check(update[:3], own["logp"][:3], noise["logp"], f"{family} first mini-batch")
@@ -266,7 +272,8 @@ def test_r2_records_each_sequences_own_routing_and_the_update_replays_it_in_righ
     print(f"{family}: the update's disagreement: {logged:.1f} pairs; near-ties: {open_pairs}")
     assert moved.sum().item() > 0 and abs(logged - moved.sum().item()) <= open_pairs + 1e-6
     # the routing replayed matters: the updated model's own routing gives other log-probs
-    assert fp32_noise.error(update[second], mine["logp"][second]) > 100 * fp32_noise.FACTOR * mine_noise["logp"]
+    mine = alone(updated, batch, torch.float64)["logp"]
+    assert fp32_noise.error(update[second], mine[second]) > 100 * fp32_noise.FACTOR * told_noise["logp"]
 
 
 @pytest.fixture(scope="module")
@@ -414,7 +421,8 @@ def test_the_loops_recorded_routing_is_each_sequences_own(qwen3_next_run):
     rows = slice(0, 8)  # the first prompt's samples (rollout.n = 8)
     batch = {k: dump[k][rows] for k in ("input_ids", "attention_mask", "response_mask")}
     recorded, real = dump["routed_experts"][rows], batch["attention_mask"].bool()
-    own, noise = fp32_noise.measure(lambda dtype: alone(oracle(path), batch, dtype))
+    model = oracle(path)
+    own, noise = fp32_noise.measure(lambda dtype: alone(model, batch, dtype))
     top = own["probs"].topk(3, dim=-1)
     clear = (top.values[..., 1] - top.values[..., 2] > fp32_noise.FACTOR * noise["probs"])[real]  # [tokens, L]
     same = (sorted_routing(recorded) == top.indices[..., :2].sort(-1).values).all(-1)[real]
