@@ -16,7 +16,8 @@ model's own, whatever the family's forward does to them (logits_head; checked at
 
 Batches are dicts of tensors in veRL's layout: `input_ids` / `attention_mask` [B, P + R] with the
 prompt LEFT-padded to width P and the response RIGHT-padded to width R; `response_mask` and every
-other 2-D tensor (old/ref log-probs, advantages) are [B, R], aligned with the response tokens.
+other 2-D tensor (old/ref log-probs, advantages) are [B, R], aligned with the response tokens. A sample's field
+aligned with its tokens (add_fields' "token" layout) travels with them into the decoder's call (token_fields).
 
 The exact-update promise: every loss is normalised by the number of response tokens of the WHOLE
 mini-batch (all micro-batches, all ranks; all-reduced), micro-batch losses are summed, and the loss
@@ -487,12 +488,15 @@ def pack(mb: dict[str, torch.Tensor], packs_sequences: bool = True) -> dict:
         predict [N], targets [N]         the positions (in input_ids flattened) that predict a token of the
                                          response mask, and that token (the position before it in its row)
         scored [b, R] (bool)             where those N tokens sit among the micro-batch's response columns
+        fields                           the micro-batch's other "token" entries (token_fields), each laid out as
+                                         input_ids: [1, T, ...], each real token's value at its place
     E.g. input_ids [[0, 5, 6, 8, 0], [7, 8, 9, 10, 11]] (P = 3, R = 2), attention_mask [[0, 1, 1, 1, 0], [1] * 5],
     response_mask [[1, 0], [1, 1]] -> input_ids [[5, 6, 8, 7, 8, 9, 10, 11]], position_ids [[0, 1, 2, 0, 1, 2, 3,
     4]], cu_seq_lens_q [0, 3, 8], max_length_q 5, predict [1, 5, 6], targets [8, 10, 11].
     packs_sequences=False (a model whose layers carry state along a row, packs_exactly): the rows right-padded
     instead, [b, L] (L the longest row) with their attention_mask and no varlen: [[5, 6, 8, 0, 0], [7, 8, 9, 10,
-    11]], predict [1, 7, 8]. Raises ValueError for a response token that is its row's first (an empty prompt)."""
+    11]], predict [1, 7, 8], each token field [b, L, ...] with its fill at the padding. Raises ValueError for a
+    response token that is its row's first (an empty prompt)."""
     real = mb["attention_mask"].bool()  # [b, P + R]
     lengths = real.sum(-1)  # [b]
     position = real.cumsum(-1) - 1  # [b, P + R]: each real token's position in its row, as vLLM numbers them
@@ -506,8 +510,10 @@ def pack(mb: dict[str, torch.Tensor], packs_sequences: bool = True) -> dict:
     if (position[:, -r_width:][scored] < 1).any():
         raise ValueError("pack: a response token is the first token of its row (an empty prompt): nothing predicts it")
 
-    def laid_out(values):  # [b, P + R] -> shape, each real token's value at its place, 0 elsewhere
-        return values.new_zeros(shape).flatten().index_put((place[real],), values[real]).view(shape)
+    def laid_out(values, fill=0):  # [b, P + R, ...] -> [*shape, ...]: each real token's value at its place
+        out = values.new_full((shape[0] * shape[1], *values.shape[2:]), fill)  # fill where no token is
+        out[place[real]] = values[real]
+        return out.view(*shape, *values.shape[2:])
 
     cu_seq_lens = torch.nn.functional.pad(lengths.cumsum(0), (1, 0)).to(torch.int32)  # [b + 1]
     return {
@@ -520,7 +526,18 @@ def pack(mb: dict[str, torch.Tensor], packs_sequences: bool = True) -> dict:
         "predict": place[:, -r_width:][scored] - 1,  # [N]
         "targets": mb["input_ids"][:, -r_width:][scored],  # [N]
         "scored": scored,  # [b, R]
+        "fields": {name: laid_out(mb[name], fill) for name, fill in token_fields(mb).items()},
     }
+
+
+def token_fields(batch: dict) -> dict:
+    """The batch's extra "token" entries, name -> fill: those batch["layouts"] names "token" (add_fields), input_ids
+    and attention_mask aside. Each travels with its tokens: select trims it, pack lays it out as it lays out
+    input_ids, and response_logprobs hands it to the decoder's call as a keyword argument, where a forward pre-hook
+    of the decoder (register_forward_pre_hook(hook, with_kwargs=True)) takes it: it must pop it, since transformers
+    passes unknown keyword arguments on to its layers. E.g. a sample field {"x": ("token", values, -1)}: {"x": -1}."""
+    declared = batch.get("layouts", {}).items()
+    return {k: fill for k, (layout, fill) in declared if layout == "token" and k in batch and k not in CORE_LAYOUTS}
 
 
 @torch.no_grad()
@@ -682,13 +699,14 @@ AttentionMaskInterface.register(VARLEN_ATTENTION, varlen_mask)
 
 
 # ------------------------------------------------------------------------------ log-probs
-def final_hidden(model, input_ids: torch.Tensor, attention_mask=None, position_ids=None, **varlen) -> torch.Tensor:
+def final_hidden(model, input_ids: torch.Tensor, attention_mask=None, position_ids=None, **kwargs) -> torch.Tensor:
     """The decoder's final hidden states [b, s, h] (after its last norm); the decoder is transformers'
-    get_decoder(). input_ids, attention_mask, position_ids [b, s]; varlen: a packed row's cu_seq_lens_q/k and
-    max_length_q/k (pack), which transformers hands to the attention function."""
+    get_decoder(). input_ids, attention_mask, position_ids [b, s]; kwargs: a packed row's cu_seq_lens_q/k and
+    max_length_q/k (pack's varlen), which transformers hands to the attention function, and the micro-batch's token
+    fields [b, s, ...] (pack's fields), which a forward pre-hook of the decoder takes (token_fields)."""
     decoder = model.get_decoder()
     return decoder(
-        input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False, **varlen
+        input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False, **kwargs
     ).last_hidden_state
 
 
@@ -748,7 +766,8 @@ def response_logprobs(
     outside the response mask: the decoder on the packed row's T real tokens (each sequence attends to its own
     tokens only: the varlen arguments reach the attention function), then chunked_logprobs with the model's head
     (logits_head: the output embedding, or a family's rule for its logits) at the N positions that predict a
-    response token only (nothing on the prompt, nothing on padding).
+    response token only (nothing on the prompt, nothing on padding). The micro-batch's token fields (pack's
+    "fields", token_fields) go to the decoder's call with its tokens, in the same layout.
 
     Under FSDP2 this must run as a forward of the ROOT module: the root's pre-forward unshards the
     parameters it owns (embed_tokens, the final norm, lm_head) and its backward hooks reduce-scatter their
@@ -757,7 +776,12 @@ def response_logprobs(
     model.response_logprobs(...).
     """
     hidden = final_hidden(
-        model, packed["input_ids"], packed["attention_mask"], packed["position_ids"], **packed["varlen"]
+        model,
+        packed["input_ids"],
+        packed["attention_mask"],
+        packed["position_ids"],
+        **packed["varlen"],
+        **packed["fields"],
     )  # [1, T, h] (right-padded rows: [b, L, h])
     logp, entropy = chunked_logprobs(
         hidden.flatten(0, 1)[packed["predict"]],  # [N, h]: the positions that predict the response tokens
@@ -898,14 +922,14 @@ def _forward(
     return model.response_logprobs(pack(mb, model.packs_sequences), temperature, entropy_fn, entropy_grad, chunk_size)
 
 
-def _device_batch(model, batch, rows, device):
-    """The micro-batch `rows` of the batch on the device, and its row indices ([0] for an empty one: it still runs a
-    forward, masked out, for FSDP's collectives). A feature that reads the micro-batch's rows before its forward
-    (moe.py's routing replay) sees them here, through model.micro_batch_hook."""
+def _device_batch(batch, rows, device):
+    """The micro-batch `rows` of the batch on the device (its tensors, and the layouts pack reads), and its row
+    indices ([0] for an empty one: it still runs a forward, masked out, for FSDP's collectives, without row 0's
+    token fields: token_fields)."""
     sub = select(batch, rows or [0])
-    if hasattr(model, "micro_batch_hook"):
-        model.micro_batch_hook(batch, rows, sub)
-    return {k: v.to(device) for k, v in sub.items() if torch.is_tensor(v)}, rows or [0]
+    dropped = set() if rows else set(token_fields(sub))
+    mb = {k: v.to(device) for k, v in sub.items() if torch.is_tensor(v) and k not in dropped}
+    return {**mb, "layouts": sub.get("layouts", {})}, rows or [0]
 
 
 @torch.no_grad()
@@ -924,7 +948,7 @@ def compute_logprobs(
     shape = batch["response_mask"].shape
     logp_all, ent_all = torch.zeros(shape), torch.zeros(shape) if entropy_fn else None
     for rows in _synced_micro_batches(batch, max_tokens):
-        mb, idx = _device_batch(model, batch, rows, device)
+        mb, idx = _device_batch(batch, rows, device)
         logp, ent = _forward(model, mb, temperature, entropy_fn, chunk_size=chunk_size)
         if rows:
             width = logp.shape[1]
@@ -984,7 +1008,7 @@ def train_step(
     kept = {"logprobs": torch.zeros(shape), "entropy": torch.zeros(shape)} if keep_logprobs else {}  # [B, R]
     optimizer.zero_grad(set_to_none=True)
     for rows in _synced_micro_batches(batch, max_tokens):
-        mb, _ = _device_batch(model, batch, rows, device)
+        mb, _ = _device_batch(batch, rows, device)
         if not rows:
             mb["response_mask"] = torch.zeros_like(mb["response_mask"])
         logp, entropy = _forward(model, mb, temperature, entropy_fn, entropy_grad, chunk_size)

@@ -6,7 +6,6 @@ their own top-k (veRL's router_replay). Imports torch only: copy it anywhere.
     # R3: batch["routed_experts"] [B, P + R, L, k], vLLM's choices (a sample field: routing_field)
     with moe.recording(policy, batch) as routing:   # R2: the old-log-prob pass's own choices
         ...                                          # the pass; then routing["routed_experts"] for the update
-    model.micro_batch_hook(batch, rows, mb)   # fsdp_train calls it before each micro-batch's forward
     metrics = moe.routing_metrics(policy, "update_actor")   # the disagreement with the routing given
 
 Why: vLLM and the trainer compute the router's logits with different kernels, so about one router in ten picks
@@ -23,8 +22,13 @@ renormalised when the family does), so the router's weights still get their grad
 
 Routing layout, veRL's and vLLM's: routed_experts [B, P + R, L, k] aligned with input_ids (left-padded prompt,
 right-padded response), -1 where no routing is given (padding; the last sampled token, which vLLM never ran).
-The trainer's forwards run the real tokens only, packed (fsdp_train.pack): a micro-batch's routing is taken at its
-real tokens, row after row, and recorded back at their columns. A token without routing keeps its own top-k.
+It is a "token" field of the batch, so it travels with the tokens (fsdp_train.token_fields): each micro-batch's
+share is laid out as the forward lays out its tokens, one packed row [1, T, L, k] or, for a model whose layers
+carry state along a row (fsdp_train.packs_exactly: lightning attention, gated delta-net), right-padded rows
+[b, longest, L, k] with -1 at their padding, and reaches the decoder's call, whose pre-hook (attach) takes it; each
+router then gets the routing of the N tokens it routes (the forward's, flattened). R2 records the same way: a
+second token field, each token's place in the batch (routing_index: row * (P + R) + column), tells the routers
+where each of the forward's tokens goes in the recording. A token without routing keeps its own top-k.
 Metrics: the share of (token, layer) pairs whose own top-k differs from the routing given, and the share of tokens
 with at least one such layer, per pass (routing_metrics).
 
@@ -52,6 +56,7 @@ RENORMALISED_WHEN = {
     "MixtralTopKRouter": "always",
     "MiniMaxTopKRouter": "always",
     "Qwen3_5MoeTopKRouter": "always",
+    "Qwen3NextTopKRouter": "norm_topk_prob",
 }
 MODES = ("disabled", "R2", "R3")  # veRL's actor router_replay.mode
 
@@ -113,8 +118,9 @@ def model_parts(cfg: dict, config, model, record_packed) -> None:
 
 
 def loader(load, mode: str, returned: bool, engine_returns_routing: bool):
-    """The model record's load with the routers hooked (attach_for_run): the policy (a trainable model) whatever the
-    mode when this file knows its routers, the reference (a frozen one) with R3."""
+    """The model record's load with the routers hooked as attach_for_run hooks them: the policy (a trainable model)
+    whatever the mode when this file knows its routers; a separate reference (a frozen one) with it, replaying with
+    R3, else measuring only (no routing a batch carries reaches a decoder without the hook that takes it out)."""
 
     def load_with_routers(path: str, **settings):
         model = load(path, **settings)
@@ -122,8 +128,8 @@ def loader(load, mode: str, returned: bool, engine_returns_routing: bool):
             return model
         if settings.get("trainable", True):
             attach_for_run(model, None, mode, returned, engine_returns_routing)
-        elif mode == "R3":
-            attach(model, mode)
+        elif mode != "disabled" or returned or replayable(model):
+            attach(model, "R3" if mode == "R3" else "disabled")
         return model
 
     return load_with_routers
@@ -180,14 +186,17 @@ def check_settings(cfg: dict) -> None:
         )
 
 
+INDEX = "routing_index"  # R2's token field: each token's place in the recording, row * (P + R) + column
+
+
 @dataclass
 class Routing:
-    """A model's routing state (model.moe_routing). given: the micro-batch's routing at its T real tokens [T, L, k]
-    (-1: none) or None; used: layer -> the experts [N, k] its router used in this forward (what the recomputation
-    returns); record, where: the batch's routing being recorded (R2) [B, P + R, L, k] and this micro-batch's (rows,
-    first column, its real tokens [b, s]); differ: this forward's tokens [N] with a layer whose own top-k differs
-    from the given; sums: (pairs that differ, pairs given, tokens that differ, tokens given) since the last
-    take_sums."""
+    """A model's routing state (model.moe_routing). given: this forward's routing at its N tokens [N, L, k] (-1:
+    none), or None; used: layer -> the experts [N, k] its router used in this forward (what the recomputation
+    returns); record: the batch's routing being recorded (R2) [B, P + R, L, k]; where: this forward's tokens that
+    have a place in it [N] (bool) and those places among its B * (P + R) tokens, or None; differ: this forward's
+    tokens [N] with a layer whose own top-k differs from the given; sums: (pairs that differ, pairs given, tokens
+    that differ, tokens given) since the last take_sums."""
 
     num_layers: int
     top_k: int
@@ -227,10 +236,12 @@ def replayable(model) -> bool:
 def attach_for_run(policy, reference, mode: str, returned: bool, engine_returns_routing: bool) -> None:
     """What a training loop calls once its models are loaded. A model with routers this file knows is hooked
     whatever the mode (attach: activation checkpointing's recomputation then routes as the forward did), and with
-    R2 or R3 its forwards replay the routing a batch carries; with R3 the reference's too (it scores the tokens
-    vLLM routed). A dense model with nothing asked: nothing. returned: the engine returns its routing
-    (rollout.enable_rollout_routing_replay); engine_returns_routing: it can. Raises ReplayError (one line) for
-    replay asked of a dense model or of routers this file does not know, or of an engine that cannot return them."""
+    R2 or R3 its forwards replay the routing a batch carries. A separate reference is hooked with it: with R3 it
+    replays too (it scores the tokens vLLM routed), else it routes by its own; either way no routing a batch carries
+    reaches a decoder without the hook that takes it out of the call. A dense model with nothing asked: nothing.
+    returned: the engine returns its routing (rollout.enable_rollout_routing_replay); engine_returns_routing: it
+    can. Raises ReplayError (one line) for replay asked of a dense model or of routers this file does not know, or
+    of an engine that cannot return them."""
     if mode == "disabled" and not returned and not replayable(policy):
         return
     if returned and not engine_returns_routing:
@@ -240,29 +251,38 @@ def attach_for_run(policy, reference, mode: str, returned: bool, engine_returns_
             "replays the old-log-prob pass's routing)"
         )
     attach(policy, mode)
-    if mode == "R3" and reference is not None and reference is not policy:
-        attach(reference, mode)
+    if reference is not None and reference is not policy:
+        attach(reference, "R3" if mode == "R3" else "disabled")
 
 
 def attach(model, mode: str) -> None:
-    """Hooks every router of the model (forward hooks) and its decoder (each forward starts afresh, and ends by
-    counting its tokens), and gives the model micro_batch_hook, which fsdp_train calls before a micro-batch's
-    forward. mode: R2 or R3 replay the routing a batch carries (batch["routed_experts"]); disabled only measures
-    the disagreement with it."""
+    """Hooks every router of the model (forward hooks) and its decoder (each forward starts afresh with the routing
+    its micro-batch carries, and ends by counting its tokens). mode: R2 or R3 replay the routing a batch carries
+    (batch["routed_experts"]); disabled only measures the disagreement with it."""
     layers = routers(model)
     state = Routing(num_layers=len(layers), top_k=layers[0].top_k, apply=mode != "disabled")
     model.moe_routing = state
     for layer, router in enumerate(layers):
         router.register_forward_hook(_route_hook(state, layer, RENORMALISED_WHEN[type(router).__name__]))
     decoder = model.get_decoder()
-    decoder.register_forward_pre_hook(lambda module, args: _start_forward(state))
+    decoder.register_forward_pre_hook(lambda module, args, kwargs: _start_forward(state, kwargs), with_kwargs=True)
     decoder.register_forward_hook(lambda module, args, output: _end_forward(state))
-    model.micro_batch_hook = lambda batch, rows, mb: _next_micro_batch(state, batch, rows, mb)
 
 
-def _start_forward(state: Routing) -> None:
+def _start_forward(state: Routing, kwargs: dict) -> None:
+    """The decoder's pre-hook: a forward starts afresh with what its micro-batch carries, popped from the decoder's
+    keyword arguments (transformers would hand them on to its layers): the routing, laid out as the forward's tokens
+    (fsdp_train.pack: [1, T, L, k] packed, [b, s, L, k] as right-padded rows, -1 at their padding), flattened to the
+    N tokens the routers see [N, L, k]; and during R2's recording each token's place in it (INDEX, -1 at padding)."""
     state.used.clear()
     state.differ = None
+    given, places = kwargs.pop("routed_experts", None), kwargs.pop(INDEX, None)
+    state.given = None if given is None else given.flatten(0, 1)  # [N, L, k]
+    if places is None or state.record is None:
+        state.where = None
+    else:
+        places = places.flatten()  # [N]
+        state.where = (places >= 0, places[places >= 0].cpu())
 
 
 def _end_forward(state: Routing) -> None:
@@ -270,19 +290,6 @@ def _end_forward(state: Routing) -> None:
     if state.differ is not None:  # [N]
         known = (state.given >= 0).all(-1).all(-1).to(state.differ.device)  # [N]
         _add(state, 0, 0, (state.differ & known).sum(), known.sum())
-
-
-def _next_micro_batch(state: Routing, batch: dict, rows: list[int], mb: dict) -> None:
-    """The micro-batch's routing at its real tokens, row after row as the trainer's packed forward runs them
-    (fsdp_train.pack): [T, L, k] (mb: its rows of the batch, the padding columns they share trimmed, routed_experts
-    with input_ids: fsdp_train.select); and where its R2 recording goes among the batch's columns. An empty
-    micro-batch (a rank's padding forward) gets none."""
-    real = mb["attention_mask"].bool()  # [b, s]
-    p_width, mb_p_width = (x["input_ids"].shape[1] - x["response_mask"].shape[1] for x in (batch, mb))
-    start = p_width - mb_p_width  # the micro-batch's first column among the batch's
-    state.where = (rows, start, real) if rows and state.record is not None else None
-    given = mb.get("routed_experts") if rows else None
-    state.given = None if given is None else given[real]  # [T, L, k]
 
 
 def _route_hook(state: Routing, layer: int, renormalised_when: str):
@@ -296,11 +303,10 @@ def _route_hook(state: Routing, layer: int, renormalised_when: str):
         else:
             experts = own if state.given is None else _compare(state, layer, own)
             state.used[layer] = experts
-            if state.where is not None:  # R2: record what the old-log-prob pass used, at each real token's column
-                rows, start, real = state.where  # real [b, s]
-                columns = torch.full((*real.shape, experts.shape[-1]), -1, dtype=torch.int16)  # [b, s, k]
-                columns[real] = experts.to(torch.int16).cpu()
-                state.record[rows, start : start + real.shape[1], layer] = columns
+            if state.where is not None:  # R2: record what the old-log-prob pass used, at each token's own place
+                here, places = state.where  # [N], [n]
+                tokens = state.record.view(-1, *state.record.shape[2:])  # [B * (P + R), L, k]
+                tokens[places, layer] = experts[here].to(torch.int16).cpu()
         # the weights recomputed whatever the experts: the forward and its recomputation then run the same operations
         renormalise = renormalised_when == "always" or getattr(router, renormalised_when)
         return logits, replayed_weights(logits, experts, renormalise).to(weights.dtype), experts
@@ -372,10 +378,13 @@ def disagreement(sums: torch.Tensor) -> dict[str, float]:
 
 def start_recording(model, batch: dict) -> None:
     """R2: the next pass (the old log-probs) records the experts each token used, in a [B, P + R, L, k] tensor
-    aligned with batch["input_ids"] (-1 at padding)."""
+    aligned with batch["input_ids"] (-1 at padding). Each token's place in it goes into the batch as a token field
+    (INDEX [B, P + R]: row * (P + R) + column), which travels with the tokens into the forward (_start_forward)."""
     state = model.moe_routing
     b, width = batch["input_ids"].shape
     state.record = torch.full((b, width, state.num_layers, state.top_k), -1, dtype=torch.int16)
+    batch[INDEX] = torch.arange(b * width).view(b, width)  # [B, P + R]
+    batch.setdefault("layouts", {})[INDEX] = ("token", -1)
 
 
 @contextlib.contextmanager
@@ -394,9 +403,12 @@ def recording(model, batch: dict):
 
 def recorded(model, batch: dict) -> torch.Tensor:
     """R2: the routing the pass since start_recording used [B, P + R, L, k], -1 at padding. Take it right after that
-    pass: until then every pass of the model records (LoRA's reference is the same model, its adapters off)."""
+    pass: until then every pass of the model records (LoRA's reference is the same model, its adapters off). The
+    places start_recording put in the batch leave it."""
     state = model.moe_routing
     out, state.record, state.where = state.record, None, None
+    batch.pop(INDEX, None)
+    batch["layouts"].pop(INDEX, None)
     return out.masked_fill(batch["attention_mask"][:, :, None, None] == 0, -1)
 
 
@@ -415,13 +427,15 @@ def repack_cpu_experts(model: torch.nn.Module, record_packed) -> None:
     (w13_weight, w2_weight) into its grouped-GEMM layout once, at load; the in-place reload copies the pushed weights
     in unpacked and does not pack them again (UnquantizedFusedMoEMethod: the experts' process_weights_after_loading
     runs on the first load only), so the experts would compute with scrambled weights. Pack them again here, the bit
-    sums of what is packed kept for the push proof (record_packed: sync.record_packed). A dense model has no such
-    layer."""
+    sums of what is packed kept for the push proof (record_packed: sync.record_packed). Every ISA's experts
+    (CPUUnquantizedExperts and its subclasses: X86's "amx" layout, which a bf16 engine on an x86 CPU uses, Arm's,
+    Power's) in that ISA's layout. A dense model has no such layer."""
     from vllm._custom_ops import cpu_prepack_moe_weight
+    from vllm.model_executor.layers.fused_moe.experts.cpu_moe import CPUUnquantizedExperts
 
     for layer in model.modules():
         experts = getattr(getattr(getattr(layer, "quant_method", None), "moe_kernel", None), "fused_experts", None)
-        if type(experts).__name__ == "CPUUnquantizedExperts" and not experts._use_zentorch:
+        if isinstance(experts, CPUUnquantizedExperts) and not experts._use_zentorch:
             record_packed(layer, {"w13_weight": layer.w13_weight, "w2_weight": layer.w2_weight})
             for weight in (layer.w13_weight, layer.w2_weight):  # [E, 2I, H], [E, H, I]: packed in place
                 weight.data.copy_(cpu_prepack_moe_weight(weight.data, experts.isa))
