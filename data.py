@@ -15,6 +15,7 @@ import random
 import torch
 import torch.distributed as dist
 
+import cluster
 import fsdp_train
 import losses
 import reward
@@ -338,3 +339,13 @@ def dumping(advantages):
         return out
 
     return advantages_then_dump
+
+
+def read_split(source: str, split: str, tiny_paths: dict | None, tokenizer, data_cfg: dict) -> tuple[list[dict], int]:
+    """(rows, how many were filtered out as overlong) of one split; each node's first rank reads first (it may
+    download), the node's other ranks then read the same files."""
+
+    def read(first: bool):
+        return filter_overlong(load_rows(source, split, tiny_paths), tokenizer, data_cfg)
+
+    return cluster.node_first(read)

@@ -23,7 +23,6 @@ feature or a model family's need puts its own function in place of a default, or
 imported inside its guard. Read train() and grpo_step() first, then the two records.
 """
 
-import argparse
 import functools
 import itertools
 import os
@@ -58,17 +57,7 @@ from logs import log0, timed  # noqa: E402
 
 def main(argv=None) -> int:
     """`python grpo.py ARGV` in-process: returns the exit status (1 after the one line `error: ...` on stderr)."""
-    ap = argparse.ArgumentParser(
-        description=__doc__.split("\n\n")[0],
-        epilog=__doc__.split("\n\n")[1],
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    ap.add_argument(
-        "--config", action="append", help="YAML config (gsm8k.yaml, tiny.yaml); repeat to layer a recipe on it"
-    )
-    ap.add_argument("--print-config", action="store_true", help="print the merged configuration and exit")
-    ap.add_argument("overrides", nargs="*", help="section.key=value, e.g. actor.lr=3e-6")
-    args = ap.parse_args(argv)
+    args = config.parse_args(argv, __doc__)  # --config FILE ..., --print-config, section.key=value ...
     try:  # a bad config, data file or world size: one line, no traceback
         cfg = config.load_config(args.config, args.overrides)
         parts = choose_parts(cfg)  # each optional feature's settings are checked there, before anything loads
@@ -961,8 +950,8 @@ def load_data(cfg: dict, parts: "Parts", rank: int, world: int, train: bool = Tr
     data_cfg = {**data_cfg, "apply_chat_template_kwargs": parts.prompt_kwargs(tokenizer, cfg)}
     train_rows, n_dropped = [], 0
     if train:
-        train_rows, n_dropped = read_split(data_cfg["train"], "train", tiny_paths, tokenizer, data_cfg)
-    val_rows, _ = read_split(data_cfg["val"], "test", tiny_paths, tokenizer, data_cfg)
+        train_rows, n_dropped = data.read_split(data_cfg["train"], "train", tiny_paths, tokenizer, data_cfg)
+    val_rows, _ = data.read_split(data_cfg["val"], "test", tiny_paths, tokenizer, data_cfg)
     if data_cfg["val_max_samples"] > 0:
         val_rows = val_rows[: data_cfg["val_max_samples"]]
     data.check_scorer(train_rows + val_rows, cfg)
@@ -978,16 +967,6 @@ def load_data(cfg: dict, parts: "Parts", rank: int, world: int, train: bool = Tr
         f"filtered out), {len(val_rows)} validation prompts; {total_steps} steps on {world} rank(s)",
     )
     return model_path, tokenizer, train_rows, val_rows, total_steps
-
-
-def read_split(source: str, split: str, tiny_paths: dict | None, tokenizer, data_cfg: dict) -> tuple[list[dict], int]:
-    """(rows, how many were filtered out as overlong) of one split; each node's first rank reads first (it may
-    download), the node's other ranks then read the same files."""
-
-    def read(first: bool):
-        return data.filter_overlong(data.load_rows(source, split, tiny_paths), tokenizer, data_cfg)
-
-    return cluster.node_first(read)
 
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}

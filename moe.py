@@ -68,26 +68,28 @@ class ReplayError(ValueError):
 def replay_parts(cfg: dict, parts):
     """The step's parts for routing replay (grpo.choose_parts), the settings checked first (check_settings): the
     old-log-prob pass and the update measured (routing_metrics); with R2 the old pass records the routing it used
-    (recording), the reference's pass routes by its own, and the update replays the recorded routing; with the
-    rollout's routing (rollout.enable_rollout_routing_replay) each sample carries the engine's (routed_generate)."""
+    (recording), which the batch then carries for the update to replay, the reference's pass set aside (it routes by
+    its own); with the rollout's routing (rollout.enable_rollout_routing_replay) each sample carries the engine's
+    (routed_generate)."""
     check_settings(cfg)
     mode, returned = cfg["actor"]["router_replay"]["mode"], cfg["rollout"]["enable_rollout_routing_replay"]
-    old_logprobs, reference, recorded = parts.old_logprobs, parts.reference, {}
+    old_logprobs, reference = parts.old_logprobs, parts.reference
 
     def old_logprobs_measured(run, batch: dict):
         with recording(run.policy, batch) if mode == "R2" else contextlib.nullcontext({}) as routing:
             old, entropy, out = old_logprobs(run, batch)
-        recorded.update(routing)  # R2: the routing the update replays, put in the batch after the reference's pass
+        batch.update(routing)  # R2: the routing the update replays (and a dump keeps)
         return old, entropy, {**out, **routing_metrics(run.policy, "old_log_prob")}
 
-    def reference_then_recorded(run, batch: dict, t: dict) -> None:
+    def reference_by_its_own_routing(run, batch: dict, t: dict) -> None:
+        routing = batch.pop("routed_experts", None)  # R2's: the reference routes by its own (LoRA's is the policy)
         reference(run, batch, t)
-        batch.update(recorded)
-        recorded.clear()
+        if routing is not None:
+            batch["routed_experts"] = routing
 
     parts.old_logprobs, parts.update = old_logprobs_measured, measured(parts.update, "update_actor")
     if mode == "R2":
-        parts.reference, parts.needs_old_pass = reference_then_recorded, True
+        parts.reference, parts.needs_old_pass = reference_by_its_own_routing, True
     if returned:
         parts.sample = routed_generate
     return parts

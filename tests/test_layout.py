@@ -290,7 +290,6 @@ DEFAULT_FUNCTIONS = {
     "grpo.exact_run": ["cfg", "engine_dtype"],
     "grpo.on_policy_shortcut": ["cfg", "parts"],
     "grpo.load_data": ["cfg", "parts", "rank", "world", "train"],
-    "grpo.read_split": ["source", "split", "tiny_paths", "tokenizer", "data_cfg"],
     "grpo.load_models": ["cfg", "model_path", "device", "model", "needs_reference"],
     "grpo.build_optimizer": ["cfg", "policy", "total_steps"],
     "grpo.save": ["run", "step"],
@@ -405,7 +404,8 @@ DEFAULT_FUNCTIONS = {
     ],  # fmt: skip
     "fsdp_train.causal_attention": ["module", "q", "k", "v", "mask", "dropout", "scaling", "sliding_window"],
     "fsdp_train.varlen_mask": ["args", "attention_mask", "kwargs"],
-    "fsdp_train.final_hidden": ["model", "input_ids", "attention_mask", "position_ids", "varlen"],
+    "fsdp_train.final_hidden": ["model", "input_ids", "attention_mask", "position_ids", "kwargs"],  # varlen, fields
+    "fsdp_train.token_fields": ["batch"],
     "fsdp_train.chunked_logprobs": [
         "hidden",
         "targets",
