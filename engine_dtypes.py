@@ -32,6 +32,8 @@ The loop enters here through the model's record (grpo.choose_model_parts, for a 
 tensors): starting (the engine's start, then fit), or, with rollout ranks, fit with the first rollout rank's dtypes.
 """
 
+import itertools
+
 import torch
 
 WRAPPERS = ("_checkpoint_wrapped_module.", "_orig_mod.", "_fsdp_wrapped_module.")  # in module names, not in HF's
@@ -44,16 +46,28 @@ class EngineDtypeError(ValueError):
 def starting(start, held_of):
     """The model record's start_engine for a run whose engine may keep tensors in another dtype: start(run,
     model_path), then the run fitted (fit) to what held_of(run.llm) (sync.engine_dtypes) finds, if anything; the
-    line it logs printed on rank 0."""
+    line it logs printed on rank 0. Where the engine keeps a tensor wider than the run's dtype, it loaded the
+    checkpoint's own values there, not the run's (bf16) ones the trainer computes with: the trainer's weights are
+    pushed at once (run.model.push), so that the start-up proof finds them."""
 
-    def start_fitted(run, model_path: str) -> None:
-        start(run, model_path)
+    def start_fitted(run, model_path: str, **engine_kwargs) -> None:
+        start(run, model_path, **engine_kwargs)
         if held := held_of(run.llm):
             line = fit(run, held)
             if run.rank == 0:
                 print(line, flush=True)
+            if wider(held, run.engine_dtype) and run.policy is not None:
+                dtype = run.engine_dtype
+                run.model.push(
+                    run.llm, itertools.chain(run.model.weights(run.policy, dtype), run.model.buffers(run.policy, dtype))
+                )
 
     return start_fitted
+
+
+def wider(held: dict[str, torch.dtype], run_dtype: torch.dtype) -> bool:
+    """Does the engine keep a tensor wider than the run's dtype (an fp32 bias or A_log in a bf16 engine)?"""
+    return any(torch.finfo(dtype).bits > torch.finfo(run_dtype).bits for dtype in held.values())
 
 
 def fit(run, held: dict[str, torch.dtype]) -> str:

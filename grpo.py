@@ -787,13 +787,17 @@ def rollout_ranks_run(cfg: dict):
     return rollout_ranks.by_role(cfg, tools)
 
 
-def fit_to_engine(run: "Run", held: dict) -> None:
+def fit_to_engine(run: "Run", held: dict) -> bool:
     """A trainer rank of a rollout-ranks run fitted to the tensors the rollout ranks' engine keeps in other dtypes
-    (held: sync.engine_dtypes of the first rollout rank's; {} for most families): engine_dtypes.fit."""
-    if held:
-        import engine_dtypes
+    (held: sync.engine_dtypes of the first rollout rank's; {} for most families): engine_dtypes.fit. Returns whether
+    the engine holds a tensor wider than the run's dtype: then it loaded the checkpoint's own values there, and the
+    trainer's must be sent at start-up (engine_dtypes.wider)."""
+    if not held:
+        return False
+    import engine_dtypes
 
-        log0(run.rank, engine_dtypes.fit(run, held))
+    log0(run.rank, engine_dtypes.fit(run, held))
+    return engine_dtypes.wider(held, run.engine_dtype)
 
 
 class Run(types.SimpleNamespace):

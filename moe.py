@@ -444,10 +444,13 @@ def repack_cpu_experts(model: torch.nn.Module, record_packed) -> None:
 
 
 def active_mlp_params(config) -> int | None:
-    """fsdp_train.estimate_flops' mlp: a Mixture-of-Experts layer's active parameters per token, the top-k experts'
-    and the router's, 3*h*k*I_moe + h*E (veRL's _estimate_qwen2_moe_flops); None for a config without
-    num_experts_per_tok and moe_intermediate_size (the dense formula)."""
-    h = config.hidden_size
-    if getattr(config, "num_experts_per_tok", None) and getattr(config, "moe_intermediate_size", None):
-        return 3 * h * config.num_experts_per_tok * config.moe_intermediate_size + h * config.num_experts
-    return None
+    """fsdp_train.decoder_flops' mlp: a Mixture-of-Experts layer's active parameters per token, the top-k experts'
+    and the router's, 3*h*k*I + h*E (veRL's _estimate_qwen2_moe_flops), I an expert's intermediate size
+    (moe_intermediate_size; Mixtral and MiniMax name it intermediate_size) and E the experts (num_experts, or
+    num_local_experts); None for a config without experts (the dense formula)."""
+    h, k = config.hidden_size, getattr(config, "num_experts_per_tok", None)
+    experts = getattr(config, "num_experts", None) or getattr(config, "num_local_experts", None)
+    if not (k and experts):
+        return None
+    size = getattr(config, "moe_intermediate_size", None) or config.intermediate_size
+    return 3 * h * k * size + h * experts

@@ -274,7 +274,7 @@ def hello(run, pushing: bool, state) -> None:
     engine = [from_rollout(link, link.rollouts[0], ("engine",)) if run.rank == 0 else None]
     dist.broadcast_object_list(engine, src=0)  # the trainer ranks' own group
     run.engine_dtype = engine[0]["dtype"]  # for the weights' cast, and whether the run is exact (grpo.exact_run)
-    state.tools.fit_to_engine(run, engine[0]["dtypes"])  # tensors the engine keeps in another dtype, if any
+    pushing |= state.tools.fit_to_engine(run, engine[0]["dtypes"])  # tensors the engine keeps in another dtype
     send_weights(run, state, run.start - 1, pushing, when="start-up: ")
     if run.rank == 0:
         print(

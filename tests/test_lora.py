@@ -248,6 +248,53 @@ def test_a_bf16_engine_receives_the_merged_weights(random_models):
     assert (pushed[key].double() - base[key].double()).abs().max() > 100 * bf16_step * base[key].abs().max()
 
 
+@pytest.mark.parametrize("written", ["now", "adapt", "lora"])
+def test_a_lora_checkpoint_written_before_resumes_or_is_refused(random_models, tmp_path, written):
+    """A LoRA checkpoint whose loop state holds its settings where an earlier flatgrpo wrote them (now: the saved
+    loop state's "lora"; before issue 60: a top-level "adapt"; before that rename: a top-level "lora"), resumed
+    with the model parts' resume (grpo.setup's): the same settings resume, the adapters exactly as saved; other
+    settings stop in one line naming both; a plain model (no LoRA) stops in one line too."""
+    import cluster
+    import config
+    import grpo
+
+    path_model = random_models["tied"]
+    parts = trainer_lora_parts(path_model)
+    model = parts.load(path_model, device=torch.device("cpu"))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if ".lora_B." in name:
+                p.copy_(torch.randn(p.shape, generator=torch.Generator().manual_seed(len(name))))
+    optimizer = torch.optim.AdamW(ft.trainable_params(model))
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
+    path = parts.save(str(tmp_path), 1, model, optimizer, scheduler, extra={"step": 1})
+    if written != "now":  # the state file as the earlier code wrote it
+        state_file = os.path.join(path, "state_rank0.pt")
+        state = torch.load(state_file, weights_only=False)
+        state[written] = state["extra"].pop("lora")
+        torch.save(state, state_file)
+    cfg = config.load_config(None, [f"trainer.resume={path}"])
+
+    def resume(*overrides: str, lora: bool = True):
+        other_parts = trainer_lora_parts(path_model, *overrides) if lora else grpo.ModelParts()
+        other = other_parts.load(path_model, device=torch.device("cpu"))
+        opt = torch.optim.AdamW(ft.trainable_params(other))
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1.0)
+        load = functools.partial(other_parts.resume, model=other, optimizer=opt, scheduler=sched)
+        return other, cluster.resume(cfg, load, 0, 1)
+
+    other, (start, _) = resume()
+    assert start == 2
+    saved = {k: v for k, v in model.state_dict().items() if ".lora_" in k}
+    assert all(torch.equal(v, other.state_dict()[k]) for k, v in saved.items()) and saved
+    with pytest.raises(lora.LoraError) as error:
+        resume("model.lora_rank=2")
+    assert str(error.value).startswith(f"trainer.resume: {path} was written by LoRA rank 4, alpha 8 on 28 modules")
+    with pytest.raises(ft.CheckpointError) as error:
+        resume(lora=False)
+    assert grpo.one_line(error.value) and "\n" not in str(error.value)
+
+
 @pytest.mark.parametrize(
     "change, message",
     [
