@@ -406,8 +406,9 @@ def no_buffers(model, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
 
 def start_engine(run: "Run", model_path: str, **engine_kwargs) -> None:
     """The rank's vLLM engine (rollout.make_engine) with the run's settings and engine_kwargs (more of vLLM's engine
-    arguments): run.llm and run.engine_dtype (the dtype it holds its weights in). On CPU the proof records what the
-    engine packs (sync.record_cpu_packing) from its first load on."""
+    arguments): run.llm, run.engine_dtype (the dtype it holds its weights in) and run.engine_buffers (the bit sums of
+    its buffers as it loaded them, which sync.check_push holds them to). On CPU the proof records what the engine
+    packs (sync.record_cpu_packing) from its first load on."""
     sampling, cfg = run.cfg["rollout"], run.cfg
     sync.record_cpu_packing()
     run.llm = rollout.make_engine(
@@ -422,7 +423,7 @@ def start_engine(run: "Run", model_path: str, **engine_kwargs) -> None:
         use_tqdm_on_load=cfg["trainer"]["verbose"],
         **engine_kwargs,
     )
-    run.engine_dtype = sync.engine_dtype(run.llm)
+    run.engine_dtype, run.engine_buffers = sync.engine_dtype(run.llm), sync.engine_buffers(run.llm)
 
 
 def sync_gap(run: "Run") -> float:
@@ -774,7 +775,6 @@ def rollout_ranks_run(cfg: dict):
         validate=validate,
         with_bit_sums=sync.with_bit_sums,
         check_push=sync.check_push,
-        engine_buffers=sync.engine_buffers,
         engine_dtype=sync.engine_dtype,
         engine_dtypes=sync.engine_dtypes,
         fit_to_engine=fit_to_engine,
@@ -890,11 +890,10 @@ def setup(cfg: dict, parts: Parts, mode: Mode | None = None) -> Run:
 
 
 def start_proven_engine(run: Run, model_path: str, pushing: bool) -> None:
-    """The rank's engine (run.model.start_engine), its buffers as loaded (sync.check_push holds them there), and the
-    start-up proof that it computes with the trainer's weights (pushing: after a resume the trainer's differ from
-    model.path's, which the engine loaded, so they are pushed first)."""
+    """The rank's engine (run.model.start_engine) and the start-up proof that it computes with the trainer's weights
+    (pushing: after a resume the trainer's differ from model.path's, which the engine loaded, so they are pushed
+    first), its buffers held as it loaded them."""
     run.model.start_engine(run, model_path)
-    run.engine_buffers = sync.engine_buffers(run.llm)
     held = sync.describe_buffers(run.engine_buffers)
     log0(run.rank, f"push proof: every push proven bit for bit; the engine's buffers held as loaded: {held}")
     pushed = push(run, run.policy, send=pushing)

@@ -237,7 +237,7 @@ def by_role(cfg: dict, tools: types.SimpleNamespace):
     the training loop on the trainer ranks (tools.train with this file's Mode: start_engine, next_batch,
     update_weights, validate and stop_vote talk to the rollout ranks), generation on the rollout ranks (serve).
     tools: grpo's functions (train, mode, engine_run, next_groups, groups_to_batch, compute_logprobs, validate,
-    with_bit_sums, check_push, engine_buffers, engine_dtype, engine_dtypes, fit_to_engine, positions, stop_requested,
+    with_bit_sums, check_push, engine_dtype, engine_dtypes, fit_to_engine, positions, stop_requested,
     close); each side's run.model pushes (weights, buffers, push)."""
     state = types.SimpleNamespace(
         link=None,
@@ -489,9 +489,8 @@ def setup_rollout(cfg: dict, parts_, state, stopped: dict):
     engine's dtype to trainer rank 0; the start-up proof; validation at step 0 (as the colocated run)."""
     link, tools = state.link, state.tools
     start = receive(link, 0, ("start",))  # after the trainers fetched the model and data: read here, not fetched twice
-    run = tools.engine_run(cfg, parts_)
+    run = tools.engine_run(cfg, parts_)  # its engine's buffers as loaded: run.engine_buffers
     run.start, run.gen_cursor = start["start"], start["gen_cursor"]
-    run.engine_buffers = tools.engine_buffers(run.llm)
     if link.rank == link.rollouts[0]:
         send(link, 0, "engine", dtype=tools.engine_dtype(run.llm), dtypes=tools.engine_dtypes(run.llm))
     receive_weights(run, state, receive(link, 0, ("tensor", "sums"), version=run.start - 1), stopped)

@@ -199,7 +199,8 @@ def test_the_trainer_loads_what_transformers_loads_and_pushes_the_checkpoints_na
     ft.init_distributed()
     model = load_as_a_run(path, device=torch.device("cpu"))
     # with the trainer's attention (transformers' sdpa drops Gemma 2's attention soft-cap; tests/test_packing.py)
-    reference = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation=ft.VARLEN_ATTENTION)
+    attention = model.get_decoder().config._attn_implementation  # varlen_attention, or a family's (logit_rules)
+    reference = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation=attention)
     reference.eval()
     ids = torch.tensor([[(3 + 11 * i) % 400 for i in range(20)]])
     with torch.no_grad():

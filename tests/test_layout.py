@@ -1,16 +1,19 @@
-"""The layout's rules, enforced: every optional feature is a file of its own that enters the loop only in grpo.py's
-set-up (choose_parts and the functions that build the run) and finish, and can be deleted with its key off; the
-step's parts are a typed record whose defaults are plain GRPO's.
+"""The layout's rules, enforced: every optional feature is a file of its own that enters the loop only through the
+set-up's records (choose_parts, choose_model_parts) and can be deleted with its key off; a feature replaces a whole
+function of the default path or wraps one (a stream), and never adds a parameter, a branch or an attribute to a
+default function.
 
 - Statically (ast): no project module imports a feature file, but grpo.py inside its set-up and finish functions,
-  and a feature file imports only the component it extends; no phase of grpo.py (every other function) names a
+  and a feature file imports only the components it extends; no phase of grpo.py (every other function) names a
   feature module or a feature's key.
-- The parts (ast and import): grpo.py imports no feature through importlib; Parts is a dataclass whose every field
-  defaults to a GRPO function, to None (an optional hook) or to False (a flag); only main builds the parts
-  (choose_parts), and only choose_parts builds a Parts.
+- The records (ast and import): grpo.py imports no feature through importlib; Parts and ModelParts are dataclasses
+  whose every field defaults to plain GRPO's or the plain dense model's function as listed (None: an optional hook;
+  False: a flag); only main builds the step's parts (choose_parts) and only the set-up the model's
+  (choose_model_parts).
+- The default functions (import): each function a default run enters in the mission files takes exactly the
+  parameters DEFAULT_FUNCTIONS lists for it, and no function of the mission files names a feature in a parameter.
 - The components (ast): the code of sync.py, fsdp_train.py, rollout.py, losses.py and reward.py, comments and
-  docstrings aside, names no feature (FEATURE_WORD): LoRA's merge, MoE's expert repacking and routing field reach
-  them as arguments.
+  docstrings aside, names no feature (FEATURE_WORD), and reads no attribute that a feature file sets.
 - By deletion: for each feature file, a copy of the tree without it imports grpo and prints the configuration
   (`grpo.py --config tiny.yaml --print-config`), all in one process (the libraries imported once).
 """

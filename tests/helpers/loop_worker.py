@@ -242,7 +242,7 @@ def rank_rows(cfg: dict, full: dict) -> tuple[list[int], list[int], dict]:
 def local_rows(full: dict, positions: list[int], n: int) -> dict:
     """This rank's rows of the global batch (sample j of the prompt at position p is row p * n + j), with uid: each
     row's prompt, its index among this rank's (as grpo.groups_to_batch numbers them)."""
-    batch = local_rows(full, positions, n)
+    batch = ft.select(full, [p * n + j for p in positions for j in range(n)])
     batch["uid"] = torch.arange(len(positions)).repeat_interleave(n)
     return batch
 
