@@ -97,7 +97,8 @@ def test_a_request_is_read_as_openai_sends_it_and_refused_as_openai_refuses():
     plain = agent.parse_request(body(logit_bias={}, modalities=["text"], parallel_tool_calls=False), MODEL)
     assert (plain["logprobs"], plain["top_logprobs"]) == (False, 0)
     deep = "[" * 100_000 + "]" * 100_000  # tool call arguments nested past Python's recursion limit: kept as sent
-    nested = [*messages[:2], {"role": "assistant", "tool_calls": [{"function": {"name": "f", "arguments": deep}}]}]
+    nested = [*messages[:2], {"role": "assistant",
+                              "tool_calls": [{"id": "c2", "type": "function", "function": {"name": "f", "arguments": deep}}]}]  # fmt: skip
     assert agent.parse_request(body(messages=nested), MODEL)["messages"][2]["tool_calls"][0]["function"] == {
         "name": "f", "arguments": deep
     }  # fmt: skip
@@ -106,8 +107,8 @@ def test_a_request_is_read_as_openai_sends_it_and_refused_as_openai_refuses():
         b"[1, 2]": (400, "invalid_request"),
         body(model="gpt-4o"): (404, "model_not_found"),
         body(n=2): (400, "unsupported"),
-        body(stream=True): (400, "unsupported"),
-        body(tool_choice="required"): (400, "unsupported"),
+        body(tool_choice="required", tools=[tiny.CALCULATOR_SCHEMA]): (400, "unsupported"),
+        body(tool_choice="required"): (400, "invalid"),  # without tools: vLLM's model refuses it
         body(response_format={"type": "json_object"}): (400, "unsupported"),
         body(messages=[]): (400, "invalid_messages"),
         body(messages=[{"role": "robot", "content": "x"}]): (400, "invalid"),
@@ -118,13 +119,14 @@ def test_a_request_is_read_as_openai_sends_it_and_refused_as_openai_refuses():
         body(tools=[{"type": "function", "function": {"description": "no name"}}]): (400, "invalid_tools"),
         body(max_tokens=0): (400, "invalid"),
         b"[" * 100_000 + b"]" * 100_000: (400, "invalid_json"),  # nested past Python's recursion limit
-        body(response_format="json"): (400, "unsupported"),
+        body(response_format="json"): (400, "invalid"),
         body(tools=[1, "calculator"]): (400, "invalid_tools"),
         body(functions=[{"name": "f", "parameters": {}}]): (400, "unsupported"),
         body(logit_bias={"5": -100}): (400, "unsupported"),
         body(modalities=["text", "audio"]): (400, "unsupported"),
         body(top_logprobs=2): (400, "invalid"),  # without logprobs: true
-        body(logprobs="yes"): (400, "invalid"),
+        body(logprobs=[1]): (400, "invalid"),
+        body(top_logprobs=21, logprobs=True): (400, "invalid"),
     }
     for raw, expected in cases.items():
         assert refusal(raw) == expected, raw
@@ -168,14 +170,35 @@ def test_any_request_body_is_read_or_refused_never_raised(odd, fields, data):
         assert set(e.body["error"]) == {"message", "type", "param", "code"} and 400 <= e.status < 500
 
 
+def served(endpoint, requests: list) -> list:
+    """Each (episode id, body) submitted from a thread of its own, as the endpoint's HTTP threads submit them, while
+    this thread serves as the engine's does: their (status, reply) in order."""
+    import threading
+    import time
+
+    results = [None] * len(requests)
+
+    def send(k, episode_id, raw):
+        results[k] = endpoint.submit(episode_id, raw)
+
+    threads = [threading.Thread(target=send, args=(k, *r), daemon=True) for k, r in enumerate(requests)]
+    for thread in threads:
+        thread.start()
+    deadline = time.monotonic() + 60
+    while any(t.is_alive() for t in threads) and time.monotonic() < deadline:
+        endpoint.serve()
+        time.sleep(0.01)
+    return results
+
+
 def test_the_endpoint_answers_what_it_refuses_and_a_late_request_changes_no_outcome(tokenizer):
-    """The engine's thread (Endpoint.serve) takes requests it must refuse without raising: a body nested past
-    Python's recursion limit, tools that are not objects, a request whose planning raises what the code did not
-    foresee (here a TypeError: an episode without a budget); each is an OpenAI error to its caller (400, or 500
-    internal_error), and its episode has failed (refused). A request of an episode that has returned its reward (a
-    thread the agent left running) is refused (episode_over) and changes nothing: the episode keeps its reward,
-    whenever that request arrives. Two answers of an episode that each call the tool give the calls different ids
-    (agents match results by id). (No call reaches the engine: a stand-in that holds only its tokenizer.)"""
+    """The endpoint refuses, without raising on any thread: a body nested past Python's recursion limit, tools that
+    are not objects, a request whose planning raises what the code did not foresee (here a TypeError on the engine's
+    thread: an episode without a budget); each is an OpenAI error to its caller (400, or 500 internal_error), and
+    its episode has failed (refused). A request of an episode that has returned its reward (a thread the agent left
+    running) is refused (episode_over) and changes nothing: the episode keeps its reward, whenever that request
+    arrives. Two answers of an episode that each call the tool give the calls different ids (agents match results
+    by id). (No call reaches the engine: a stand-in that holds only its tokenizer.)"""
     import threading
     import types
 
@@ -187,23 +210,21 @@ def test_the_endpoint_answers_what_it_refuses_and_a_late_request_changes_no_outc
         agent.Episode(k, row, budget=80, seed=None, stride=4, sampling={}) for k in range(4)
     )
     returned.over, returned.reward = True, 1.0  # its worker has answered
-    unforeseen.budget = None  # plan: budget - used raises TypeError
-    endpoint.episodes = {e.id: e for e in (returned, deep, bad_tools, unforeseen)}
+    unforeseen.budget = None  # settle: budget - used raises TypeError
+    endpoint.open([returned, deep, bad_tools, unforeseen])
     bodies = {returned: body(), deep: b"[" * 100_000 + b"]" * 100_000, bad_tools: body(tools=[1]), unforeseen: body()}
-    calls = [{"episode": e.id, "body": raw, "done": threading.Event()} for e, raw in bodies.items()]
-    endpoint.inbox = list(calls)
     try:
-        endpoint.serve()
+        results = served(endpoint, [(e.id, raw) for e, raw in bodies.items()])
     finally:
         endpoint.close()
-    assert [(c["status"], c["answer"]["error"]["code"]) for c in calls] == [
+    assert [(status, reply["error"]["code"]) for status, reply in results] == [
         (400, "episode_over"), (400, "invalid_json"), (400, "invalid_tools"), (500, "internal_error")
     ]  # fmt: skip
-    internal = calls[3]["answer"]["error"]
+    internal = results[3][1]["error"]
     assert internal["type"] == "server_error" and "TypeError" in internal["message"]
     assert returned.error is None and not returned.refused and returned.reward == 1.0
     assert deep.refused and deep.error.startswith("refused (400): the request body is not valid JSON")
-    assert bad_tools.refused and bad_tools.error.startswith("refused (400): tools: a list of")
+    assert bad_tools.refused and bad_tools.error.startswith("refused (400): tools.0: Input should be")
     assert unforeseen.refused and unforeseen.error.startswith("refused (500): the endpoint could not serve the request")
     assert not endpoint.running
     ep = agent.Episode(4, row, budget=80, seed=None, stride=5, sampling={})
@@ -212,34 +233,58 @@ def test_the_endpoint_answers_what_it_refuses_and_a_late_request_changes_no_outc
     messages, ids = list(row["prompt"]), []
     for _ in range(2):
         request = agent.parse_request(body(messages=messages, tools=[tiny.CALCULATOR_SCHEMA]), MODEL)
-        call = {"episode": ep.id, "done": threading.Event()}
-        endpoint._reply(call, ep, request, ep.plan(request, tokenizer, LIMITS), sampled, [-0.5] * len(sampled),
-                        "stop", call_text)  # fmt: skip
-        message = call["answer"]["choices"][0]["message"]
+        call = {"episode": ep, "request": request, "plan": ep.plan(request, tokenizer, LIMITS)}
+        ep.settle(call["plan"], request, LIMITS)
+        call["done"] = threading.Event()
+        endpoint._finish(call, sampled, [-0.5] * len(sampled), "stop", call_text)
+        message = endpoint._reply(call)["choices"][0]["message"]
         ids += [c["id"] for c in message["tool_calls"]]
         messages += [message, {"role": "tool", "tool_call_id": ids[-1], "content": "5"}]
     assert len(ep.samples) == 1 and len(ep.samples[0].calls) == 2 and len(set(ids)) == 2
 
 
-def test_a_workers_line_is_an_answer_only_when_it_is_its_episodes():
-    """A worker's line is its running episode's answer ({"episode": its id, "reward": a float} or "error": text), or
-    None: another episode's, none running, not JSON (nested past Python's recursion limit too: never an exception in
-    the rank's loop), a reward that is not a number."""
-    row = {"prompt": [{"role": "user", "content": "2 + 3?"}]}
-    running, other = (agent.Episode(k, row, budget=8, seed=None, stride=2, sampling={}) for k in range(2))
-    assert agent._answer(json.dumps({"episode": running.id, "reward": 0.5}), running) == {
-        "episode": running.id, "reward": 0.5
+def test_the_request_at_the_flood_limit_is_served_and_the_next_refused(tokenizer):
+    """rollout.agent.max_requests = 3: an episode's 3rd request is answered (here "length", unsampled: no budget
+    left, so no engine is needed) and the episode keeps its outcome; its 4th is refused (429 too_many_requests) and
+    the episode has failed (flooded, refused); a request after that is episode_over."""
+    import types
+
+    engine = types.SimpleNamespace(get_tokenizer=lambda: tokenizer)
+    endpoint = agent.Endpoint(engine, model=MODEL, port=0, max_prompt_length=128, max_model_len=208,
+                              max_requests=3, template_kwargs=None)  # fmt: skip
+    episode = agent.Episode(0, {"prompt": [{"role": "user", "content": "2 + 3?"}]}, budget=0, seed=None, stride=1,
+                            sampling={})  # fmt: skip
+    endpoint.open([episode])
+    try:
+        answers = [served(endpoint, [(episode.id, body())])[0] for _ in range(3)]
+        assert [status for status, _ in answers] == [200] * 3 and episode.error is None
+        assert all(reply["choices"][0]["finish_reason"] == "length" for _, reply in answers)
+        flooded, after = (served(endpoint, [(episode.id, body())])[0] for _ in range(2))
+    finally:
+        endpoint.close()
+    assert flooded[0] == 429 and flooded[1]["error"]["code"] == "too_many_requests"
+    assert episode.refused and episode.error == "flooded: more than 3 requests (rollout.agent.max_requests)"
+    assert after[0] == 400 and after[1]["error"]["code"] == "episode_over"
+    assert episode.requests == 4 and episode.calls == 3
+
+
+def test_a_workers_line_is_an_answer_only_when_it_names_its_job():
+    """A worker's line is an answer ({"id": an integer, with the keys asked for}) or None: not JSON, nested past
+    Python's recursion limit (never an exception in the rank's loop), a list, an id that is not an integer, a key
+    missing. Which job it answers is the pool's to check (its id)."""
+    keys = {"id", "reward", "error"}
+    assert multi_turn._answer(json.dumps({"id": 3, "reward": 0.5, "error": None}), keys) == {
+        "id": 3, "reward": 0.5, "error": None
     }  # fmt: skip
-    assert agent._answer(json.dumps({"episode": running.id, "error": "raised"}), running)["error"] == "raised"
     not_answers = [
-        json.dumps({"episode": other.id, "reward": 0.5}),
-        json.dumps({"episode": running.id, "reward": "1"}),
+        json.dumps({"id": "3", "reward": 0.5, "error": None}),
+        json.dumps({"id": 3, "reward": 0.5}),
+        json.dumps([3, 0.5]),
         "not json",
         "[" * 100_000 + "]" * 100_000,
-        '{"episode": ' * 100_000,
+        '{"id": ' * 100_000,
     ]
-    assert [agent._answer(line, running) for line in not_answers] == [None] * len(not_answers)
-    assert agent._answer(json.dumps({"episode": running.id, "reward": 0.5}), None) is None
+    assert [multi_turn._answer(line, keys) for line in not_answers] == [None] * len(not_answers)
 
 
 def test_hermes_calls_become_tool_calls_as_vllms_parser_makes_them():
@@ -281,12 +326,21 @@ def test_the_ids_between_two_calls_are_the_templates_and_multi_turns(tokenizer):
     assert tokenizer.decode(user) == "\n<|im_start|>user\nSure?<|im_end|>\n<|im_start|>assistant\n"
 
 
-LIMITS = {"max_prompt_length": 128, "max_model_len": 128 + 80, "max_requests": 64, "template_kwargs": None}
+LIMITS = {
+    "max_prompt_length": 128,
+    "max_model_len": 128 + 80,
+    "max_requests": 64,
+    "template_kwargs": None,
+    "longest": 1000,
+}  # fmt: skip  (longest: a bound on a token's characters, past the tiny tokenizer's)
 
 
 def answered(ep: agent.Episode, request: dict, tokenizer, sampled: list[int]) -> tuple[dict, dict]:
-    """Plan and record one call of ep as the endpoint does, the model having sampled `sampled` (ending with eos)."""
+    """Plan, settle and record one call of ep as the endpoint does, the model having sampled `sampled` (ending with
+    eos)."""
     plan = ep.plan(request, tokenizer, LIMITS)
+    ep.settle(plan, request, LIMITS)
+    ep.release(plan)
     text = tokenizer.decode(sampled[:-1])
     answer = agent.assistant_message(text, "stop", request["parse_tools"], tokenizer.all_special_tokens)
     ep.record(request, plan, sampled, [-0.5] * len(sampled), answer)
@@ -327,7 +381,8 @@ def test_a_call_that_extends_its_history_continues_the_sample_and_one_that_rewri
     said = [*history, second_answer["message"]]  # what the endpoint wrote so far
     plan = ep.plan(agent.parse_request(body(messages=[*said, follow_up], tools=schemas), MODEL), tokenizer, LIMITS)
     assert plan["sample"] is sample and tokenizer.decode(plan["appended"]).startswith("\n<|im_start|>user\nSure?")
-    other_call = {"type": "function", "function": {"name": "calculator", "arguments": '{"expression": "6*7"}'}}
+    other_call = {"id": "call_9", "type": "function",
+                  "function": {"name": "calculator", "arguments": '{"expression": "6*7"}'}}  # fmt: skip
     rewrites = {
         "an answer's content": [*history, {**second_answer["message"], "content": "Let me see."}, follow_up],
         "an earlier answer's call": [*user, {**answer["message"], "tool_calls": [other_call]}, *said[2:], follow_up],
@@ -355,6 +410,7 @@ def test_a_call_that_extends_its_history_continues_the_sample_and_one_that_rewri
     long_answer = {"role": "tool", "tool_call_id": "call_0", "content": "1234567890" * 20}  # more than the budget left
     fourth = agent.parse_request(body(messages=[*rewritten, reply["message"], long_answer], tools=schemas), MODEL)
     plan = ep.plan(fourth, tokenizer, LIMITS)
+    ep.settle(plan, fourth, LIMITS)
     assert plan["sample"] is ep.samples[1] and len(plan["appended"]) == 80 - ep.used and plan["max_tokens"] == 0
 
 
@@ -426,21 +482,27 @@ import agent
 signal.signal(signal.SIGTERM, lambda *_: print("stop requested", file=sys.stderr))  # as cluster.py's handler
 
 
-class NoCalls:  # the episodes call no endpoint: what EpisodeWorkers.run reads of one
+class NoCalls:  # the episodes call no endpoint: what agent.run_episodes reads of one
     running = {}
 
     def __init__(self):
         self.wake_read, self.wake_write = os.pipe()
 
-    def serve(self):
+    def url(self, episode):
+        return "http://127.0.0.1:9/v1"
+
+    def open(self, episodes):
         pass
 
+    serve = step = close_episodes = lambda self: None
 
-workers = agent.EpisodeWorkers(sys.argv[1], "episode", workers=2, timeout=30.0)
+
+settings = {"path": sys.argv[1], "name": "episode", "command": None, "num_workers": 2, "timeout": 30.0}
+workers = agent.episode_workers(settings)
 rows = [{"case": "forks"}, {"case": "signalled", "reward": 1.0}, {"case": "plain", "reward": 0.25},
         {"case": "plain", "reward": 0.125}, {"case": "plain", "reward": 2.0}]
 episodes = [agent.Episode(k, row, budget=1, seed=None, stride=1, sampling={}) for k, row in enumerate(rows)]
-workers.run([(e, "http://127.0.0.1:9/v1") for e in episodes], NoCalls())
+agent.run_episodes(NoCalls(), episodes, workers)
 print(json.dumps([[e.reward, e.error] for e in episodes]))
 workers.close()
 """
