@@ -1,5 +1,7 @@
 """An agent written with the openai client: GSM8K with a calculator tool, trained by flatgrpo (agent.py).
 python grpo.py --config recipes/tiny_calculator_agent.yaml      (tiny.py's tiny_tools model, on a CPU)
+... rollout.agent.name=episode_streamed                         (every call streamed: the same samples)
+... rollout.agent.command="python examples/gsm8k_calculator_agent.py"     (the same agent run as a command)
 
 It offers the model the calculator (tools=), runs each call itself and sends back the answer as a tool message, for
 up to three turns of the model, then scores the last answer with veRL's GSM8K rule. It does what rollout.multi_turn
@@ -9,9 +11,12 @@ with it, as multi_turn answers it, where a plain agent would just stop.
 """
 
 import json
+import os
+import sys
 
-from multi_turn import calculator, parse_tool_calls, truncate  # flatgrpo's safe evaluator, Hermes parser and cut
-from reward import compute_score  # veRL's GSM8K rule
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # flatgrpo's files, run as a command
+from multi_turn import calculator, parse_tool_calls, truncate  # noqa: E402  (the safe evaluator, Hermes parser, cut)
+from reward import compute_score  # noqa: E402  (veRL's GSM8K rule)
 
 CALCULATOR = {  # the schema transformers.utils.get_json_schema writes for multi_turn.calculator
     "type": "function",
@@ -29,13 +34,13 @@ CALCULATOR = {  # the schema transformers.utils.get_json_schema writes for multi
 MAX_TURNS = 3
 
 
-def episode(client, row) -> float:
+def episode(client, row, stream: bool = False) -> float:
     """One GSM8K question: the model may call the calculator, reads its answer, writes again; the reward is the
     GSM8K score (1 for the right number after "#### ") of its last answer."""
     model = client.models.list().data[0].id
     messages, text = list(row["prompt"]), ""
     for _ in range(MAX_TURNS):
-        reply = client.chat.completions.create(model=model, messages=messages, tools=[CALCULATOR])
+        reply = ask(client, stream, model=model, messages=messages, tools=[CALCULATOR])
         choice = reply.choices[0]
         message = choice.message
         messages.append(message.model_dump(exclude_none=True))
@@ -54,6 +59,20 @@ def episode(client, row) -> float:
     return compute_score(text, row["ground_truth"])
 
 
+def episode_streamed(client, row) -> float:
+    """The same episode with every call streamed (stream: true): the same samples, the same reward."""
+    return episode(client, row, stream=True)
+
+
+def ask(client, stream: bool, **request):
+    """One chat completion: as one reply, or streamed and put together by the openai client's stream helper (the
+    usage in the stream's last chunk)."""
+    if not stream:
+        return client.chat.completions.create(**request)
+    with client.chat.completions.stream(**request, stream_options={"include_usage": True}) as chunks:
+        return chunks.get_final_completion()
+
+
 def run(name: str, arguments: dict) -> str:
     """The tool's answer, worded as multi_turn's ToolPool words it (256 characters at most, cut in the middle)."""
     if name != "calculator":
@@ -62,3 +81,9 @@ def run(name: str, arguments: dict) -> str:
         return truncate(calculator(**arguments), 256, "middle")
     except Exception as e:
         return f"Error executing tool 'calculator': {e}"
+
+
+if __name__ == "__main__":  # as a command: the row on stdin, OPENAI_BASE_URL set; the reward printed
+    import openai
+
+    print(episode(openai.OpenAI(max_retries=0), json.loads(sys.stdin.readline())))

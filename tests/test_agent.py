@@ -460,9 +460,22 @@ def test_bad_agent_settings_stop_in_one_line(tools_build, tmp_path):  # noqa: F8
     assert not os.path.exists(tmp_path / "never" / "metrics.jsonl")
 
 
-FORKS = """import os, time
+FORKS = """import os, sys, threading, time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def _answers():  # the worker's own answer stream (serve_episodes' local): a line there is a line of the worker
+    frame = sys._getframe(1)
+    while "answers" not in frame.f_locals:
+        frame = frame.f_back
+    return frame.f_locals["answers"]
+
+
+def _write(stream, line, wait):
+    time.sleep(wait)
+    stream.write(line)
+    stream.flush()
 
 
 def episode(client, row):
@@ -474,9 +487,16 @@ def episode(client, row):
     if row["case"] == "signalled":
         open(os.path.join(HERE, "sleeping"), "w").close()
         time.sleep(2.0)  # the rank's process group gets SIGTERM meanwhile
+    if row["case"] == "line_first":  # a line that is no answer, then its answer
+        _write(_answers(), "not an answer\\n", 0.0)
+    if row["case"] == "second_line":  # its answer, then a second line (a thread writes it 0.3 s later)
+        threading.Thread(target=_write, args=(_answers(), '{"not": "an answer"}\\n', 0.3)).start()
+    if row["case"] == "answer_and_line":  # its answer and a second line in one write (then the worker's answer)
+        job = sys._getframe(2).f_locals["job"]["id"]
+        _write(_answers(), '{"id": %d, "reward": 0.875, "error": null}\\nmore\\n' % job, 0.0)
     return row["reward"]
 """
-RANK = """import json, os, signal, sys
+RANK = """import json, os, signal, sys, time
 import agent
 
 signal.signal(signal.SIGTERM, lambda *_: print("stop requested", file=sys.stderr))  # as cluster.py's handler
@@ -499,11 +519,15 @@ class NoCalls:  # the episodes call no endpoint: what agent.run_episodes reads o
 
 settings = {"path": sys.argv[1], "name": "episode", "command": None, "num_workers": 2, "timeout": 30.0}
 workers = agent.episode_workers(settings)
-rows = [{"case": "forks"}, {"case": "signalled", "reward": 1.0}, {"case": "plain", "reward": 0.25},
+first = [agent.Episode(0, {"case": "second_line", "reward": 0.625}, budget=1, seed=None, stride=1, sampling={})]
+agent.run_episodes(NoCalls(), first, workers)
+time.sleep(1.0)  # its second line is written meanwhile, after its answer: read when its worker runs again
+rows = [{"case": "forks"}, {"case": "signalled", "reward": 1.0}, {"case": "line_first", "reward": 0.375},
+        {"case": "answer_and_line", "reward": 0.875}, {"case": "plain", "reward": 0.25},
         {"case": "plain", "reward": 0.125}, {"case": "plain", "reward": 2.0}]
 episodes = [agent.Episode(k, row, budget=1, seed=None, stride=1, sampling={}) for k, row in enumerate(rows)]
 agent.run_episodes(NoCalls(), episodes, workers)
-print(json.dumps([[e.reward, e.error] for e in episodes]))
+print(json.dumps([[e.reward, e.error, e.dropped] for e in first + episodes]))
 workers.close()
 """
 
@@ -512,7 +536,9 @@ def test_episode_workers_answer_by_id_and_outlive_the_ranks_stop_signal(tmp_path
     """Episode workers as a rank runs them (tests: no engine, no call): an episode that forks, the child returning
     from it too, gets its own reward (0.5, the worker's), never the child's, and the run goes on; a SIGTERM to the
     rank's process group (torchrun forwards its own signals so) mid-episode stops nothing: the rank decides, and the
-    episode in flight gives its reward; every later episode gets its own answer."""
+    episode in flight gives its reward; a worker that writes a line that is no answer before its answer, or a second
+    line after it (in the read of its answer, or later), keeps its episode's answer, and each line is counted
+    (dropped); every later episode gets its own answer."""
     import signal
     import subprocess
     import sys
@@ -541,7 +567,10 @@ def test_episode_workers_answer_by_id_and_outlive_the_ranks_stop_signal(tmp_path
         except ProcessLookupError:  # all ended
             pass
     assert rank.returncode == 0, err
-    assert json.loads(out) == [[0.5, None], [1.0, None], [0.25, None], [0.125, None], [2.0, None]]
+    answers = json.loads(out)
+    assert [a[:2] for a in answers] == [[r, None] for r in (0.625, 0.5, 1.0, 0.375, 0.875, 0.25, 0.125, 2.0)]
+    assert answers[1][2] == 1  # the line written after the first answer: read (and dropped) before the next job
+    assert answers[3][2] == 1 and answers[4][2] >= 1  # a line before its answer; a second line in its answer's read
     assert "stop requested" in err
 
 
