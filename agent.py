@@ -575,6 +575,7 @@ class Endpoint:
         the ChatCompletionStreamResponse chunks OpenAI streams: the role (and the log-probs asked for), the content in
         pieces, each tool call whole, the finish reason, the usage (stream_options.include_usage). Both say what was
         recorded, and carry model_version: the policy version that sampled it."""
+        from vllm.entrypoints.generate.base.protocol import DeltaToolCall
         from vllm.entrypoints.openai.chat_completion import protocol as api
 
         request, answer, episode = call["request"], call["answer"], call["episode"]
@@ -595,7 +596,7 @@ class Endpoint:
             return api.ChatCompletionResponse(**head, choices=[choice], usage=usage).model_dump(exclude_none=True)
         deltas = [api.DeltaMessage(role="assistant", content="")]
         deltas += [api.DeltaMessage(content=piece) for piece in re.findall(r"\s*\S+|\s+", message["content"] or "")]
-        deltas += [api.DeltaMessage(tool_calls=[api.DeltaToolCall(index=i, id=c.id, type="function",
+        deltas += [api.DeltaMessage(tool_calls=[DeltaToolCall(index=i, id=c.id, type="function",
                                                                   function=c.function.model_dump())])
                    for i, c in enumerate(calls)]  # fmt: skip
         choices = [api.ChatCompletionResponseStreamChoice(index=0, delta=delta, logprobs=None) for delta in deltas]

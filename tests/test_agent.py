@@ -16,6 +16,7 @@ import json
 import os
 import re
 import socket
+import sys
 
 import pytest
 import torch
@@ -26,9 +27,11 @@ from test_multi_turn import tools_build  # noqa: F401  (the tiny_tools build, a 
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import agent
+import data
 import fp32_noise
 import fsdp_train
 import multi_turn
+import reward
 import tiny
 from conftest import ROOT, cli_calls, run_python
 from grpo_runs import comparable, error_line_of_call, read_metrics, run_grpo
@@ -37,12 +40,19 @@ RUN = [  # the recipe (recipes/tiny_calculator_agent.yaml) on grpo_runs' SMALL r
     "model.path=tiny_tools",
     "data.max_response_length=96",
     "rollout.n=4",
-    "trainer.total_steps=2",
+    "trainer.total_steps=3",
     "data.val_max_samples=8",
     "trainer.export_hf=false",
     "rollout.agent.num_workers=4",
     "rollout.agent.timeout=20",
     "rollout.agent.max_requests=8",
+]
+STALE = [  # rollout ranks: 2 trainer ranks and 1 rollout rank, a batch sampled one step ahead (its own 8 workers)
+    "rollout.n_gpus_per_node=1",
+    "async_training.staleness_threshold=1",
+    "algorithm.rollout_correction.rollout_is=token",
+    "trainer.val_every=0",
+    "rollout.agent.num_workers=8",
 ]
 MODEL = "tiny_tools"
 
@@ -577,7 +587,7 @@ def test_episode_workers_answer_by_id_and_outlive_the_ranks_stop_signal(tmp_path
 # ------------------------------------------------------------------------------------ one engine, one run
 HOSTILE = '''"""An agent that misbehaves: the first training episodes to start (a counter in a file next to this one,
 shared by both ranks' workers) each do one hostile thing, log what they saw (seen.jsonl) and return 1.0 where they
-survive; every other episode is examples/gsm8k_calculator_agent.py's."""
+survive; every other episode is examples/gsm8k_calculator_agent.py's, every call streamed (logged.py)."""
 import fcntl
 import json
 import os
@@ -589,10 +599,12 @@ import urllib.request
 import openai
 
 sys.path.insert(0, os.path.join(ROOT, "examples"))
-from gsm8k_calculator_agent import CALCULATOR, episode as calculator_episode  # noqa: E402
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from gsm8k_calculator_agent import CALCULATOR  # noqa: E402
+from logged import episode_streamed as calculator_episode  # noqa: E402
 
-CASES = ["raises", "hangs", "exits", "floods", "unknown_model", "n2", "stream", "huge", "malformed_json",
-         "bad_tools", "rewrites", "no_number"]
+CASES = ["raises", "hangs", "exits", "floods", "unknown_model", "n2", "huge", "malformed_json", "bad_tools",
+         "rewrites", "no_number", "answer_and_line"]
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
@@ -651,8 +663,14 @@ def episode(client, row):
         return _refused(case, lambda: client.chat.completions.create(**{**first, "model": "no-such-model"}))
     if case == "n2":
         return _refused(case, lambda: client.chat.completions.create(**first, n=2))
-    if case == "stream":
-        return _refused(case, lambda: client.chat.completions.create(**first, stream=True))
+    if case == "answer_and_line":  # on its worker's answer stream: its answer and a second line, in one write
+        frame = sys._getframe(1)
+        while "answers" not in frame.f_locals:  # serve_episodes' own stream
+            frame = frame.f_back
+        job = frame.f_locals["job"]["id"]
+        frame.f_locals["answers"].write('{"id": %d, "reward": 1.0, "error": null}\\nmore\\n' % job)
+        frame.f_locals["answers"].flush()
+        return 1.0
     if case == "huge":
         huge = [{"role": "user", "content": "7 + " * 30000 + "7"}]
         return _refused(case, lambda: client.chat.completions.create(**{**first, "messages": huge}))
@@ -678,7 +696,6 @@ def episode(client, row):
 SEEN = {  # case -> (the exception the agent caught, its status, the error's code); None: nothing to catch
     "unknown_model": ("NotFoundError", 404, "model_not_found"),
     "n2": ("BadRequestError", 400, "unsupported"),
-    "stream": ("BadRequestError", 400, "unsupported"),
     "huge": ("BadRequestError", 400, "context_length_exceeded"),
     "malformed_json": ("HTTPError", 400, "invalid_json"),
     "bad_tools": ("BadRequestError", 400, "template_error"),
@@ -691,7 +708,6 @@ REASONS = {  # case -> how its episode's failure reads in the dump (agent_error)
     "floods": r"flooded: more than 8 requests \(rollout\.agent\.max_requests\)",
     "unknown_model": r"refused \(404\): The model `no-such-model` does not exist",
     "n2": r"refused \(400\): n = 2",
-    "stream": r"refused \(400\): streaming is not supported",
     "huge": r"refused \(400\): This model's maximum context length is 224 tokens",
     "malformed_json": r"refused \(400\): the request body is not valid JSON",
     "bad_tools": r"refused \(400\): the chat template cannot render the request: .*description",
@@ -762,26 +778,203 @@ def episode(client, row):
 '''
 
 
+LOGGED = '''"""examples/gsm8k_calculator_agent.py with every reply logged (replies.jsonl: each call's episode and
+number, from the reply's id; its content, tool calls, finish reason, completion tokens, model_version; the row's
+split), as one reply (`episode`) or streamed (`episode_streamed`): by turns through the openai client's two
+streaming APIs, create(stream=True) read chunk by chunk here and the stream helper (the example's own)."""
+import fcntl
+import json
+import os
+import sys
+
+from openai.types.chat import ChatCompletion
+
+sys.path.insert(0, os.path.join(ROOT, "examples"))
+import gsm8k_calculator_agent as example  # noqa: E402
+
+LOG = os.path.join(os.path.dirname(os.path.abspath(__file__)), "replies.jsonl")
+helper, state = example.ask, {"turn": 0, "where": ""}
+
+
+def by_chunks(client, **request):
+    """create(stream=True), read chunk by chunk: the deltas put together as a ChatCompletion."""
+    content, calls, finish, usage, head = "", {}, None, None, None
+    for chunk in client.chat.completions.create(**request, stream=True, stream_options={"include_usage": True}):
+        head = head or chunk
+        for choice in chunk.choices:
+            content += choice.delta.content or ""
+            for call in choice.delta.tool_calls or []:
+                slot = calls.setdefault(call.index, {"id": call.id, "type": "function",
+                                                     "function": {"name": "", "arguments": ""}})
+                slot["function"]["name"] += call.function.name or ""
+                slot["function"]["arguments"] += call.function.arguments or ""
+            finish = choice.finish_reason or finish
+        usage = chunk.usage or usage
+    message = {"role": "assistant", "content": (content or None) if calls else content,
+               "tool_calls": list(calls.values()) or None}
+    return ChatCompletion.model_validate({**head.model_dump(), "object": "chat.completion", "usage": usage.model_dump(),
+                                          "choices": [{"index": 0, "message": message, "finish_reason": finish}]})
+
+
+def ask(client, stream, **request):
+    state["turn"] += 1
+    reply = by_chunks(client, **request) if stream and state["turn"] % 2 else helper(client, stream, **request)
+    _, k, _, call = reply.id.split("-")
+    message = reply.choices[0].message
+    seen = {"k": int(k), "call": int(call), "content": message.content, "finish": reply.choices[0].finish_reason,
+            "calls": [[c.id, c.function.name, c.function.arguments] for c in message.tool_calls or []],
+            "tokens": reply.usage.completion_tokens, "model_version": (reply.model_extra or {}).get("model_version"),
+            "api": "chunks" if stream and state["turn"] % 2 else "helper" if stream else "create", "where": state["where"]}
+    with open(LOG, "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        f.write(json.dumps(seen) + "\\n")
+    return reply
+
+
+example.ask = ask
+
+
+def episode(client, row, stream=False):
+    state["where"] = "train" if "train" in row["where"] else "test"
+    return example.episode(client, row, stream)
+
+
+def episode_streamed(client, row):
+    return episode(client, row, stream=True)
+'''
+LATENCY = '''"""Four episodes of one prompt (a counter in a file): the first calls on and on (max_tokens 2), timing each
+call, until the others are done; each of the others, once the first has made three calls, sends one hostile request
+and times its answer: a 5 MB message, a 30 MB body, a body nested 100,000 deep. What they saw: latency.jsonl."""
+import fcntl
+import json
+import os
+import time
+import urllib.error
+import urllib.request
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROLES = ["probe", "message", "body", "nested"]
+
+
+def _count(name, add=False):
+    with open(os.path.join(HERE, name), "a+") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        f.seek(0)
+        k = len(f.read())
+        if add:
+            f.write(".")
+    return k
+
+
+def _log(**seen):
+    with open(os.path.join(HERE, "latency.jsonl"), "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        f.write(json.dumps(seen) + "\\n")
+
+
+def episode(client, row):
+    role = ROLES[_count("roles", add=True)]
+    model = client.models.list().data[0].id
+    if role == "probe":
+        calls, end = [], time.monotonic() + 60
+        while _count("done") < 3 and time.monotonic() < end and len(calls) < 60:
+            start = time.monotonic()
+            client.chat.completions.create(model=model, messages=row["prompt"], max_tokens=2)
+            calls.append([start, time.monotonic() - start])
+            if len(calls) == 3:
+                _count("probing", add=True)
+        _log(role=role, calls=calls)
+        return 1.0
+    while not _count("probing"):
+        time.sleep(0.01)
+    if role == "message":
+        data = json.dumps({"model": model, "messages": [{"role": "user", "content": "7 + " * 1_250_000}]}).encode()
+    elif role == "body":
+        data = json.dumps({"model": model, "messages": [{"role": "user", "content": "x" * 30_000_000}]}).encode()
+    else:
+        data = b'{"model": "%s", "messages": ' % model.encode() + b"[" * 100_000 + b"]" * 100_000 + b"}"
+    request = urllib.request.Request(str(client.base_url) + "chat/completions", data=data,
+                                     headers={"Content-Type": "application/json"})
+    start = time.monotonic()
+    try:
+        urllib.request.urlopen(request)
+        status, code = 200, None
+    except urllib.error.HTTPError as e:
+        status, code = e.code, json.loads(e.read())["error"]["code"]
+    _log(role=role, start=start, seconds=time.monotonic() - start, status=status, code=code, size=len(data))
+    _count("done", add=True)
+    return 1.0
+'''
+COMMANDS = '''"""rollout.agent.command of tests/helpers/agent_worker.py's "commands" (python commands.py): the first four
+episodes (a counter in a file) exit non-zero, hang (with a child; their pids in hung.pids), print garbage, print a
+reward; every later one runs examples/gsm8k_calculator_agent.sh (sh, curl and jq)."""
+import fcntl
+import os
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+with open(os.path.join(HERE, "commands.count"), "a+") as f:
+    fcntl.flock(f, fcntl.LOCK_EX)
+    f.seek(0)
+    k = len(f.read())
+    f.write(".")
+if k == 0:
+    sys.exit("broken on purpose")  # status 1, the message on stderr
+if k == 1:
+    child = os.fork() or os.execvp("sleep", ["sleep", "300"])
+    with open(os.path.join(HERE, "hung.pids"), "w") as f:
+        f.write(f"{os.getpid()} {child}")
+    time.sleep(300)
+if k == 2:
+    print("garbage \\x01\\n#### 5")
+elif k == 3:
+    print(0.25)
+else:
+    os.execvp("sh", ["sh", os.path.join(ROOT, "examples", "gsm8k_calculator_agent.sh")])
+'''
+DISPATCH = '''"""rollout.agent.command of the rollout-ranks run (python dispatch.py): the first 32 episodes (batch 1: both
+trainer ranks' 16) run examples/gsm8k_calculator_agent.py as a command (python, the openai client), every later one
+examples/gsm8k_calculator_agent.sh (sh, curl and jq)."""
+import fcntl
+import os
+import sys
+
+with open(os.path.join(os.path.dirname(os.path.abspath(__file__)), "dispatched"), "a+") as f:
+    fcntl.flock(f, fcntl.LOCK_EX)
+    f.seek(0)
+    k = len(f.read())
+    f.write(".")
+if k < 32:
+    os.execv(sys.executable, [sys.executable, os.path.join(ROOT, "examples", "gsm8k_calculator_agent.py")])
+os.execvp("sh", ["sh", os.path.join(ROOT, "examples", "gsm8k_calculator_agent.sh")])
+'''
+
+
 @pytest.fixture(scope="module")
 def agent_run(tools_build, tmp_path_factory):  # noqa: F811
-    """The 2-rank run with HOSTILE's agent (a 20 s limit per episode, 8 requests, 4 workers per rank), dumped; its
-    replay at 1 rank; step 1 of the example agent with rollout ranks (2 trainers, 1 rollout rank), dumped; then
-    tests/helpers/agent_worker.py (one engine, the example agent against multi_turn)."""
+    """The 2-rank run with HOSTILE's agent (a 20 s limit per episode, 8 requests, 4 workers per rank; every other
+    episode streams every call), 3 steps, dumped; its replay at 1 rank; the command agents of DISPATCH with rollout
+    ranks (2 trainer ranks, 1 rollout rank, staleness 1, 3 steps), dumped; then tests/helpers/agent_worker.py (one
+    engine). Each in a directory of its own: run, replay, rollout_ranks; the agents' files and logs in run_agents,
+    rr_agents, engine_agents."""
     root = tmp_path_factory.mktemp("agent-run")
-    agents = root / "agents"
-    agents.mkdir()
-    (agents / "hostile.py").write_text(HOSTILE.replace("ROOT", repr(ROOT)))
-    (agents / "shapes.py").write_text(SHAPES.replace("ROOT", repr(ROOT)))
-    run_grpo(
-        root / "run", 2, *RUN, f"rollout.agent.path={agents / 'hostile.py'}", f"trainer.dump_batches={root / 'dump'}"
-    )
-    run_grpo(root / "replay", 1, *RUN, f"rollout.agent.path={agents / 'hostile.py'}",
-             f"trainer.replay_batches={root / 'dump'}")  # fmt: skip
-    example = os.path.join(ROOT, "examples", "gsm8k_calculator_agent.py")
-    one_step = ["trainer.total_steps=1", "trainer.val_every=0", f"trainer.dump_batches={root / 'rr_dump'}"]
-    run_grpo(root / "rollout_ranks", 3, *RUN, f"rollout.agent.path={example}", "rollout.n_gpus_per_node=1", *one_step)
+    files = {"hostile.py": HOSTILE, "shapes.py": SHAPES, "logged.py": LOGGED, "latency.py": LATENCY,
+             "commands.py": COMMANDS, "dispatch.py": DISPATCH}  # fmt: skip
+    for agents in ("run_agents", "rr_agents", "engine_agents"):
+        (root / agents).mkdir()
+        for name, text in files.items():
+            (root / agents / name).write_text(text.replace("ROOT", repr(ROOT)))
+    hostile = f"rollout.agent.path={root / 'run_agents' / 'hostile.py'}"
+    run_grpo(root / "run", 2, *RUN, hostile, f"trainer.dump_batches={root / 'dump'}")
+    run_grpo(root / "replay", 1, *RUN, hostile, f"trainer.replay_batches={root / 'dump'}")
+    command = f"rollout.agent.command={sys.executable} {root / 'rr_agents' / 'dispatch.py'}"
+    run_grpo(root / "rollout_ranks", 3, *RUN, command, *STALE, f"trainer.dump_batches={root / 'rr_dump'}")
     run_python(
-        "tests/helpers/agent_worker.py", os.path.dirname(tools_build["model"]), str(agents), str(root / "engine.json")
+        "tests/helpers/agent_worker.py",
+        os.path.dirname(tools_build["model"]),
+        str(root / "engine_agents"),
+        str(root / "engine.json"),
     )
     with open(root / "engine.json") as f:
         engine = json.load(f)
@@ -854,7 +1047,7 @@ def test_a_two_rank_agent_run_samples_what_multi_turn_samples(agent_run, tools_b
     b = torch.load(root / "dump" / "step_1.pt")
     dumped, expected = [], []
     for i, episode in enumerate(b["episode"].tolist()):
-        if b["agent_error"][i] or (b["episode"] == episode).sum() > 1:
+        if b["agent_error"][i] or (b["episode"] == episode).sum() > 1 or not b["num_calls"][i]:
             continue  # a hostile episode
         dumped.append(as_row(b, i))
         expected.append(engine["two_ranks"][str(episode // 4)][episode % 4])
@@ -881,7 +1074,7 @@ def test_vllms_log_probs_are_the_trainers_on_every_agent_token(agent_run, tools_
     included) within SYNC, and the trainer's log-probs are transformers' plain forward within fp32 noise."""
     root, logged, _, _ = agent_run
     steps = [r for r in logged if "training/global_step" in r]
-    assert [r["training/global_step"] for r in steps] == [1, 2]
+    assert [r["training/global_step"] for r in steps] == [1, 2, 3]
     assert all(r["rollout/logprob_diff_max"] <= SYNC and r["timing_s/old_log_prob"] > 0 for r in steps)
     b = torch.load(root / "dump" / "step_1.pt")
     mask = b["response_mask"]
@@ -897,8 +1090,8 @@ def test_each_dumped_sample_is_the_concatenation_of_its_calls(agent_run):
     """Every dumped row, both steps: its tokens are its last call's prompt and sampled ids; each call's prompt is the
     row up to that call; the loss mask is 1 exactly on the sampled ids and vLLM's log-probs are theirs (0 elsewhere)."""
     root, _, _, _ = agent_run
-    for step in (1, 2):
-        b = torch.load(root / "dump" / f"step_{step}.pt")
+    for dump, step in [(dump, step) for dump in ("dump", "rr_dump") for step in (1, 2, 3)]:
+        b = torch.load(root / dump / f"step_{step}.pt")
         for i, calls in enumerate(b["agent_calls"]):
             row = as_row(b, i)
             tokens = row["prompt_ids"] + row["response_ids"]
@@ -918,13 +1111,13 @@ def test_each_dumped_sample_is_the_concatenation_of_its_calls(agent_run):
 
 def test_every_hostile_episode_ends_with_reward_zero_is_counted_and_the_run_goes_on(agent_run):
     """One of each in step 1: an episode that raises, hangs past the limit, exits its process, floods, returns no
-    number, and requests for an unknown model, for n = 2, for streaming, with a huge message, with malformed JSON and
-    with tools the template cannot render. Each refused request got its OpenAI error (the openai client raised it);
+    number, and requests for an unknown model, for n = 2, with a huge message, with malformed JSON and with tools the
+    template cannot render; and one whose worker writes its answer and a second line (kept, the line counted). Each refused request got its OpenAI error (the openai client raised it);
     each episode's rows have reward 0 and say why; the logged agent/* rates are the dump's."""
     root, logged, _, _ = agent_run
     with open(root / "agents" / "seen.jsonl") as f:
         seen = [json.loads(line) for line in f]
-    assert sorted({s["case"] for s in seen}) == sorted([*REASONS, "rewrites"])
+    assert sorted({s["case"] for s in seen}) == sorted([*REASONS, "rewrites", "answer_and_line"])
     for case, (exception, status, code) in SEEN.items():
         (caught,) = [s for s in seen if s["case"] == case and "exception" in s]
         assert (caught["exception"], caught["status"], caught["code"]) == (exception, status, code), case
@@ -941,9 +1134,11 @@ def test_every_hostile_episode_ends_with_reward_zero_is_counted_and_the_run_goes
     m = logged[1]
     assert m["agent/error_rate"] == pytest.approx(len(REASONS) / 32)
     assert m["agent/timeout_rate"] == pytest.approx(1 / 32)
-    assert m["agent/refused_rate"] == pytest.approx(7 / 32)  # six refused requests and the flood
+    assert m["agent/refused_rate"] == pytest.approx(6 / 32)  # five refused requests and the flood
     assert m["agent/calls_per_episode"] == pytest.approx(b["num_calls"].sum().item() / 32)
     assert logged[2]["agent/error_rate"] == 0 and "val-core/openai/gsm8k/reward/mean@1" in logged[-1]
+    (kept,) = [i for i, calls in enumerate(b["num_calls"].tolist()) if not calls and not errors[i]]  # answer_and_line
+    assert b["rewards"][kept] == 1.0 and m["agent/dropped_lines"] >= 1  # its answer kept, its second line counted
 
 
 def test_an_agent_that_rewrites_its_history_is_split_and_counted(agent_run, tokenizer):
@@ -992,7 +1187,7 @@ def test_requests_as_other_agents_write_them_are_served(agent_run):
         assert sorted([len(first["calls"]), len(second["calls"])])[0] == 1  # the other draft: one call
         assert max(len(first["calls"]), len(second["calls"])) >= 2 and first["first"] and not second["first"]
     for s in samples:
-        assert s["outcome"] == {"error": None, "timeout": False, "refused": False, "samples": 2}
+        assert s["outcome"] == {"error": None, "timeout": False, "refused": False, "samples": 2, "dropped": 0}
         assert len(s["calls"][0]["sampled_ids"]) <= 20 and all(len(c["sampled_ids"]) <= 30 for c in s["calls"][1:])
         for call in s["calls"]:
             assert (s["prompt_ids"] + s["response_ids"])[: len(call["prompt_ids"])] == call["prompt_ids"]
@@ -1010,3 +1205,133 @@ def test_requests_as_other_agents_write_them_are_served(agent_run):
         assert r["logprobs"] == call["logprobs"] and len(r["top"]) == len(call["sampled_ids"]) == r["tokens"]
         for top, logprob in zip(r["top"], r["logprobs"], strict=True):
             assert len(top) == 2 and top[0] >= top[1] and top[0] >= logprob
+
+
+def logged_replies(path) -> list[dict]:
+    with open(path) as f:
+        return [json.loads(line) for line in f]
+
+
+def test_a_streaming_agent_samples_and_reads_what_a_plain_one_does(agent_run, tools_build):  # noqa: F811
+    """The example agent with every call streamed (stream: true; by turns read chunk by chunk from
+    create(stream=True) and put together by the openai client's stream helper), the same prompts and seed as
+    without: the same samples (ids, masks, rewards; log-probs at fp32 noise), and every reply the same: content,
+    tool calls (ids, names, arguments), finish reason, completion tokens (the stream's usage chunk), model_version."""
+    root, _, _, engine = agent_run
+    assert without_logprobs(engine["streamed"]) == without_logprobs(engine["calculator"]["agent"])
+    logprobs_at_fp32_noise(
+        {"streamed": engine["streamed"], "plain": engine["calculator"]["agent"]}, tools_build["model"]
+    )
+    replies = logged_replies(root / "engine_agents" / "replies.jsonl")
+    apis = {api: {(r["k"], r["call"]): r for r in replies if r["api"] == api} for api in ("create", "chunks", "helper")}
+    assert all(len(by_call) >= 8 for by_call in apis.values()), {api: len(v) for api, v in apis.items()}
+    streamed = {**apis["chunks"], **apis["helper"]}
+    assert sorted(streamed) == sorted(apis["create"]) and sum(bool(r["calls"]) for r in streamed.values()) >= 8
+    same = ("content", "calls", "finish", "tokens", "model_version")
+    for key, plain in apis["create"].items():
+        assert [streamed[key][k] for k in same] == [plain[k] for k in same], key
+    assert {r["model_version"] for r in replies} == {0}
+
+
+def test_every_reply_and_dumped_call_says_the_policy_version_that_sampled_it(agent_run):
+    """model_version: the 2-rank run's step s is sampled by step s - 1's weights, validation after step s by step
+    s's (0 and 3 here): each call in the dumps says so, and so does each reply the agent read (as many replies per
+    version as the calculator episodes' calls in that step's dump). With rollout ranks at staleness 1, batches 1, 2
+    and 3 are sampled by the weights of steps 0, 0 and 1 (the rollout rank samples one batch ahead): each dumped call
+    says the version its row's policy_version says."""
+    root, _, _, _ = agent_run
+    replies = logged_replies(root / "run_agents" / "replies.jsonl")
+    train = [r["model_version"] for r in replies if r["where"] == "train"]
+    assert sorted({r["model_version"] for r in replies if r["where"] == "test"}) == [0, 3]
+    for step in (1, 2, 3):
+        b = torch.load(root / "dump" / f"step_{step}.pt")
+        assert {call["model_version"] for calls in b["agent_calls"] for call in calls} == {step - 1}
+        split = {e for e in b["episode"].tolist() if (b["episode"] == e).sum() > 1}
+        calculator = [i for i, e in enumerate(b["episode"].tolist()) if not b["agent_error"][i] and e not in split]
+        assert train.count(step - 1) == sum(b["num_calls"][i].item() for i in calculator), step
+    for step, version in ((1, 0), (2, 0), (3, 1)):
+        b = torch.load(root / "rr_dump" / f"step_{step}.pt")
+        assert b["policy_version"].tolist() == [float(version)] * len(b["policy_version"])
+        assert {call["model_version"] for calls in b["agent_calls"] for call in calls} == {version}
+
+
+def test_a_command_agent_trains_with_rollout_ranks(agent_run, tools_build, tokenizer):  # noqa: F811
+    """The rollout-ranks run, its agent a command (rollout.agent.command): batch 1 the example agent run as a command
+    (python), batches 2 and 3 examples/gsm8k_calculator_agent.sh (sh, curl and jq), whose reward is the run's scorer
+    on its last answer (it prints none): 3 steps, every episode called the endpoint and none failed, each row's reward
+    veRL's GSM8K score of its last call's content (decoded here, the text before a tool call), and vLLM's log-probs
+    are the trainer's (the sync proof against the weights that sampled each batch, within SYNC)."""
+    root, _, _, _ = agent_run
+    steps = [r for r in read_metrics(root / "rollout_ranks") if "training/global_step" in r]
+    assert [r["training/global_step"] for r in steps] == [1, 2, 3]
+    assert all(r["rollout/logprob_diff_max"] <= SYNC and r["agent/error_rate"] == 0 for r in steps)
+    rows = data.load_rows(
+        "tiny", "train", {"train": os.path.join(os.path.dirname(tools_build["model"]), "train.jsonl")}
+    )
+    truth = {row["prompt"][0]["content"]: row["ground_truth"] for row in rows}
+    for step in (2, 3):
+        b = torch.load(root / "rr_dump" / f"step_{step}.pt")
+        assert len(b["agent_error"]) == 32 and not any(b["agent_error"]) and b["num_calls"].min() >= 1
+        for i, calls in enumerate(b["agent_calls"]):
+            prompt = tokenizer.decode(calls[0]["prompt_ids"])
+            (question,) = [q for q in truth if q in prompt]
+            last = calls[-1]
+            ids = last["sampled_ids"][:-1] if last["finish"] != "length" else last["sampled_ids"]
+            text = tokenizer.decode(ids, skip_special_tokens=True)
+            content = text.split("<tool_call>")[0] if last["finish"] == "tool_calls" else text
+            assert b["rewards"][i].item() == reward.compute_score(content, truth[question]), (step, i)
+
+
+def test_huge_and_deep_requests_are_refused_at_once_and_stall_no_other_episode(agent_run):
+    """One engine, 4 episodes: while one calls on and on, the others send a 5 MB message, a 30 MB body and a body
+    nested 100,000 deep. Each is answered within 1 s (400: the message's and the body's length alone prove them past
+    the context, before any tokenising; the nesting is not JSON Python reads), and none of the other episode's calls,
+    before, during or after them, waits more than 2 s."""
+    root, _, _, engine = agent_run
+    seen = {s["role"]: s for s in logged_replies(root / "engine_agents" / "latency.jsonl")}
+    expected = {"message": "context_length_exceeded", "body": "context_length_exceeded", "nested": "invalid_json"}
+    for role, code in expected.items():
+        assert (seen[role]["status"], seen[role]["code"]) == (400, code), seen[role]
+        assert seen[role]["seconds"] <= 1.0, seen[role]
+    assert seen["message"]["size"] > 5e6 and seen["body"]["size"] > 30e6
+    calls = seen["probe"]["calls"]
+    start, end = min(seen[r]["start"] for r in expected), max(seen[r]["start"] + seen[r]["seconds"] for r in expected)
+    assert sum(start <= s + wait and s <= end for s, wait in calls) >= 1 and len(calls) >= 4
+    assert max(wait for _, wait in calls) <= 2.0, calls
+    latency = engine["latency"]
+    episodes = [r for s, r in zip(latency["samples"], latency["rewards"], strict=True) if s["first"]]
+    assert episodes == [1.0, 0.0, 0.0, 0.0]  # the hostile ones refused: failed
+
+
+def test_a_command_that_fails_hangs_or_prints_garbage_ends_with_reward_0_and_is_counted(agent_run):
+    """rollout.agent.command on one engine, 8 episodes, a 5 s limit: a command that exits non-zero (its stderr's last
+    line in the error), one that hangs (killed at the limit with the child it started), one that prints garbage, one
+    that prints its reward (0.25, kept); the others run examples/gsm8k_calculator_agent.sh and are scored by the
+    run's scorer. The failures have reward 0 and are counted in agent/*."""
+    root, _, _, engine = agent_run
+    commands = engine["commands"]
+    errors = [s["outcome"]["error"] for s in commands["samples"]]
+    assert errors[0] == "exited with status 1: broken on purpose"
+    assert errors[1] == "timed out: no answer within 5 s (rollout.agent.timeout)"
+    assert errors[2].startswith("printed 'garbage \\x01\\n#### 5', not a reward")
+    assert errors[3:] == [None] * 5 and commands["rewards"][:4] == [0.0, 0.0, 0.0, 0.25]
+    assert all(s["calls"] for s in commands["samples"][4:]) and [s["episode"] for s in commands["samples"]] == list(
+        range(8)
+    )
+    metrics = commands["metrics"]
+    assert metrics["agent/error_rate"] == 3 / 8 and metrics["agent/timeout_rate"] == 1 / 8
+    pids = [int(p) for p in open(root / "engine_agents" / "hung.pids").read().split()]
+    for pid in pids:  # the hung command and its child: killed with its worker
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
+
+
+def test_a_call_that_finishes_after_its_episode_returned_is_never_recorded(agent_run):
+    """A call in the engine's running batch when its episode's worker answers: the engine finishes it (steps after
+    the answer), its caller gets episode_over, and nothing of it is recorded or trained: the episode keeps its reward
+    and gives one sample, its prompt alone."""
+    _, _, _, engine = agent_run
+    late = engine["late"]
+    assert late["sampling"] == 1 and late["steps"] >= 1
+    assert (late["status"], late["code"]) == (400, "episode_over")
+    assert late["samples"] == [{"calls": 0, "response": 0, "reward": 1.0, "error": None}]
