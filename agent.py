@@ -1,59 +1,30 @@
-"""Bring your agent: any agent program that speaks the OpenAI API, trained token for token. During generation each
-rank serves an OpenAI-compatible endpoint in front of its own vLLM engine; the agent's episodes run in worker
-processes against it, and every token the engine samples for them is recorded. veRL's agent loop with an outside
-agent (its RemoteAgentLoop proxy), TRL's rollout_func. Imports the standard library and multi_turn.py (its worker
-pool and Hermes parser; vllm, torch and openai where they are used): copy the two files anywhere.
+"""Bring your agent: any program that speaks the OpenAI API, trained token for token. Each rank serves an
+OpenAI-compatible endpoint in front of its vLLM engine (vLLM's own request and reply models); the episodes run in
+worker processes (multi_turn.WorkerPool) against it, and every token sampled for them is recorded. veRL's
+RemoteAgentLoop proxy, TRL's rollout_func. Imports the standard library and multi_turn.py (vllm, torch, openai where
+used). docs/features.md, "Bring your agent".
 
-    # my_agent.py: one function; given a client bound to its episode and a data row, it returns the episode's reward
-    def episode(client, row):
-        model = client.models.list().data[0].id
-        reply = client.chat.completions.create(model=model, messages=row["prompt"])     # stream=True works too
+    def episode(client, row):  # my_agent.py: client, an openai.OpenAI bound to the episode; returns the reward
+        reply = client.chat.completions.create(model=client.models.list().data[0].id, messages=row["prompt"])
         return 1.0 if "#### " + row["ground_truth"] in (reply.choices[0].message.content or "") else 0.0
 
-    python grpo.py --config tiny.yaml rollout.agent.path=my_agent.py      # grpo.choose_parts: parts(cfg)
-    python grpo.py --config tiny.yaml rollout.agent.command="sh examples/gsm8k_calculator_agent.sh"   # any program
+    python grpo.py --config tiny.yaml rollout.agent.path=my_agent.py          # grpo.choose_parts: parts(cfg)
+    python grpo.py --config tiny.yaml rollout.agent.command="sh examples/gsm8k_calculator_agent.sh"  # any program
 
-A command runs once per episode (serve_episodes): OPENAI_BASE_URL and OPENAI_API_KEY in its environment, the row as
-one JSON line on its stdin and in the file $FLATGRPO_ROW; it may print its reward (a number: all it prints), else
-the run's scorer scores its last assistant message. It is killed, with what it started, when its episode ends.
-
-The endpoint. http://127.0.0.1:PORT/<episode id>/v1: POST chat/completions (stream: true too), GET models. The URL
-names the episode (as veRL's proxy does): every request is matched to its episode by that id, never by order. A
-request is read and validated by vLLM's own OpenAI model (ChatCompletionRequest), rendered with the model's chat
-template (its tools= too, data.apply_chat_template_kwargs, add_generation_prompt) and tokenised on its own HTTP
-thread; ONE thread (the rank's own, in run_episodes) calls the engine, step by step: a request joins the running
-batch at the next step (vLLM's continuous batching, as its server does), so no request waits on another's
-rendering. Samples follow the run's settings (rollout.temperature, top_p, top_k: not the request's); Hermes tool
-calls in the output become OpenAI tool_calls (multi_turn's parser); the reply, built with vLLM's response models,
-says which policy version sampled it (model_version); an agent that asks for logprobs gets vLLM's, the very ones
-recorded.
-
-Token for token. Each call's prompt ids, sampled ids and vLLM's log-probs are recorded. A later call whose messages
-are a sample's last call's messages, plus the assistant message the endpoint returned to it, plus new messages
-(compared normalised: role, content, tool calls' names and parsed arguments), continues that sample: its prompt is
-the sample so far + the chat template's ids for the new messages alone (the text after the assistant turn's eos,
-tokenised once, as multi_turn.tool_response_ids does), never re-rendered. Any other call (the agent rewrote or
-trimmed its history, changed its tools, or sent it while that sample's call was being sampled) is rendered from
-scratch and starts a new sample of the same episode, with its reward: a split, counted (agent/split_rate), never
-aligned by guesswork.
+A call that extends a sample's last call (its messages, the answer returned, new messages) continues it token for
+token; any other starts a new sample of the episode (a split, agent/split_rate), never aligned by guesswork:
 
     episode:   call 1                 call 2 (extends call 1)                    call 3 (rewrote history: a split)
     sample 0:  [prompt 1][sampled 1]  [tool message ids][sampled 2]
     mask:       ---------  1 1 1 1 1   0 0 0 0 0 0 0 0   1 1 1 1
     sample 1:                                                                     [prompt 3, rendered][sampled 3]
 
-The budget: data.max_response_length per episode, over every token after a sample's prompt (sampled and appended);
-a call's max_tokens is what is left, a call with nothing left is answered with finish_reason "length" unsampled, and
-appended ids that do not fit are cut there. Hostile episodes end with reward 0 and are counted, and the run goes on:
-one that raises, exits, hangs past rollout.agent.timeout (its worker killed), floods (more than
-rollout.agent.max_requests requests), prints what is not a reward, or sends a request the endpoint refuses (an
-OpenAI-style error: an unknown model, n > 1, a huge message, malformed JSON, tools the template cannot render). A
-request longer than the context can hold on its length alone (characters > tokens allowed x the longest token's
-characters) is refused before it is tokenised. docs/features.md.
+A hostile episode (raises, exits, hangs past rollout.agent.timeout, floods past rollout.agent.max_requests, gives no
+number, sends what the endpoint refuses) ends with reward 0, counted, and the run goes on.
 """
 
+import contextlib
 import http.server
-import importlib.util
 import inspect
 import json
 import math
@@ -61,7 +32,6 @@ import numbers
 import os
 import re
 import secrets
-import selectors
 import shlex
 import shutil
 import signal
@@ -91,10 +61,9 @@ class RequestError(Exception):
 
     def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None):
         super().__init__(message)
-        kind = {404: "not_found_error", 413: "invalid_request_error", 429: "rate_limit_error", 500: "server_error"}
-        self.status = status
-        self.body = {"error": {"message": message, "type": kind.get(status, "invalid_request_error"), "param": param,
-                               "code": code}}  # fmt: skip
+        kind = {404: "not_found_error", 429: "rate_limit_error", 500: "server_error"}.get(status)
+        error = {"message": message, "type": kind or "invalid_request_error", "param": param, "code": code}
+        self.status, self.body = status, {"error": error}
 
 
 # ----------------------------------------------------------------------------------------- the loop's part
@@ -106,55 +75,43 @@ def parts(cfg: dict):
 
 
 def check_settings(cfg: dict) -> None:
-    """One line (AgentError) before anything loads: what an agent's run cannot serve (its episodes score themselves
-    and may give a prompt more than n samples, which only GRPO's advantage groups by episode), the agent file (it
-    must import in a worker and define the function) or command (its program must exist), and a fixed port that
-    cannot be bound."""
+    """One line (AgentError) before anything loads: what an agent's run cannot serve, an agent file that does not
+    import in a worker or lacks the function, a command whose program does not exist, a port taken."""
     settings, algorithm = cfg["rollout"]["agent"], cfg["algorithm"]
-    refused = {
-        "rollout.multi_turn.enable": cfg["rollout"]["multi_turn"]["enable"],
-        "custom_reward_function.path": cfg["custom_reward_function"]["path"] and not settings["command"],
-        "algorithm.filter_groups.enable": algorithm["filter_groups"]["enable"],
-        "reward.overlong_buffer.enable": cfg["reward"]["overlong_buffer"]["enable"],
-        "algorithm.use_kl_in_reward": algorithm["use_kl_in_reward"],
-        f"algorithm.adv_estimator={algorithm['adv_estimator']}": algorithm["adv_estimator"] != "grpo",
-        "rollout.agent.path with rollout.agent.command": settings["path"] and settings["command"],
-    }
-    for key, on in refused.items():
-        if on:
-            raise AgentError(
-                f"config: {key} is not served with an agent (the episodes score themselves, and an episode may give "
-                "several samples, which only GRPO's advantage groups by episode); set it off"
-            )
+    refused = {"rollout.multi_turn.enable": cfg["rollout"]["multi_turn"]["enable"],
+               "custom_reward_function.path": cfg["custom_reward_function"]["path"] and not settings["command"],
+               "algorithm.filter_groups.enable": algorithm["filter_groups"]["enable"],
+               "reward.overlong_buffer.enable": cfg["reward"]["overlong_buffer"]["enable"],
+               "algorithm.use_kl_in_reward": algorithm["use_kl_in_reward"],
+               f"algorithm.adv_estimator={algorithm['adv_estimator']}": algorithm["adv_estimator"] != "grpo",
+               "rollout.agent.path with rollout.agent.command": settings["path"] and settings["command"]}  # fmt: skip
+    for key in [key for key, on in refused.items() if on][:1]:
+        raise AgentError(f"config: {key} is not served with an agent (the episodes score themselves, and an episode "
+                         "may give several samples, which only GRPO's advantage groups); set it off")  # fmt: skip
     if settings["command"]:
-        try:
-            program = shlex.split(settings["command"])[0]
-        except (ValueError, IndexError) as e:
-            raise AgentError(f"rollout.agent.command {settings['command']!r}: not a command ({e})") from None
+        program = (shlex.split(settings["command"]) or [""])[0]
         if shutil.which(program) is None and not os.path.isfile(program):
             raise AgentError(f"rollout.agent.command: no program {program!r} (not on PATH, not a file)")
+    elif not os.path.isfile(settings["path"]):
+        raise AgentError(f"rollout.agent.path {settings['path']}: no such file")
     else:
-        if not os.path.isfile(settings["path"]):
-            raise AgentError(f"rollout.agent.path {settings['path']}: no such file")
         pool = episode_workers({**settings, "num_workers": 1})
         try:
             pool.wait_started()  # ToolSetupError: the worker's line (load_episode's) says why
         finally:
             pool.close()
-    if settings["port"]:
-        port = settings["port"] + int(os.environ.get("LOCAL_RANK", 0))
-        try:
-            with socket.socket() as probe:
-                probe.bind(("127.0.0.1", port))
-        except OSError as e:
-            raise AgentError(f"config: rollout.agent.port: 127.0.0.1:{port} cannot be bound ({e.strerror})") from None
+    port = settings["port"] + int(os.environ.get("LOCAL_RANK", 0)) if settings["port"] else 0
+    try:
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", port))
+    except OSError as e:
+        raise AgentError(f"config: rollout.agent.port: 127.0.0.1:{port} cannot be bound ({e.strerror})") from None
 
 
 def sampler(cfg: dict):
     """scored_samples(run, rows, t, *, n, temperature, top_p, top_k, max_tokens, seed) -> (samples, rewards [N],
-    extras): n episodes of each row, run by the agent against this rank's endpoint (both started at the first call,
-    kept for the run), each giving one sample or more (AgentSample), each sample its episode's reward (a command
-    that prints none: run.parts.score's on its last assistant message). t["gen"]: their wall time."""
+    extras): n episodes of each row against this rank's endpoint (started at the first call), each giving samples
+    (AgentSample) with its reward (a command that prints none: run.parts.score's of its last answer)."""
     settings, data = cfg["rollout"]["agent"], cfg["data"]
     state = {}
 
@@ -163,21 +120,15 @@ def sampler(cfg: dict):
 
         start = time.perf_counter()
         if not state:
-            state["endpoint"] = Endpoint(
-                run.llm,
-                model=cfg["model"]["path"],
-                port=settings["port"] + int(os.environ.get("LOCAL_RANK", 0)) if settings["port"] else 0,
-                max_prompt_length=data["max_prompt_length"],
-                max_model_len=data["max_prompt_length"] + data["max_response_length"],
-                max_requests=settings["max_requests"],
-                template_kwargs=data["apply_chat_template_kwargs"],
-            )
-            state["workers"] = episode_workers(settings)
+            port = settings["port"] + int(os.environ.get("LOCAL_RANK", 0)) if settings["port"] else 0
+            limits = dict(max_prompt_length=data["max_prompt_length"], max_requests=settings["max_requests"],
+                          max_model_len=data["max_prompt_length"] + data["max_response_length"],
+                          template_kwargs=data["apply_chat_template_kwargs"])  # fmt: skip
+            state.update(endpoint=Endpoint(run.llm, model=cfg["model"]["path"], port=port, **limits),
+                         workers=episode_workers(settings))  # fmt: skip
         sampling, version = dict(temperature=temperature, top_p=top_p, top_k=top_k), policy_version(run, rows)
-        episodes = [
-            Episode(k, row, budget=max_tokens, seed=seed, stride=len(rows) * n, sampling=sampling, version=version)
-            for k, row in enumerate(row for row in rows for _ in range(n))
-        ]
+        episodes = [Episode(k, row, budget=max_tokens, seed=seed, stride=len(rows) * n, sampling=sampling,
+                            version=version) for k, row in enumerate(row for row in rows for _ in range(n))]  # fmt: skip
         run_episodes(state["endpoint"], episodes, state["workers"])
         score = lambda row, text: run.parts.score(row, text, run.cfg["reward"])[0]  # noqa: E731
         samples = [s for e in episodes for s in e.finish(state["endpoint"], score)]
@@ -189,10 +140,9 @@ def sampler(cfg: dict):
 
 
 def policy_version(run, rows: list) -> int:
-    """The version of the weights that sample these rows: the step whose update made them (0: model.path). Rollout
-    ranks say what they hold (run.policy_version: at staleness k, batch s is sampled by step s - 1 - j's, j <= k);
-    on a rank's own engine, training batch s (run.gen_cursor = s) is sampled by step s - 1's weights, and validation
-    after step s (rows of run.val_rows) by step s's."""
+    """The step whose weights sample these rows (0: model.path's): what rollout ranks hold (run.policy_version: at
+    staleness k, batch s by step s - 1 - j's, j <= k); on the rank's own engine, training batch s (run.gen_cursor =
+    s) by step s - 1's, validation after step s (rows of run.val_rows) by step s's."""
     if hasattr(run, "policy_version"):
         return run.policy_version
     validating = any(row is rows[0] for row in run.val_rows)
@@ -200,21 +150,16 @@ def policy_version(run, rows: list) -> int:
 
 
 def field_metrics(fields: dict) -> dict:
-    """agent/* over the global batch (fields: each row field's values of every rank, metrics.batch_metrics), per
-    episode: error_rate (ended with reward 0: raised, exited, timed out, refused, flooded, returned or printed no
-    number), timeout_rate, refused_rate (a request refused, flooding included), split_rate (more than one sample),
-    calls_per_episode (requests answered), samples_per_episode; dropped_lines (a count: lines of the episodes'
-    workers that were no answer of theirs, dropped)."""
+    """agent/* over the global batch (metrics.batch_metrics' fields), per episode: error_rate (reward 0 for a failure),
+    timeout_rate, refused_rate (flooding too), split_rate, calls_per_episode, samples_per_episode; dropped_lines: the
+    workers' lines that were no answer (multi_turn.WorkerPool), counted."""
     episodes = max(1, sum(fields["episode_starts"]))
-    return {
-        "agent/error_rate": sum(fields["episode_errors"]) / episodes,
-        "agent/timeout_rate": sum(fields["episode_timeouts"]) / episodes,
-        "agent/refused_rate": sum(fields["episode_refusals"]) / episodes,
-        "agent/split_rate": sum(fields["episode_splits"]) / episodes,
-        "agent/calls_per_episode": sum(fields["num_calls"]) / episodes,
-        "agent/samples_per_episode": len(fields["episode_starts"]) / episodes,
-        "agent/dropped_lines": sum(fields["episode_dropped_lines"]),
-    }
+    rates = {name: sum(fields[f"episode_{key}"]) / episodes for name, key in (("error_rate", "errors"),
+             ("timeout_rate", "timeouts"), ("refused_rate", "refusals"), ("split_rate", "splits"))}  # fmt: skip
+    return {**{f"agent/{name}": rate for name, rate in rates.items()},
+            "agent/calls_per_episode": sum(fields["num_calls"]) / episodes,
+            "agent/samples_per_episode": len(fields["episode_starts"]) / episodes,
+            "agent/dropped_lines": sum(fields["episode_dropped_lines"])}  # fmt: skip
 
 
 # ------------------------------------------------------------------------------------------------ episodes
@@ -243,27 +188,18 @@ class AgentSample:
         """The batch fields it carries (fsdp_train.add_fields): the loss mask narrows the response mask; its episode;
         per sample its calls (recorded for the dumps) and the episode's counts (on its first sample)."""
         counted, outcome = int(self.first), self.outcome
-        return {
-            "response_mask": ("response", self.loss_mask),
-            "episode": ("row", self.episode),
-            "num_calls": ("row", len(self.calls)),
-            "episode_starts": ("row", counted),
-            "episode_errors": ("row", counted * int(outcome["error"] is not None)),
-            "episode_timeouts": ("row", counted * int(outcome["timeout"])),
-            "episode_refusals": ("row", counted * int(outcome["refused"])),
-            "episode_splits": ("row", counted * int(outcome["samples"] > 1)),
-            "episode_dropped_lines": ("row", counted * outcome["dropped"]),
-            "agent_error": ("row", outcome["error"] or ""),
-            "agent_calls": ("row", self.calls),
-        }
+        counts = {"starts": 1, "errors": outcome["error"] is not None, "timeouts": outcome["timeout"],
+                  "refusals": outcome["refused"], "splits": outcome["samples"] > 1, "dropped_lines": outcome["dropped"]}  # fmt: skip
+        return {"response_mask": ("response", self.loss_mask), "episode": ("row", self.episode),
+                "num_calls": ("row", len(self.calls)), "agent_error": ("row", outcome["error"] or ""),
+                "agent_calls": ("row", self.calls),
+                **{f"episode_{key}": ("row", counted * int(value)) for key, value in counts.items()}}  # fmt: skip
 
 
 class Episode:
-    """One episode: its id (in its URL), its row, its samples, and what decides each call's tokens (plan, settle,
-    record), under its lock (a call is planned on its HTTP thread, sampled and recorded on the engine's).
-    k: i * n + j (episode j of row i); seed: the run's for this batch, or None; stride: the episodes of the batch;
-    version: the policy version that samples it. Call 1 is seeded seed + k, call t > 1 seed + (t - 1) * stride + k:
-    multi_turn.generate's seeds, so an agent that does what rollout.multi_turn does samples what it samples."""
+    """One episode (k = i * n + j: episode j of row i): its id, in its URL; its samples; each call's tokens, planned on
+    the call's thread, settled and recorded on the engine's, under its lock. Call t is seeded seed + (t - 1) * stride
+    + k (stride: the batch's episodes): multi_turn.generate's seeds. version: the policy version sampling it."""
 
     def __init__(self, k: int, row: dict, *, budget: int, seed: int | None, stride: int, sampling: dict, version=0):
         self.k, self.row, self.budget, self.seed, self.stride, self.sampling = k, row, budget, seed, stride, sampling
@@ -276,17 +212,14 @@ class Episode:
     def fail(self, error: str, refused: bool = False) -> None:
         """The episode has failed (its reward will be 0): the first reason is kept; later requests are refused."""
         with self.lock:
-            self.error = self.error or error
-            self.refused = self.refused or refused
+            self.error, self.refused = self.error or error, self.refused or refused
 
     def plan(self, request: dict, tokenizer, limits: dict) -> dict:
-        """What the episode's next call samples: {"sample" (the one it continues, reserved: in_flight; or None for a
-        new one), "appended" (ids between the sample's tokens and the sampled ones), "prompt_ids", "seed"}. The call
-        continues the sample whose last call it extends (that call's messages, its answer as returned, new messages;
-        the longest such history), unless a call of that sample is planned or being sampled. Renders and tokenises
-        (on the caller's thread); RequestError for a prompt the model cannot take or a template that cannot render
-        it: a prompt whose characters alone exceed the tokens allowed x limits["longest"] (the longest token's
-        characters) is refused untokenised, and appended text past the room left is cut there before tokenising."""
+        """The next call: {"sample" (the one it continues, held for it; None: a new one), "appended" (the new messages'
+        ids, cut to the room left), "prompt_ids", "max_tokens" (the budget left, the request's cap, the context),
+        "seed"}. It continues the sample whose last call it extends (the longest such history) unless another call
+        holds it. Renders and tokenises; RequestError for what the template cannot render or the model cannot take,
+        untokenised when its characters exceed the tokens allowed x limits["longest"] (a token's most characters)."""
         messages, tools, kwargs = request["messages"], request["tools"], limits["template_kwargs"]
         seen = [normalised(m) for m in messages]
         with self.lock:
@@ -298,58 +231,43 @@ class Episode:
             plan = {"sample": sample, "held": sample, "appended": [], "seed": seed}
             if sample is not None:
                 sample.in_flight += 1
-                room = min(
-                    self.budget - self.used, limits["max_model_len"] - len(sample.prompt_ids + sample.response_ids)
-                )
+                so_far = sample.prompt_ids + sample.response_ids  # fixed while the call holds the sample
+                room = max(0, min(self.budget - self.used, limits["max_model_len"] - len(so_far)))
         try:
-            if sample is not None:
-                cut = (max(0, room) + 2) * limits["longest"]  # characters that give more ids than fit
-                plan["appended"] = render_after_assistant(
-                    tokenizer, messages[len(sample.history[0]) :], tools, kwargs, cut
-                )
-                if plan["appended"] is not None:
-                    return plan
-                self.release(plan)  # a template without an eos after the assistant turn: rendered from scratch
-                plan.update(sample=None, appended=[])
-            text = render_text(tokenizer, messages, tools, kwargs)
-            ids = None if len(text) > longest * limits["longest"] else tokenizer(text, add_special_tokens=False)
-            if ids is None or len(ids["input_ids"]) > longest:
-                length = f"{len(text)} characters" if ids is None else f"{len(ids['input_ids'])} tokens"
-                raise RequestError(
-                    400,
-                    f"This model's maximum context length is {limits['max_model_len']} tokens and an episode's first "
-                    f"prompt may have {limits['max_prompt_length']} (data.max_prompt_length); your messages resulted "
-                    f"in {length} (more than {longest} tokens)",
-                    param="messages",
-                    code="context_length_exceeded",
-                )
-            return {**plan, "prompt_ids": ids["input_ids"]}
-        except BaseException:
+            if sample is not None:  # the new messages' text cut where it gives more ids than fit
+                new, cut = messages[len(sample.history[0]) :], (room + 2) * limits["longest"]
+                appended = multi_turn.ids_after_assistant(tokenizer, new, tools, kwargs, cut)
+                if appended is None:  # a template without an eos after the assistant turn: rendered from scratch
+                    self.release(plan)
+                    plan["sample"] = None
+                else:
+                    plan.update(appended=appended[:room], prompt_ids=so_far + appended[:room])
+            if plan["sample"] is None:
+                text = tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=False,
+                                                     **(kwargs or {}))  # fmt: skip
+                ids = None if len(text) > longest * limits["longest"] else tokenizer(text, add_special_tokens=False)
+                if ids is None or len(ids["input_ids"]) > longest:
+                    length = f"{len(text)} characters" if ids is None else f"{len(ids['input_ids'])} tokens"
+                    raise RequestError(400, f"This model's maximum context length is {limits['max_model_len']} tokens "
+                                       f"and an episode's first prompt may have {limits['max_prompt_length']} "
+                                       f"(data.max_prompt_length); your messages resulted in {length}, more than "
+                                       f"{longest} tokens", param="messages", code="context_length_exceeded")  # fmt: skip
+                plan["prompt_ids"] = ids["input_ids"]
+        except Exception as e:  # a RequestError, or what the template raises (jinja's errors, its raise_exception)
             self.release(plan)
-            raise
-
-    def release(self, plan: dict) -> None:
-        """The call no longer holds the sample it continues (answered, refused, or rendered from scratch)."""
+            if isinstance(e, RequestError):
+                raise
+            message = str(e).splitlines()[0] if str(e) else type(e).__name__
+            raise RequestError(400, f"the chat template cannot render the request: {message}", code="template_error") from None  # fmt: skip
         with self.lock:
-            held = plan.pop("held", None)
-            if held is not None:
-                held.in_flight -= 1
-
-    def settle(self, plan: dict, request: dict, limits: dict) -> None:
-        """On the engine's thread, with the budget as it is now: the call's prompt (a continued sample's tokens and
-        the appended ids, cut to the room left) and its max_tokens (what is left of the budget, the request's cap,
-        the context)."""
-        with self.lock:
-            sample = plan["sample"]
-            if sample is not None:
-                room = min(
-                    self.budget - self.used, limits["max_model_len"] - len(sample.prompt_ids + sample.response_ids)
-                )
-                plan["appended"] = plan["appended"][: max(0, room)]
-                plan["prompt_ids"] = sample.prompt_ids + sample.response_ids + plan["appended"]
             left = self.budget - self.used - len(plan["appended"])
-            cap = request["max_tokens"] or left
-            plan["max_tokens"] = min(left, cap, limits["max_model_len"] - len(plan["prompt_ids"]))
+        plan["max_tokens"] = min(left, request["max_tokens"] or left, limits["max_model_len"] - len(plan["prompt_ids"]))  # fmt: skip
+        return plan
+
+    def release(self, plan: dict) -> None:  # the call no longer holds the sample it continues
+        with self.lock:
+            if (held := plan.pop("held", None)) is not None:
+                held.in_flight -= 1
 
     def record(self, request: dict, plan: dict, sampled: list[int], logprobs: list[float], answer: dict) -> None:
         """Call plan's tokens into its sample (a new one unless it continues one), and the call as the sample's history
@@ -364,8 +282,7 @@ class Episode:
                 sample.response_ids += plan["appended"] + sampled
                 sample.logprobs += [0.0] * len(plan["appended"]) + logprobs
                 sample.loss_mask += [0] * len(plan["appended"]) + [1] * len(sampled)
-                sample.text = answer["message"]["content"] or ""
-                sample.truncated = answer["finish_reason"] == "length"
+                sample.text, sample.truncated = answer["message"]["content"] or "", answer["finish_reason"] == "length"
                 sample.calls.append({"call": self.calls, "prompt_ids": plan["prompt_ids"], "sampled_ids": sampled,
                                      "logprobs": logprobs, "finish": answer["finish_reason"],
                                      "model_version": self.version})  # fmt: skip
@@ -375,26 +292,25 @@ class Episode:
             self.text = sample.text if sampled else self.text
 
     def end(self, answer: dict) -> None:
-        """Its worker's answer (multi_turn.WorkerPool's): a reward (None: a command that printed none), an error, a
-        timeout or the worker's end (both failures); lines of its worker that were no answer are counted."""
+        """Its worker's answer (multi_turn.WorkerPool's): a reward (None: a command that printed none) or an error,
+        or a timeout or the worker's end (failures); the lines of its worker that were no answer, counted."""
         with self.lock:
-            self.over, self.dropped = True, answer["dropped"]
-            if answer.get("timeout"):
-                self.timeout = True
-                self.fail(f"timed out: {answer['failed']} (rollout.agent.timeout)")
-            elif "failed" in answer:
-                self.fail(f"exited: {answer['failed']}")
+            self.over, self.dropped, self.reward = True, answer["dropped"], answer.get("reward")
+            if "failed" in answer:
+                self.timeout = answer["timeout"]
+                self.fail(f"timed out: {answer['failed']} (rollout.agent.timeout)" if self.timeout else
+                          f"exited: {answer['failed']}")  # fmt: skip
             elif answer["error"] is not None or not isinstance(answer["reward"], (float, type(None))):
                 self.fail(str(answer["error"] or f"its worker answered {str(answer)[:200]}"))
-            else:
-                self.reward = answer["reward"]
 
     def finish(self, endpoint: "Endpoint", score) -> list[AgentSample]:
         """The episode's samples, each with its reward (0 after a failure; score(row, text) of its last sampled
         answer when it gave none) and its outcome; an episode that called nothing gets one sample without a
-        response (its row's prompt), so that it still counts in its group."""
+        response (its row's prompt, as rollout.render_prompt renders it), so that it still counts in its group."""
         if not self.samples:
-            prompt = render(endpoint.tokenizer, self.row["prompt"], None, endpoint.limits["template_kwargs"])
+            text = endpoint.tokenizer.apply_chat_template(self.row["prompt"], add_generation_prompt=True, tokenize=False,
+                                                          **(endpoint.limits["template_kwargs"] or {}))  # fmt: skip
+            prompt = endpoint.tokenizer(text, add_special_tokens=False)["input_ids"]
             self.samples.append(AgentSample(prompt_ids=prompt, episode=self.k, first=True))
         reward = 0.0 if self.error is not None else self.reward
         reward = score(self.row, self.text) if reward is None else reward
@@ -407,9 +323,8 @@ class Episode:
 
 # ------------------------------------------------------------------------------------------ the endpoint
 def run_episodes(endpoint: "Endpoint", episodes: list[Episode], workers: multi_turn.WorkerPool) -> None:
-    """Runs every episode in the workers until each has ended (its worker's answer, a timeout, its end), serving its
-    requests meanwhile: this thread, the engine's, takes the planned calls (endpoint.serve) whenever the endpoint's
-    wake-up pipe is readable and steps the engine while calls are running (endpoint.step)."""
+    """Every episode run in the workers until each has ended (its worker's answer, a timeout, its end); meanwhile
+    this thread, the engine's, takes the planned calls when woken (endpoint.serve) and steps the engine."""
     endpoint.open(episodes)
     jobs = {workers.submit({"episode": e.id, "base_url": endpoint.url(e), "row": e.row}): e for e in episodes}
     try:
@@ -424,41 +339,34 @@ def run_episodes(endpoint: "Endpoint", episodes: list[Episode], workers: multi_t
 
 
 class Endpoint:
-    """An OpenAI-compatible endpoint in front of one engine, on 127.0.0.1 (port 0: a free one, the OS's pick). Its
-    HTTP threads read, plan and queue each chat-completions request (submit); run_episodes, on the calling thread,
-    takes them (serve) into the engine's running batch and steps the engine (step) while the episodes run."""
+    """An OpenAI-compatible endpoint in front of one engine, on 127.0.0.1: its HTTP threads read, plan and queue each
+    request (submit) and build its reply; the engine's thread takes them (serve) and steps the engine (step)."""
 
-    def __init__(self, llm, *, model: str, port: int, max_prompt_length: int, max_model_len: int,
-                 max_requests: int, template_kwargs: dict | None):  # fmt: skip
+    def __init__(self, llm, *, model: str, port: int, **limits):
         import vllm.entrypoints.openai.chat_completion.protocol  # noqa: F401  (imported once, here)
 
         self.llm, self.tokenizer, self.model = llm, llm.get_tokenizer(), model
         longest = max(map(len, self.tokenizer.get_vocab()))  # characters: a token's text has at most its raw form's
-        self.limits = dict(max_prompt_length=max_prompt_length, max_model_len=max_model_len, max_requests=max_requests,
-                           template_kwargs=template_kwargs, longest=longest)  # fmt: skip
+        self.limits = {**limits, "longest": longest}  # max_prompt_length, max_model_len, max_requests, template_kwargs
         self.episodes, self.inbox, self.lock = {}, [], threading.Lock()
         self.wake_read, self.wake_write = os.pipe()
         os.set_blocking(self.wake_read, False)
-        self.running = {}  # the engine's request id -> each call being sampled
-        self.added = 0  # calls given to the engine so far (their ids)
-        self.batch_sizes = []  # the calls in each engine step (bench/agent_endpoint.py)
+        self.running, self.added, self.batch_sizes = {}, 0, []  # engine id -> call; calls added; calls per step
         try:
             self.server = http.server.ThreadingHTTPServer(("127.0.0.1", port), Handler)
         except OSError as e:
             raise AgentError(f"rollout.agent.port: 127.0.0.1:{port} cannot be bound ({e.strerror})") from None
-        self.server.daemon_threads, self.server.endpoint = True, self
-        self.port = self.server.server_address[1]
+        self.server.daemon_threads, self.server.endpoint, self.port = True, self, self.server.server_address[1]
         threading.Thread(target=self.server.serve_forever, daemon=True, name="agent-endpoint").start()
 
     def url(self, episode: Episode) -> str:
         return f"http://127.0.0.1:{self.port}/{episode.id}/v1"
 
-    def open(self, episodes: list[Episode]) -> None:
+    def open(self, episodes: list[Episode]) -> None:  # the episodes whose requests it serves
         with self.lock:
             self.episodes = {e.id: e for e in episodes}
 
-    def close_episodes(self) -> None:
-        """After run_episodes: every episode over; a call still queued or sampled is refused (episode_over)."""
+    def close_episodes(self) -> None:  # every episode over: a call still queued or sampled is refused
         with self.lock:
             episodes, self.episodes = list(self.episodes.values()), {}
         for episode in episodes:
@@ -472,9 +380,8 @@ class Endpoint:
             self.running = {}
 
     def submit(self, episode_id: str, body: bytes | None) -> tuple[int, dict | list]:
-        """An HTTP thread's request (body None: too large to read), on that thread: counted, read, planned (rendered
-        and tokenised), queued for the engine's thread; returns (status, the reply or a stream's chunks) once
-        answered. A refusal fails the episode (refused), but that of an episode that is over or has failed."""
+        """An HTTP thread's request (body None: too large to read), counted, read, planned and queued for the engine
+        on that thread: (status, the reply or a stream's chunks). A refusal fails a running episode (refused)."""
         with self.lock:
             episode = self.episodes.get(episode_id)
         if episode is None:
@@ -490,9 +397,8 @@ class Endpoint:
         try:
             if body is None:
                 raise RequestError(413, f"a request body of more than {MAX_BODY} bytes", code="body_too_large")
-            request = parse_request(body, self.model)
-            call = {"episode": episode, "request": request, "done": threading.Event()}
-            call["plan"] = episode.plan(request, self.tokenizer, self.limits)
+            call = {"episode": episode, "request": parse_request(body, self.model), "done": threading.Event()}
+            call["plan"] = episode.plan(call["request"], self.tokenizer, self.limits)
         except Exception as e:  # a RequestError, or a request this code did not foresee: never the run's end
             return self._refuse(episode, e)
         with self.lock:
@@ -502,46 +408,39 @@ class Endpoint:
         return call["refusal"] if "refusal" in call else (200, self._reply(call))
 
     def serve(self) -> None:
-        """On the engine's thread: every planned call joins the engine's running batch (step); that of an episode
-        that is over is refused, one with no budget left answered with "length", unsampled."""
-        try:
-            while os.read(self.wake_read, 4096):  # drain the wake-ups (one byte per request)
-                pass
-        except BlockingIOError:
-            pass
-        with self.lock:
-            calls, self.inbox = self.inbox, []
+        """On the engine's thread: each planned call joins the running batch (one with no budget left is answered
+        "length", unsampled; one of an episode that is over is refused)."""
         from vllm import SamplingParams
         from vllm.inputs import tokens_input
         from vllm.sampling_params import RequestOutputKind
 
+        with contextlib.suppress(BlockingIOError):
+            os.read(self.wake_read, 1 << 20)  # the wake-ups: a byte per request (a pipe holds 64 KiB)
+        with self.lock:
+            calls, self.inbox = self.inbox, []
         for call in calls:
             episode, request, plan = call["episode"], call["request"], call["plan"]
             try:
-                with episode.lock:
-                    if episode.over:
-                        episode.release(plan)
-                        self._answer(call, _over(episode))
-                        continue
-                    episode.settle(plan, request, self.limits)
+                if episode.over:
+                    episode.release(plan)
+                    self._answer(call, _over(episode))
+                    continue
                 if plan["max_tokens"] <= 0:  # the budget is spent: "length", nothing sampled
                     self._finish(call, [], [], "length", "")
                     continue
-                sampling = SamplingParams(n=1, max_tokens=plan["max_tokens"], seed=plan["seed"],
+                sampling = SamplingParams(n=1, max_tokens=plan["max_tokens"], seed=plan["seed"], stop=request["stop"],
                                           logprobs=request["top_logprobs"], detokenize=bool(request["stop"]),
-                                          stop=request["stop"], **episode.sampling)  # fmt: skip
-                sampling.output_kind = RequestOutputKind.FINAL_ONLY  # one output per call, when it is done
+                                          output_kind=RequestOutputKind.FINAL_ONLY, **episode.sampling)  # fmt: skip
                 self.added += 1
                 self.llm.llm_engine.add_request(f"agent-{self.added}", tokens_input(plan["prompt_ids"]), sampling)
-            except Exception as e:  # a call this code did not foresee, the engine's own checks: refused, never the end
+            except Exception as e:  # what this code did not foresee, the engine's own checks: refused, never the end
                 episode.release(plan)
                 self._answer(call, self._refuse(episode, e))
                 continue
             self.running[f"agent-{self.added}"] = call
 
     def step(self) -> None:
-        """One step of the engine (vLLM's continuous batching: every running call advances by a token, and a call
-        queued since joins them); each finished call recorded and answered (_finish)."""
+        """One step of the engine (every running call advances by a token); each finished call, _finish'ed."""
         self.batch_sizes.append(len(self.running))
         for output in self.llm.llm_engine.step():
             if output.finished:
@@ -555,9 +454,8 @@ class Endpoint:
                 self._finish(call, sampled, logprobs, completion.finish_reason, text, completion.logprobs)
 
     def _finish(self, call, sampled, logprobs, finish, text, alternatives=None) -> None:
-        """A call's end: its answer (assistant_message; its tool calls' ids unique in the episode: call_<call>_<i>)
-        recorded in its episode, then built and sent on the call's own thread; unless the episode is over (its worker
-        answered, timed out or ended while the call was sampled): then refused, and never recorded or trained."""
+        """A call's answer (assistant_message; tool call ids call_<call>_<i>) recorded, its reply built on its own
+        thread; but the call of an episode that is over (while sampled) is refused, never recorded or trained."""
         episode, request = call["episode"], call["request"]
         with episode.lock:
             episode.release(call["plan"])
@@ -567,29 +465,25 @@ class Endpoint:
             special = self.tokenizer.all_special_tokens
             answer = assistant_message(text, finish, request["parse_tools"], special, call_ids=f"call_{number}")
             episode.record(request, call["plan"], sampled, logprobs, answer)
-        call.update(number=number, answer=answer, sampled=sampled, logprobs=logprobs, alternatives=alternatives)
+        call.update(number=number, answer=answer, sampled=sampled, alternatives=alternatives)
         call["done"].set()
 
     def _reply(self, call: dict) -> dict | list[dict]:
-        """The chat completion of a recorded call, with vLLM's OpenAI models: a ChatCompletionResponse, or (stream)
-        the ChatCompletionStreamResponse chunks OpenAI streams: the role (and the log-probs asked for), the content in
-        pieces, each tool call whole, the finish reason, the usage (stream_options.include_usage). Both say what was
-        recorded, and carry model_version: the policy version that sampled it."""
+        """A recorded call's reply, with vLLM's OpenAI models: a ChatCompletionResponse, or (stream) OpenAI's chunks:
+        the role (and log-probs asked for), the content in pieces, each tool call, the finish reason, the usage
+        (stream_options.include_usage). Both say what was recorded, and model_version: the policy that sampled it."""
         from vllm.entrypoints.generate.base.protocol import DeltaToolCall
         from vllm.entrypoints.openai.chat_completion import protocol as api
 
-        request, answer, episode = call["request"], call["answer"], call["episode"]
+        request, (message, finish), episode = call["request"], call["answer"].values(), call["episode"]
         head = dict(id=f"chatcmpl-{episode.id}-{call['number']}", model=self.model, model_version=episode.version)
         prompt, sampled = len(call["plan"]["prompt_ids"]), len(call["sampled"])
         usage = api.UsageInfo(prompt_tokens=prompt, completion_tokens=sampled, total_tokens=prompt + sampled)
-        logprobs = None
-        if request["logprobs"]:
-            content = self._token_logprobs(call["sampled"], call["alternatives"], request["top_logprobs"])
-            logprobs = api.ChatCompletionLogProbs(content=content)
-        message, finish = answer["message"], answer["finish_reason"]
-        calls = [
-            api.ToolCall(id=c["id"], function=api.FunctionCall(**c["function"])) for c in message.get("tool_calls", [])
-        ]
+        logprobs = request["logprobs"] and api.ChatCompletionLogProbs(content=[  # vLLM's, by rank: the ones recorded
+            {**self._logprob(token, ranked[token].logprob), "top_logprobs": [self._logprob(t, lp.logprob) for t, lp in
+             sorted(ranked.items(), key=lambda item: item[1].rank)[: request["top_logprobs"]]]}
+            for token, ranked in zip(call["sampled"], call["alternatives"], strict=True)]) or None  # fmt: skip
+        calls = [api.ToolCall(id=c["id"], function=c["function"]) for c in message.get("tool_calls", [])]
         if not request["stream"]:
             said = api.ChatMessage(role="assistant", content=message["content"], tool_calls=calls)
             choice = api.ChatCompletionResponseChoice(index=0, message=said, logprobs=logprobs, finish_reason=finish)
@@ -597,34 +491,22 @@ class Endpoint:
         deltas = [api.DeltaMessage(role="assistant", content="")]
         deltas += [api.DeltaMessage(content=piece) for piece in re.findall(r"\s*\S+|\s+", message["content"] or "")]
         deltas += [api.DeltaMessage(tool_calls=[DeltaToolCall(index=i, id=c.id, type="function",
-                                                                  function=c.function.model_dump())])
+                                                              function=c.function.model_dump())])
                    for i, c in enumerate(calls)]  # fmt: skip
-        choices = [api.ChatCompletionResponseStreamChoice(index=0, delta=delta, logprobs=None) for delta in deltas]
+        choices = [api.ChatCompletionResponseStreamChoice(index=0, delta=delta) for delta in deltas]
         choices[0].logprobs = logprobs
         choices.append(api.ChatCompletionResponseStreamChoice(index=0, delta=api.DeltaMessage(), finish_reason=finish))
         chunks = [api.ChatCompletionStreamResponse(**head, choices=[choice]) for choice in choices]
         chunks += [api.ChatCompletionStreamResponse(**head, choices=[], usage=usage)] if request["usage"] else []
         return [chunk.model_dump(exclude_none=True) for chunk in chunks]
 
-    def _token_logprobs(self, sampled: list[int], alternatives: list[dict] | None, top: int) -> list[dict]:
-        """OpenAI's choice.logprobs.content: per sampled token its text, vLLM's log-prob (the one recorded) and
-        bytes, and the `top` most likely tokens at that place (vLLM's, by rank)."""
-
-        def entry(token: int, logprob: float) -> dict:
-            text = self.tokenizer.decode([token])
-            return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
-
-        content = []
-        for token, ranked in zip(sampled, alternatives or [], strict=True):
-            best = sorted(ranked.items(), key=lambda item: item[1].rank)[:top]
-            content.append({**entry(token, ranked[token].logprob),
-                            "top_logprobs": [entry(t, lp.logprob) for t, lp in best]})  # fmt: skip
-        return content
+    def _logprob(self, token: int, logprob: float) -> dict:
+        text = self.tokenizer.decode([token])
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
 
     @staticmethod
     def _refuse(episode: Episode, error: Exception) -> tuple[int, dict]:
-        """A call's error (a RequestError's, or a 500 for one this code did not foresee); its episode has failed
-        (refused). Returns (status, body)."""
+        """(status, body) of an error (500 for one this code did not foresee); its episode has failed (refused)."""
         if not isinstance(error, RequestError):
             message = f"the endpoint could not serve the request: {type(error).__name__}: {str(error)[:300]}"
             error = RequestError(500, message, code="internal_error")
@@ -632,13 +514,9 @@ class Endpoint:
         return error.status, error.body
 
     @staticmethod
-    def _answer(call: dict, refusal) -> None:
-        """Answer a call with a refusal (a RequestError, or (status, body))."""
+    def _answer(call: dict, refusal) -> None:  # a refusal: a RequestError or (status, body)
         call["refusal"] = (refusal.status, refusal.body) if isinstance(refusal, RequestError) else refusal
         call["done"].set()
-
-    def models(self) -> dict:
-        return {"object": "list", "data": [{"id": self.model, "object": "model", "created": 0, "owned_by": "flatgrpo"}]}
 
     def close(self) -> None:
         self.server.shutdown()
@@ -652,49 +530,31 @@ def _over(episode: Episode) -> RequestError:
 
 
 class Handler(http.server.BaseHTTPRequestHandler):
-    """HTTP/1.1 (keep-alive, as the openai client expects): POST /<episode>/v1/chat/completions (Endpoint.submit,
-    on this thread), answered as JSON or, streamed, as server-sent events ("data: <chunk>" each, then "data:
-    [DONE]"); GET /v1/models (also under /<episode>). Anything else: an OpenAI-style 404."""
+    """HTTP/1.1 (keep-alive): POST /<episode>/v1/chat/completions (Endpoint.submit), answered as JSON or as
+    server-sent events ("data: <chunk>", then "data: [DONE]"); GET [/<episode>]/v1/models; else an OpenAI 404."""
 
     protocol_version = "HTTP/1.1"
 
     def do_POST(self):
-        parts = self.path.split("?")[0].strip("/").split("/")
+        parts, length = self.path.split("?")[0].strip("/").split("/"), int(self.headers.get("Content-Length") or 0)
+        self.close_connection = length > MAX_BODY  # such a body is never read (its episode is told: 413)
+        body = None if length > MAX_BODY else self.rfile.read(length)
         if len(parts) != 4 or parts[1:] != ["v1", "chat", "completions"]:
-            self._drain()
-            return self._send(*self._not_found())
-        length = int(self.headers.get("Content-Length") or 0)
-        if length > MAX_BODY:  # such a body is never read (its episode is told: 413), so the connection ends
-            self.close_connection = True
-        status, reply = self.server.endpoint.submit(parts[0], None if length > MAX_BODY else self.rfile.read(length))
+            return self._send(404, RequestError(404, f"no route POST {self.path}", code="not_found").body)
+        status, reply = self.server.endpoint.submit(parts[0], body)
         if isinstance(reply, list):
             events = "".join(f"data: {json.dumps(chunk)}\n\n" for chunk in reply) + "data: [DONE]\n\n"
             return self._send(status, events.encode(), "text/event-stream")
         self._send(status, reply)
 
     def do_GET(self):
-        route, endpoint = MODELS.fullmatch(self.path.split("?")[0]), self.server.endpoint
+        route, model = MODELS.fullmatch(self.path.split("?")[0]), self.server.endpoint.model
+        served = {"id": model, "object": "model", "created": 0, "owned_by": "flatgrpo"}
         if route is None:
-            return self._send(*self._not_found())
-        if route["model"] is None:
-            return self._send(200, endpoint.models())
-        if route["model"] == endpoint.model:
-            return self._send(200, endpoint.models()["data"][0])
-        error = RequestError(404, f"The model `{route['model']}` does not exist.", "model", "model_not_found")
-        self._send(404, error.body)
-
-    def _not_found(self) -> tuple[int, dict]:
-        message = (
-            f"no route {self.command} {self.path}; this endpoint serves /<episode>/v1/chat/completions, /v1/models"
-        )
-        return 404, RequestError(404, message, code="not_found").body
-
-    def _drain(self) -> None:
-        length = int(self.headers.get("Content-Length") or 0)
-        if length > MAX_BODY:
-            self.close_connection = True
-        else:
-            self.rfile.read(length)
+            return self._send(404, RequestError(404, f"no route GET {self.path}", code="not_found").body)
+        if route["model"] in (None, model):
+            return self._send(200, {"object": "list", "data": [served]} if route["model"] is None else served)
+        self._send(404, RequestError(404, f"The model `{route['model']}` does not exist.", "model", "model_not_found").body)  # fmt: skip
 
     def _send(self, status: int, body: dict | bytes, kind: str = "application/json") -> None:
         data = body if isinstance(body, bytes) else json.dumps(body).encode()
@@ -713,14 +573,11 @@ class Handler(http.server.BaseHTTPRequestHandler):
 
 # ------------------------------------------------------------------------------------------- requests
 def parse_request(body: bytes, model: str) -> dict:
-    """A chat-completions request's body, read and validated by vLLM's own OpenAI model (ChatCompletionRequest, as
-    its server reads it) -> {"messages" (for the chat template), "tools" (as sent, or None), "max_tokens" (or
-    None), "stop" (list or None), "parse_tools", "logprobs" (bool), "top_logprobs" (0-20), "stream", "usage"};
-    RequestError (OpenAI's status and wording) for what the endpoint refuses: what vLLM's model refuses, a model
-    other than `model`, n > 1, a tool_choice that forces a call, a response format other than text, a logit bias
-    (these three would change what is sampled: the samples must be the policy's), the deprecated functions, audio,
-    content that is not text, a malformed message. temperature, top_p, seed, penalties and vLLM's sampling fields
-    are accepted and ignored: the samples are the run's policy's (rollout.temperature, top_p, top_k)."""
+    """A chat-completions body, read by vLLM's own OpenAI model (ChatCompletionRequest, as its server reads it) ->
+    {"messages", "tools", "max_tokens", "stop", "parse_tools", "logprobs", "top_logprobs", "stream", "usage"};
+    RequestError (OpenAI's status and wording) for what that model refuses, and what would make the samples other
+    than the policy's: n > 1, a forced tool_choice, a response format, a logit bias. Sampling fields (temperature,
+    top_p, seed, penalties) are ignored: the run's settings sample."""
     from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
     from vllm.exceptions import VLLMClientError
 
@@ -738,95 +595,48 @@ def parse_request(body: bytes, model: str) -> dict:
         code = {"tools": "invalid_tools", "messages": "invalid_messages"}.get(str(where).split(".")[0], "invalid")
         raise RequestError(400, f"{where}: {error['msg']}", param=where, code=code) from None
     if parsed.model != model:
-        raise RequestError(
-            404, f"The model `{parsed.model}` does not exist; this endpoint serves `{model}` (GET /v1/models)",
-            param="model", code="model_not_found",
-        )  # fmt: skip
-    extra, kind = parsed.model_extra or {}, getattr(parsed.response_format, "type", "text")
-    refused = {  # key: (refused, why)
-        "n": (
-            parsed.n not in (None, 1),
-            f"n = {parsed.n}: one completion per request (an episode's calls are its samples)",
-        ),
-        "tool_choice": (parsed.tool_choice not in ("auto", "none"), f"{parsed.tool_choice!r}: accepted auto, none"),
-        "response_format": (kind != "text", f"{kind!r}: text only (a format would constrain the sampling)"),
-        "logit_bias": (
-            bool(parsed.logit_bias),
-            "a logit bias would change what is sampled; the samples are the policy's",
-        ),
-        "functions": (bool(extra.get("functions")), "deprecated in the API: send tools"),
-        "function_call": (bool(extra.get("function_call")), "deprecated in the API: send tools and tool_choice"),
-        "audio": (bool(extra.get("audio")), "text only"),
-        "modalities": (extra.get("modalities") not in (None, ["text"]), "text only"),
-    }
-    for key, (on, why) in refused.items():
-        if on:
-            raise RequestError(400, f"{key}: {why}", param=key, code="unsupported")
+        raise RequestError(404, f"The model `{parsed.model}` does not exist; this endpoint serves `{model}` (GET "
+                           "/v1/models)", param="model", code="model_not_found")  # fmt: skip
+    kind = getattr(parsed.response_format, "type", "text")
     top, stop = parsed.top_logprobs or 0, [parsed.stop] if isinstance(parsed.stop, str) else parsed.stop or None
     max_tokens = next((m for m in (parsed.max_completion_tokens, vars(parsed)["max_tokens"]) if m is not None), None)
-    if not parsed.messages:
-        raise RequestError(400, "messages: a non-empty list of messages", param="messages", code="invalid_messages")
-    invalid = {  # key: (invalid, the accepted values)
-        "top_logprobs": (not 0 <= top <= 20, f"{top}: an integer 0-20, with logprobs true"),
-        "stop": (stop is not None and not all(stop), "non-empty strings"),
-        "max_tokens": (max_tokens is not None and max_tokens < 1, f"{max_tokens}: an integer >= 1"),
-    }
-    for key, (on, accepted) in invalid.items():
+    refused = {  # key: (refused, why[, code: else unsupported])
+        "n": (parsed.n not in (None, 1), f"{parsed.n}: one completion per request (an episode's calls are its samples)"),
+        "tool_choice": (parsed.tool_choice not in ("auto", "none"), f"{parsed.tool_choice!r}: accepted auto, none"),
+        "response_format": (kind != "text", f"{kind!r}: text only (a format would constrain the sampling)"),
+        "logit_bias": (bool(parsed.logit_bias), "it would change what is sampled; the samples are the policy's"),
+        "messages": (not parsed.messages, "a non-empty list of messages", "invalid_messages"),
+        "top_logprobs": (not 0 <= top <= 20, f"{top}: an integer 0-20, with logprobs true", "invalid"),
+        "stop": (stop is not None and not all(stop), "non-empty strings", "invalid"),
+        "max_tokens": (max_tokens is not None and max_tokens < 1, f"{max_tokens}: an integer >= 1", "invalid"),
+    }  # fmt: skip
+    for key, (on, why, *code) in refused.items():
         if on:
-            raise RequestError(400, f"{key}: {accepted}", param=key, code="invalid")
+            raise RequestError(400, f"{key}: {why}", param=key, code=(code or ["unsupported"])[0])
     tools = raw.get("tools") or None  # as sent: the template renders what the agent wrote
-    return {
-        "messages": [template_message(m, i) for i, m in enumerate(raw["messages"])],
-        "tools": tools,
-        "max_tokens": max_tokens,
-        "stop": stop,
-        "parse_tools": tools is not None and parsed.tool_choice != "none",
-        "logprobs": bool(parsed.logprobs),
-        "top_logprobs": top,
-        "stream": bool(parsed.stream),
-        "usage": bool(parsed.stream and parsed.stream_options and parsed.stream_options.include_usage),
-    }
+    return {"messages": [template_message(m, i) for i, m in enumerate(raw["messages"])], "tools": tools,
+            "max_tokens": max_tokens, "stop": stop, "parse_tools": tools is not None and parsed.tool_choice != "none",
+            "logprobs": bool(parsed.logprobs), "top_logprobs": top, "stream": bool(parsed.stream),
+            "usage": bool(parsed.stream and parsed.stream_options and parsed.stream_options.include_usage)}  # fmt: skip
 
 
-def template_message(message, index: int = 0) -> dict:
-    """One OpenAI message as chat templates read it (vLLM's OpenAI server's conversion): content a string (text parts
-    joined by newlines; null: ""), "developer" as "system", tool calls' arguments parsed from their JSON string (a
-    template writes them as JSON again); tool_call_id and name kept. RequestError for anything else."""
-    where = f"messages[{index}]"
-    if not isinstance(message, dict) or message.get("role") not in ROLES:
-        raise RequestError(400, f"{where}: a message with a role of {', '.join(ROLES)}", param=where, code="invalid")
-    content = message.get("content")
+def template_message(message: dict, index: int = 0) -> dict:
+    """One message (as vLLM's model validated it) as chat templates read it (vLLM's server's conversion): content a
+    string (text parts joined by newlines; null: ""), "developer" as "system", tool calls' arguments parsed;
+    tool_call_id and name kept. RequestError for another role or content."""
+    content, where = message.get("content"), f"messages[{index}]"
     if isinstance(content, list):
         if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in content):
             raise RequestError(400, f"{where}: only text content parts", param=where, code="unsupported_content")
         content = "\n".join(p["text"] for p in content)
-    if content is not None and not isinstance(content, str):
-        raise RequestError(
-            400, f"{where}: content must be a string or a list of text parts", param=where, code="invalid"
-        )
+    if message["role"] not in ROLES:
+        raise RequestError(400, f"{where}: a message with a role of {', '.join(ROLES)}", param=where, code="invalid")
     out = {"role": "system" if message["role"] == "developer" else message["role"], "content": content or ""}
-    calls = message.get("tool_calls") or []
-    if not isinstance(calls, list) or not all(isinstance(c, dict) and isinstance(c.get("function"), dict)
-                                              and isinstance(c["function"].get("name"), str) for c in calls):  # fmt: skip
-        raise RequestError(400, f"{where}: malformed tool_calls", param=where, code="invalid")
-    if calls:
-        out["tool_calls"] = [{"id": c.get("id"), "type": "function", "function": {"name": c["function"]["name"],
-                              "arguments": _arguments(c["function"].get("arguments"))}} for c in calls]  # fmt: skip
-    for key in ("tool_call_id", "name"):
-        if isinstance(message.get(key), str):
-            out[key] = message[key]
-    return out
-
-
-def _arguments(arguments):
-    """A tool call's arguments for the template: the JSON string parsed (as vLLM does), or as sent if not JSON;
-    '{"expression": "1+2"}' -> {"expression": "1+2"}."""
-    if isinstance(arguments, str):
-        try:
-            return json.loads(arguments)
-        except (ValueError, RecursionError):  # RecursionError: nested past Python's depth
-            return arguments
-    return arguments if arguments is not None else {}
+    for c in message.get("tool_calls") or []:  # the arguments parsed from their JSON (as sent when not JSON)
+        with contextlib.suppress(ValueError, RecursionError):  # RecursionError: nested past Python's depth
+            c = {**c, "function": {**c["function"], "arguments": json.loads(c["function"]["arguments"])}}
+        out.setdefault("tool_calls", []).append({"id": c["id"], "type": "function", "function": c["function"]})
+    return {**out, **{key: message[key] for key in ("tool_call_id", "name") if isinstance(message.get(key), str)}}
 
 
 def normalised(message: dict) -> tuple:
@@ -837,100 +647,42 @@ def normalised(message: dict) -> tuple:
     return message["role"], message.get("content") or "", calls, message.get("tool_call_id"), message.get("name")
 
 
-# --------------------------------------------------------------------------------- tokens in, tokens out
-def render(tokenizer, messages: list[dict], tools: list | None, template_kwargs: dict | None) -> list[int]:
-    """Messages (and tools) -> prompt ids: the chat template with add_generation_prompt (rollout.render_prompt),
-    tokenised without adding special tokens: a template that writes the BOS gets one, never two."""
-    return tokenizer(render_text(tokenizer, messages, tools, template_kwargs), add_special_tokens=False)["input_ids"]
-
-
-def render_text(tokenizer, messages: list[dict], tools: list | None, template_kwargs: dict | None) -> str:
-    """The chat template's text of messages (and tools) with the generation prompt; RequestError when the template
-    cannot render them."""
-    try:
-        return tokenizer.apply_chat_template(
-            messages, tools=tools, add_generation_prompt=True, tokenize=False, **(template_kwargs or {})
-        )
-    except Exception as e:  # jinja's errors, a template's raise_exception, a type it cannot add
-        message = str(e).splitlines()[0] if str(e) else type(e).__name__
-        raise RequestError(
-            400, f"the chat template cannot render the request: {message}", code="template_error"
-        ) from None
-
-
-def render_after_assistant(tokenizer, messages: list[dict], tools, template_kwargs, cut=None) -> list[int] | None:
-    """The ids that follow an assistant turn (which ends with eos) for the messages after it, through the next
-    generation prompt: the chat template's text for [user, assistant, *messages], from the eos after the assistant's
-    content on (its first `cut` characters), tokenised once (multi_turn.tool_response_ids, for any messages). None
-    when the template does not end an assistant turn with eos (the call is then rendered from scratch)."""
-    marker = "flatgrpo-assistant-turn"
-    history = [{"role": "user", "content": "x"}, {"role": "assistant", "content": marker}, *messages]
-    text = render_text(tokenizer, history, tools, template_kwargs)
-    end = text.find(tokenizer.eos_token, text.find(marker) + len(marker))
-    if marker not in text or end < 0:
-        return None
-    return tokenizer(text[end + len(tokenizer.eos_token) :][:cut], add_special_tokens=False)["input_ids"]
-
-
 def assistant_message(text: str, finish: str, parse_tools: bool, special_tokens: list[str], call_ids="call") -> dict:
-    """The choice a call returns: {"message": {"role", "content", "tool_calls"?}, "finish_reason"}. text: the sampled
-    ids decoded with their special tokens, without the eos that ended them. With tools (tool_choice not none), Hermes
-    calls (multi_turn.parse_tool_calls) become tool_calls as vLLM's hermes parser makes them: content the text before
-    the first <tool_call> (null if none), finish_reason "tool_calls", each call's id call_ids + "_<i>"; a call that
-    does not parse leaves the whole text as content, unparsed. Special tokens are left out of the content (vLLM's
-    skip_special_tokens)."""
+    """{"message": {"role", "content", "tool_calls"?}, "finish_reason"} of the sampled text (with its special tokens,
+    left out of the content; without the eos). With tools (tool_choice not none), Hermes calls (multi_turn's parser)
+    become tool_calls as vLLM's hermes parser makes them: content the text before the first <tool_call> (null if
+    none), finish_reason "tool_calls", ids call_ids + "_<i>"; a call that does not parse leaves all as content."""
     calls = multi_turn.parse_tool_calls(text) if parse_tools else []
     for token in special_tokens:
         text = text.replace(token, "")
     if not calls or any("error" in c for c in calls):
         return {"message": {"role": "assistant", "content": text}, "finish_reason": finish}
-    content = text[: text.find("<tool_call>")]
-    tool_calls = [
-        {"id": f"{call_ids}_{i}", "type": "function",
-         "function": {"name": c["name"], "arguments": json.dumps(c["arguments"], ensure_ascii=False)}}
-        for i, c in enumerate(calls)
-    ]  # fmt: skip
-    finish = "tool_calls" if finish == "stop" else finish
-    return {
-        "message": {"role": "assistant", "content": content or None, "tool_calls": tool_calls},
-        "finish_reason": finish,
-    }
+    tool_calls = [{"id": f"{call_ids}_{i}", "type": "function",
+                   "function": {"name": c["name"], "arguments": json.dumps(c["arguments"], ensure_ascii=False)}}
+                  for i, c in enumerate(calls)]  # fmt: skip
+    message = {"role": "assistant", "content": text[: text.find("<tool_call>")] or None, "tool_calls": tool_calls}
+    return {"message": message, "finish_reason": "tool_calls" if finish == "stop" else finish}
 
 
 # ------------------------------------------------------------------------------------ the episodes' workers
 def episode_workers(settings: dict) -> multi_turn.WorkerPool:
-    """The rank's episode workers (multi_turn.WorkerPool: the tool pool's design), rollout.agent.num_workers of them,
-    each episode within rollout.agent.timeout: `python agent.py --serve-episodes [path, name, command]`
-    (serve_episodes). An agent file's worker imports it once and runs one episode after another; a command's runs
-    one, then is killed with whatever the command left running."""
+    """The rank's episode workers (multi_turn.WorkerPool), each episode within rollout.agent.timeout: an agent file's
+    imports it once, then runs episodes; a command's runs one, then is killed with what the command left running."""
     served = json.dumps([settings["path"], settings["name"], settings["command"]])
-    what = (
-        f"rollout.agent.command {settings['command']!r}"
-        if settings["command"]
-        else f"rollout.agent.path {settings['path']}"
-    )
-    return multi_turn.WorkerPool(
-        [sys.executable, os.path.abspath(__file__), "--serve-episodes", served],
-        workers=settings["num_workers"],
-        timeout=settings["timeout"],
-        where=f"{what}: a worker",
-        keys=("reward", "error"),
-        reuse=not settings["command"],
-    )
+    return multi_turn.WorkerPool([sys.executable, os.path.abspath(__file__), "--serve-episodes", served],
+                                 workers=settings["num_workers"], timeout=settings["timeout"], where="an episode worker",
+                                 keys=("reward", "error"), reuse=not settings["command"])  # fmt: skip
 
 
 def serve_episodes(path: str | None, name: str, command: str | None) -> None:
-    """An episode worker (WorkerPool): loads the agent (load_episode, or a command's runner: run_command), says
-    {"ready": true}, then runs each episode read as a JSON line {"id", "episode", "base_url", "row"} and answers
-    {"id", "reward" (a float, or None: the run's scorer decides), "error" (None, or what went wrong)}, with
-    OPENAI_BASE_URL and OPENAI_API_KEY set for it. A process the episode forked that returns from it ends there,
-    silently: only the worker answers, and only it reads the next job. SIGTERM and SIGINT do nothing here (the rank
-    decides when the run stops; the worker is killed with SIGKILL); what the agent starts gets their default
-    handling back."""
+    """An episode worker (`python agent.py --serve-episodes '[path, name, command]'`): loads the agent, says {"ready":
+    true}, then runs each episode ({"id", "episode", "base_url", "row"}, OPENAI_BASE_URL and OPENAI_API_KEY set) and
+    answers {"id", "reward" (None: the run's scorer decides), "error"}. A process the episode forked that returns from
+    it ends there, silently. SIGTERM and SIGINT do nothing here: the rank decides when the run stops."""
     jobs, answers = multi_turn.worker_pipes()
     worker = os.getpid()
     for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, _ignore)  # a handler, not SIG_IGN, which the agent's subprocesses would inherit
+        signal.signal(sig, lambda *_: None)  # a handler, not SIG_IGN, which the agent's subprocesses would inherit
     try:
         run = run_command(command) if command else run_function(load_episode(path, name))
     except (AgentError, ImportError) as e:
@@ -954,11 +706,11 @@ def run_function(function):
     episode's URL (no retries: a refused request raises at once) and the row, and returns a finite number."""
     import openai
 
-    clients = [openai.OpenAI(base_url="http://127.0.0.1", api_key=API_KEY, max_retries=0)]  # its connections reused
+    clients = []  # one client, its connections reused (a new one if an episode closed it)
 
     def run(job: dict) -> tuple:
-        if clients[0].is_closed():  # an episode closed its client
-            clients[0] = openai.OpenAI(base_url="http://127.0.0.1", api_key=API_KEY, max_retries=0)
+        if not clients or clients[0].is_closed():
+            clients[:] = [openai.OpenAI(base_url="http://127.0.0.1", api_key=API_KEY, max_retries=0)]
         try:
             reward = function(clients[0].with_options(base_url=job["base_url"]), job["row"])
         except BaseException as e:  # SystemExit and KeyboardInterrupt too: the episode failed, the worker goes on
@@ -971,64 +723,37 @@ def run_function(function):
 
 
 def run_command(command: str):
-    """run(job) -> (reward, error) of rollout.agent.command: the command (/bin/sh) with the row as one JSON line on
-    its stdin and in the file $FLATGRPO_ROW; its reward is what it prints, a number (nothing: None, the run's
-    scorer's). Exiting non-zero, or printing anything else, is an error. Its output is read as it comes (the first
-    4 KiB of stdout kept, the last line of stderr), so that no amount of it can fill this process."""
+    """run(job) -> (reward, error) of rollout.agent.command, run by /bin/sh with the row as one JSON line on its
+    stdin and in the file $FLATGRPO_ROW. Its reward is all it prints, a number; nothing: None (the run's scorer's).
+    Exiting non-zero (its stderr's last line says why) or printing anything else is an error. Its output is read
+    until its stdout closes (what it left running may hold it), the first 4 KiB kept; its stderr's last 4 KiB."""
 
     def run(job: dict) -> tuple:
-        with tempfile.NamedTemporaryFile("w+", suffix=".json") as row:
+        with tempfile.NamedTemporaryFile("w+", suffix=".json") as row, tempfile.TemporaryFile() as err:
             row.write(json.dumps(job["row"], default=str) + "\n")
             row.flush()
             row.seek(0)
-            process = subprocess.Popen(command, shell=True, stdin=row, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+            process = subprocess.Popen(command, shell=True, stdin=row, stdout=subprocess.PIPE, stderr=err,
                                        env={**os.environ, "FLATGRPO_ROW": row.name})  # fmt: skip
-            out, err = _outputs(process)
-        printed = out.decode("utf-8", "replace").strip()
-        if process.returncode:
-            last = err.decode("utf-8", "replace").strip().splitlines()[-1:] or [""]
-            return None, f"exited with status {process.returncode}: {last[0][:300]}".rstrip(": ")
-        try:
-            reward = float(printed) if printed else None
-        except ValueError:
-            reward = math.nan
-        if reward is not None and not math.isfinite(reward):
-            return None, f"printed {printed[:200]!r}, not a reward (a number, or nothing: the run's scorer)"
-        return reward, None
+            printed = process.stdout.read(4096).decode("utf-8", "replace").strip()
+            while process.stdout.read(1 << 16):  # the rest, dropped
+                pass
+            err.seek(max(0, err.seek(0, 2) - 4096))
+            said = (err.read().decode("utf-8", "replace").strip().splitlines() or [""])[-1][:300]
+        if process.wait():
+            return None, f"exited with status {process.returncode}" + (f": {said}" if said else "")
+        with contextlib.suppress(ValueError):
+            if not printed or math.isfinite(float(printed)):  # nothing, or a number
+                return float(printed) if printed else None, None
+        return None, f"printed {printed[:200]!r}, not a reward (a number, or nothing: the run's scorer)"
 
     return run
-
-
-def _outputs(process: subprocess.Popen, keep: int = 4096) -> tuple[bytes, bytes]:
-    """What a process writes until it ends: the first `keep` bytes of its stdout and the last of its stderr (what
-    a process it left running writes later is not waited for)."""
-    kept = {process.stdout.fileno(): b"", process.stderr.fileno(): b""}
-    with selectors.DefaultSelector() as selector:
-        for fd in kept:
-            selector.register(fd, selectors.EVENT_READ)
-        while selector.get_map() and (process.poll() is None or selector.select(0)):
-            for key, _ in selector.select(0.1):
-                chunk = os.read(key.fd, 1 << 16)
-                if not chunk:
-                    selector.unregister(key.fd)
-                elif key.fd == process.stdout.fileno():
-                    kept[key.fd] = (kept[key.fd] + chunk)[:keep]
-                else:
-                    kept[key.fd] = (kept[key.fd] + chunk)[-keep:]
-    process.wait()
-    return kept[process.stdout.fileno()], kept[process.stderr.fileno()]
 
 
 def load_episode(path: str, name: str):
     """The agent file's function `name`, taking (client, row); AgentError (one line) otherwise."""
     where = f"rollout.agent.path {path}"
-    spec = importlib.util.spec_from_file_location("_flatgrpo_agent", path)
-    module = importlib.util.module_from_spec(spec)
-    try:
-        spec.loader.exec_module(module)
-    except BaseException as e:  # SystemExit too: a file that exits at import does not import
-        raise AgentError(f"{where}: importing it raised {type(e).__name__}: {e}") from None
-    function = getattr(module, name, None)
+    function = getattr(multi_turn.load_file(path, where, AgentError), name, None)
     if not callable(function):
         raise AgentError(f"{where}: defines no function {name!r} (rollout.agent.name)")
     try:
@@ -1036,10 +761,6 @@ def load_episode(path: str, name: str):
     except (TypeError, ValueError):
         raise AgentError(f"{where}: {name}() must take two arguments, (client, row)") from None
     return function
-
-
-def _ignore(signum, frame) -> None:
-    pass
 
 
 if __name__ == "__main__":  # an episode worker: python agent.py --serve-episodes '[path, name, command]'

@@ -43,6 +43,7 @@ import signal
 import subprocess
 import sys
 import time
+import types
 from dataclasses import dataclass, field
 
 TOOL_CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)  # veRL's HermesToolParser
@@ -161,14 +162,7 @@ def tool_functions(function_tool_path: str | None) -> dict:
     if function_tool_path is None:
         return {"calculator": calculator}
     where = f"rollout.multi_turn.function_tool_path {function_tool_path}"
-    if not os.path.isfile(function_tool_path):
-        raise ToolSetupError(f"{where}: no such file")
-    spec = importlib.util.spec_from_file_location("_flatgrpo_tools", function_tool_path)
-    module = importlib.util.module_from_spec(spec)
-    try:
-        spec.loader.exec_module(module)
-    except BaseException as e:  # SystemExit too: a file that exits at import is a file that does not import
-        raise ToolSetupError(f"{where}: importing it raised {type(e).__name__}: {e}") from None
+    module = load_file(function_tool_path, where, ToolSetupError)
     tools = {
         name: fn
         for name, fn in vars(module).items()
@@ -177,6 +171,20 @@ def tool_functions(function_tool_path: str | None) -> dict:
     if not tools:
         raise ToolSetupError(f"{where}: defines no public function (a tool is a plain function, as the calculator)")
     return tools
+
+
+def load_file(path: str, where: str, error: type) -> types.ModuleType:
+    """A Python file imported as a module; error(one line, `where` first) when it is missing or its import raises
+    (SystemExit too: a file that exits at import is a file that does not import)."""
+    if not os.path.isfile(path):
+        raise error(f"{where}: no such file")
+    spec = importlib.util.spec_from_file_location("_flatgrpo_" + os.path.basename(path).split(".")[0], path)
+    module = importlib.util.module_from_spec(spec)
+    try:
+        spec.loader.exec_module(module)
+    except BaseException as e:
+        raise error(f"{where}: importing it raised {type(e).__name__}: {e}") from None
+    return module
 
 
 @functools.cache
@@ -558,23 +566,32 @@ def truncate(text: str, max_chars: int, side: str) -> str:
 # ------------------------------------------------------------------------------------- tokens in, tokens out
 def tool_response_ids(tokenizer, responses: list[str], schemas: list[dict], template_kwargs: dict | None) -> list[int]:
     """The token ids that follow an assistant turn (which ends with eos) for its tool messages, up to and including
-    the next assistant header: the chat template's text for [user, assistant, tool, tool, ...] with the generation
-    prompt, from the eos after the assistant's content on, tokenised once. Qwen2.5: ["8"] ->
-    "\\n<|im_start|>user\\n<tool_response>\\n8\\n</tool_response><|im_end|>\\n<|im_start|>assistant\\n". Only the text
-    after the assistant turn is read, so a template that renders an earlier assistant turn differently (Qwen3 drops
-    the empty <think> block of a turn before the last) gives the same ids."""
-    marker = "flatgrpo-assistant-turn"
-    messages = [{"role": "user", "content": "x"}, {"role": "assistant", "content": marker}]
-    messages += [{"role": "tool", "content": r} for r in responses]
-    after = tokenizer.apply_chat_template(
-        messages, tools=schemas, add_generation_prompt=True, tokenize=False, **(template_kwargs or {})
-    )
-    end = after.find(tokenizer.eos_token, after.find(marker) + len(marker))
-    if marker not in after or end < 0:
+    the next assistant header (ids_after_assistant). Qwen2.5: ["8"] ->
+    "\\n<|im_start|>user\\n<tool_response>\\n8\\n</tool_response><|im_end|>\\n<|im_start|>assistant\\n"."""
+    ids = ids_after_assistant(tokenizer, [{"role": "tool", "content": r} for r in responses], schemas, template_kwargs)
+    if ids is None:
         raise ToolSetupError(
             f"multi-turn: the chat template does not end an assistant turn with the eos token {tokenizer.eos_token!r}"
         )
-    return tokenizer(after[end + len(tokenizer.eos_token) :], add_special_tokens=False)["input_ids"]
+    return ids
+
+
+def ids_after_assistant(tokenizer, messages: list[dict], tools, template_kwargs, cut: int | None = None) -> list | None:
+    """The token ids that follow an assistant turn (which ends with eos) for the messages after it, through the next
+    generation prompt: the chat template's text for [user, assistant, *messages] with the generation prompt, from the
+    eos after the assistant's content on (its first `cut` characters), tokenised once; None when the template does
+    not end an assistant turn with eos. Only the text after the assistant turn is read, so a template that renders
+    an earlier assistant turn differently (Qwen3 drops the empty <think> block of a turn before the last) gives the
+    same ids. What the template raises is raised."""
+    marker = "flatgrpo-assistant-turn"
+    history = [{"role": "user", "content": "x"}, {"role": "assistant", "content": marker}, *messages]
+    after = tokenizer.apply_chat_template(
+        history, tools=tools, add_generation_prompt=True, tokenize=False, **(template_kwargs or {})
+    )
+    end = after.find(tokenizer.eos_token, after.find(marker) + len(marker))
+    if marker not in after or end < 0:
+        return None
+    return tokenizer(after[end + len(tokenizer.eos_token) :][:cut], add_special_tokens=False)["input_ids"]
 
 
 def parse_tool_calls(text: str) -> list[dict]:

@@ -104,7 +104,9 @@ def test_a_request_is_read_as_openai_sends_it_and_refused_as_openai_refuses():
     assert agent.parse_request(body(max_completion_tokens=5, stop="\n"), MODEL)["stop"] == ["\n"]
     asked = agent.parse_request(body(logprobs=True, top_logprobs=3, response_format={"type": "text"}), MODEL)
     assert (asked["logprobs"], asked["top_logprobs"]) == (True, 3)
-    plain = agent.parse_request(body(logit_bias={}, modalities=["text"], parallel_tool_calls=False), MODEL)
+    plain = agent.parse_request(
+        body(logit_bias={}, modalities=["text", "audio"], parallel_tool_calls=False, functions=[{"name": "f"}]), MODEL
+    )  # fields vLLM's model ignores: ignored
     assert (plain["logprobs"], plain["top_logprobs"]) == (False, 0)
     deep = "[" * 100_000 + "]" * 100_000  # tool call arguments nested past Python's recursion limit: kept as sent
     nested = [*messages[:2], {"role": "assistant",
@@ -131,9 +133,7 @@ def test_a_request_is_read_as_openai_sends_it_and_refused_as_openai_refuses():
         b"[" * 100_000 + b"]" * 100_000: (400, "invalid_json"),  # nested past Python's recursion limit
         body(response_format="json"): (400, "invalid"),
         body(tools=[1, "calculator"]): (400, "invalid_tools"),
-        body(functions=[{"name": "f", "parameters": {}}]): (400, "unsupported"),
         body(logit_bias={"5": -100}): (400, "unsupported"),
-        body(modalities=["text", "audio"]): (400, "unsupported"),
         body(top_logprobs=2): (400, "invalid"),  # without logprobs: true
         body(logprobs=[1]): (400, "invalid"),
         body(top_logprobs=21, logprobs=True): (400, "invalid"),
@@ -244,7 +244,6 @@ def test_the_endpoint_answers_what_it_refuses_and_a_late_request_changes_no_outc
     for _ in range(2):
         request = agent.parse_request(body(messages=messages, tools=[tiny.CALCULATOR_SCHEMA]), MODEL)
         call = {"episode": ep, "request": request, "plan": ep.plan(request, tokenizer, LIMITS)}
-        ep.settle(call["plan"], request, LIMITS)
         call["done"] = threading.Event()
         endpoint._finish(call, sampled, [-0.5] * len(sampled), "stop", call_text)
         message = endpoint._reply(call)["choices"][0]["message"]
@@ -326,14 +325,17 @@ def test_hermes_calls_become_tool_calls_as_vllms_parser_makes_them():
 
 def test_the_ids_between_two_calls_are_the_templates_and_multi_turns(tokenizer):
     """Tool messages after an assistant turn: the ids multi_turn.tool_response_ids appends (the text after the turn's
-    eos, through the next generation prompt), whatever the tool_call_id; a user follow-up as the template writes it."""
+    eos, through the next generation prompt, written out here for one), whatever the tool_call_id; a user follow-up
+    as the template writes it; a cut text gives the first of those ids."""
     schemas = [tiny.CALCULATOR_SCHEMA]
     tools = [{"role": "tool", "tool_call_id": "call_0", "content": "8"}, {"role": "tool", "content": "9"}]
-    assert agent.render_after_assistant(tokenizer, tools, schemas, None) == multi_turn.tool_response_ids(
-        tokenizer, ["8", "9"], schemas, None
-    )
-    user = agent.render_after_assistant(tokenizer, [{"role": "user", "content": "Sure?"}], schemas, None)
+    after = multi_turn.ids_after_assistant
+    assert after(tokenizer, tools, schemas, None) == multi_turn.tool_response_ids(tokenizer, ["8", "9"], schemas, None)
+    one = tokenizer.decode(after(tokenizer, tools[:1], schemas, None))
+    assert one == "\n<|im_start|>user\n<tool_response>\n8\n</tool_response><|im_end|>\n<|im_start|>assistant\n"
+    user = after(tokenizer, [{"role": "user", "content": "Sure?"}], schemas, None)
     assert tokenizer.decode(user) == "\n<|im_start|>user\nSure?<|im_end|>\n<|im_start|>assistant\n"
+    assert tokenizer.decode(after(tokenizer, [{"role": "user", "content": "Sure?"}], schemas, None, 12)) == one[:12]
 
 
 LIMITS = {
@@ -346,10 +348,8 @@ LIMITS = {
 
 
 def answered(ep: agent.Episode, request: dict, tokenizer, sampled: list[int]) -> tuple[dict, dict]:
-    """Plan, settle and record one call of ep as the endpoint does, the model having sampled `sampled` (ending with
-    eos)."""
+    """Plan and record one call of ep as the endpoint does, the model having sampled `sampled` (ending with eos)."""
     plan = ep.plan(request, tokenizer, LIMITS)
-    ep.settle(plan, request, LIMITS)
     ep.release(plan)
     text = tokenizer.decode(sampled[:-1])
     answer = agent.assistant_message(text, "stop", request["parse_tools"], tokenizer.all_special_tokens)
@@ -420,7 +420,6 @@ def test_a_call_that_extends_its_history_continues_the_sample_and_one_that_rewri
     long_answer = {"role": "tool", "tool_call_id": "call_0", "content": "1234567890" * 20}  # more than the budget left
     fourth = agent.parse_request(body(messages=[*rewritten, reply["message"], long_answer], tools=schemas), MODEL)
     plan = ep.plan(fourth, tokenizer, LIMITS)
-    ep.settle(plan, fourth, LIMITS)
     assert plan["sample"] is ep.samples[1] and len(plan["appended"]) == 80 - ep.used and plan["max_tokens"] == 0
 
 
@@ -1115,7 +1114,7 @@ def test_every_hostile_episode_ends_with_reward_zero_is_counted_and_the_run_goes
     template cannot render; and one whose worker writes its answer and a second line (kept, the line counted). Each refused request got its OpenAI error (the openai client raised it);
     each episode's rows have reward 0 and say why; the logged agent/* rates are the dump's."""
     root, logged, _, _ = agent_run
-    with open(root / "agents" / "seen.jsonl") as f:
+    with open(root / "run_agents" / "seen.jsonl") as f:
         seen = [json.loads(line) for line in f]
     assert sorted({s["case"] for s in seen}) == sorted([*REASONS, "rewrites", "answer_and_line"])
     for case, (exception, status, code) in SEEN.items():
@@ -1192,7 +1191,7 @@ def test_requests_as_other_agents_write_them_are_served(agent_run):
         for call in s["calls"]:
             assert (s["prompt_ids"] + s["response_ids"])[: len(call["prompt_ids"])] == call["prompt_ids"]
         assert s["prompt_ids"] + s["response_ids"] == s["calls"][-1]["prompt_ids"] + s["calls"][-1]["sampled_ids"]
-    with open(root / "agents" / "shapes.jsonl") as f:
+    with open(root / "engine_agents" / "shapes.jsonl") as f:
         replies = [turn for line in f for turn in json.loads(line)]
     assert all(r["object"] == "chat.completion" and r["id"].startswith("chatcmpl-") for r in replies)
     assert all(r["finish"] in ("stop", "length", "tool_calls") for r in replies)
