@@ -1,8 +1,9 @@
 """Bring your agent: any program that speaks the OpenAI API, trained token for token. Each rank serves an
 OpenAI-compatible endpoint in front of its vLLM engine (vLLM's own request and reply models); the episodes run in
-worker processes (multi_turn.WorkerPool) against it, and every token sampled for them is recorded. veRL's
-RemoteAgentLoop proxy, TRL's rollout_func. Imports the standard library and multi_turn.py (vllm, torch, openai where
-used). docs/features.md, "Bring your agent".
+worker processes (multi_turn.WorkerPool) against it, and every token sampled for them is recorded: a call extending a
+sample's last call continues it token for token, any other starts a new sample (a split). A hostile episode ends with
+reward 0, counted; the run goes on. veRL's RemoteAgentLoop proxy, TRL's rollout_func; docs/features.md, "Bring your
+agent". Imports the standard library and multi_turn.py.
 
     def episode(client, row):  # my_agent.py: client, an openai.OpenAI bound to the episode; returns the reward
         reply = client.chat.completions.create(model=client.models.list().data[0].id, messages=row["prompt"])
@@ -10,17 +11,6 @@ used). docs/features.md, "Bring your agent".
 
     python grpo.py --config tiny.yaml rollout.agent.path=my_agent.py          # grpo.choose_parts: parts(cfg)
     python grpo.py --config tiny.yaml rollout.agent.command="sh examples/gsm8k_calculator_agent.sh"  # any program
-
-A call that extends a sample's last call (its messages, the answer returned, new messages) continues it token for
-token; any other starts a new sample of the episode (a split, agent/split_rate), never aligned by guesswork:
-
-    episode:   call 1                 call 2 (extends call 1)                    call 3 (rewrote history: a split)
-    sample 0:  [prompt 1][sampled 1]  [tool message ids][sampled 2]
-    mask:       ---------  1 1 1 1 1   0 0 0 0 0 0 0 0   1 1 1 1
-    sample 1:                                                                     [prompt 3, rendered][sampled 3]
-
-A hostile episode (raises, exits, hangs past rollout.agent.timeout, floods past rollout.agent.max_requests, gives no
-number, sends what the endpoint refuses) ends with reward 0, counted, and the run goes on.
 """
 
 import contextlib
@@ -31,8 +21,6 @@ import math
 import numbers
 import os
 import re
-import secrets
-import shlex
 import shutil
 import signal
 import socket
@@ -68,8 +56,7 @@ class RequestError(Exception):
 
 # ----------------------------------------------------------------------------------------- the loop's part
 def parts(cfg: dict):
-    """The loop's parts for rollout.agent.path or .command (grpo.choose_parts), after check_settings:
-    scored_samples (an episode of the agent per sample, grpo.sample_and_score's signature) and field_metrics."""
+    """The loop's parts (grpo.choose_parts), after check_settings: scored_samples, field_metrics."""
     check_settings(cfg)
     return SimpleNamespace(scored_samples=sampler(cfg), field_metrics=field_metrics)
 
@@ -78,18 +65,18 @@ def check_settings(cfg: dict) -> None:
     """One line (AgentError) before anything loads: what an agent's run cannot serve, an agent file that does not
     import in a worker or lacks the function, a command whose program does not exist, a port taken."""
     settings, algorithm = cfg["rollout"]["agent"], cfg["algorithm"]
-    refused = {"rollout.multi_turn.enable": cfg["rollout"]["multi_turn"]["enable"],
+    refused = [key for key, on in {"rollout.multi_turn.enable": cfg["rollout"]["multi_turn"]["enable"],
                "custom_reward_function.path": cfg["custom_reward_function"]["path"] and not settings["command"],
                "algorithm.filter_groups.enable": algorithm["filter_groups"]["enable"],
                "reward.overlong_buffer.enable": cfg["reward"]["overlong_buffer"]["enable"],
                "algorithm.use_kl_in_reward": algorithm["use_kl_in_reward"],
                f"algorithm.adv_estimator={algorithm['adv_estimator']}": algorithm["adv_estimator"] != "grpo",
-               "rollout.agent.path with rollout.agent.command": settings["path"] and settings["command"]}  # fmt: skip
-    for key in [key for key, on in refused.items() if on][:1]:
-        raise AgentError(f"config: {key} is not served with an agent (the episodes score themselves, and an episode "
-                         "may give several samples, which only GRPO's advantage groups); set it off")  # fmt: skip
+               "rollout.agent.path and .command": settings["path"] and settings["command"]}.items() if on]  # fmt: skip
+    if refused:
+        raise AgentError(f"config: {refused[0]} is not served with an agent (its episodes score themselves and may "
+                         "give several samples, which only GRPO's advantage groups); set it off")  # fmt: skip
     if settings["command"]:
-        program = (shlex.split(settings["command"]) or [""])[0]
+        program = (settings["command"].split() or [""])[0]
         if shutil.which(program) is None and not os.path.isfile(program):
             raise AgentError(f"rollout.agent.command: no program {program!r} (not on PATH, not a file)")
     elif not os.path.isfile(settings["path"]):
@@ -109,9 +96,8 @@ def check_settings(cfg: dict) -> None:
 
 
 def sampler(cfg: dict):
-    """scored_samples(run, rows, t, *, n, temperature, top_p, top_k, max_tokens, seed) -> (samples, rewards [N],
-    extras): n episodes of each row against this rank's endpoint (started at the first call), each giving samples
-    (AgentSample) with its reward (a command that prints none: run.parts.score's of its last answer)."""
+    """scored_samples(run, rows, t, *, n, ...) -> (samples, rewards [N], extras): n episodes of each row against the
+    rank's endpoint, each giving samples with its reward (a command's printing none: run.parts.score's)."""
     settings, data = cfg["rollout"]["agent"], cfg["data"]
     state = {}
 
@@ -128,7 +114,7 @@ def sampler(cfg: dict):
                          workers=episode_workers(settings))  # fmt: skip
         sampling, version = dict(temperature=temperature, top_p=top_p, top_k=top_k), policy_version(run, rows)
         episodes = [Episode(k, row, budget=max_tokens, seed=seed, stride=len(rows) * n, sampling=sampling,
-                            version=version) for k, row in enumerate(row for row in rows for _ in range(n))]  # fmt: skip
+                            version=version) for k, row in enumerate(r for r in rows for _ in range(n))]  # fmt: skip
         run_episodes(state["endpoint"], episodes, state["workers"])
         score = lambda row, text: run.parts.score(row, text, run.cfg["reward"])[0]  # noqa: E731
         samples = [s for e in episodes for s in e.finish(state["endpoint"], score)]
@@ -140,9 +126,8 @@ def sampler(cfg: dict):
 
 
 def policy_version(run, rows: list) -> int:
-    """The step whose weights sample these rows (0: model.path's): what rollout ranks hold (run.policy_version: at
-    staleness k, batch s by step s - 1 - j's, j <= k); on the rank's own engine, training batch s (run.gen_cursor =
-    s) by step s - 1's, validation after step s (rows of run.val_rows) by step s's."""
+    """The step whose weights sample these rows: what rollout ranks hold (run.policy_version); on the rank's own
+    engine, step s - 1's for training batch s (run.gen_cursor = s), step s's for validation after step s."""
     if hasattr(run, "policy_version"):
         return run.policy_version
     validating = any(row is rows[0] for row in run.val_rows)
@@ -150,13 +135,11 @@ def policy_version(run, rows: list) -> int:
 
 
 def field_metrics(fields: dict) -> dict:
-    """agent/* over the global batch (metrics.batch_metrics' fields), per episode: error_rate (reward 0 for a failure),
-    timeout_rate, refused_rate (flooding too), split_rate, calls_per_episode, samples_per_episode; dropped_lines: the
-    workers' lines that were no answer (multi_turn.WorkerPool), counted."""
+    """agent/* over the global batch (metrics.batch_metrics' fields), per episode: error_rate (failures),
+    timeout_rate, refused_rate, split_rate, calls_per_episode, samples_per_episode; dropped_lines (no answer)."""
     episodes = max(1, sum(fields["episode_starts"]))
-    rates = {name: sum(fields[f"episode_{key}"]) / episodes for name, key in (("error_rate", "errors"),
-             ("timeout_rate", "timeouts"), ("refused_rate", "refusals"), ("split_rate", "splits"))}  # fmt: skip
-    return {**{f"agent/{name}": rate for name, rate in rates.items()},
+    rates = {"error_rate": "errors", "timeout_rate": "timeouts", "refused_rate": "refusals", "split_rate": "splits"}
+    return {**{f"agent/{name}": sum(fields[f"episode_{key}"]) / episodes for name, key in rates.items()},
             "agent/calls_per_episode": sum(fields["num_calls"]) / episodes,
             "agent/samples_per_episode": len(fields["episode_starts"]) / episodes,
             "agent/dropped_lines": sum(fields["episode_dropped_lines"])}  # fmt: skip
@@ -165,9 +148,8 @@ def field_metrics(fields: dict) -> dict:
 # ------------------------------------------------------------------------------------------------ episodes
 @dataclass
 class AgentSample:
-    """One sample of an episode (rollout.Sample's fields, and the calls it holds): its prompt and every token after
-    it, the sampled ones with mask 1 and vLLM's log-probs, the appended ones (the chat template's ids for the
-    messages between calls) with mask 0 and log-prob 0."""
+    """One sample of an episode (rollout.Sample's fields and its calls): its prompt and every token after it, sampled
+    (mask 1, vLLM's log-probs) or appended (the template's ids for the messages between calls: mask 0, log-prob 0)."""
 
     prompt_ids: list[int]
     episode: int  # i * n + j: episode j of this rank's row i
@@ -175,9 +157,8 @@ class AgentSample:
     response_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     loss_mask: list[int] = field(default_factory=list)
-    calls: list[dict] = field(default_factory=list)  # {"call", "prompt_ids", "sampled_ids", "logprobs", "finish",
-    text: str = ""  # the content of its last call's answer                             "model_version"}
-    truncated: bool = False
+    calls: list[dict] = field(default_factory=list)  # {"call", "prompt_ids", "sampled_ids", "logprobs", "finish", ...}
+    text: str = ""  # the content of its last call's answer
     reward: float = 0.0
     outcome: dict = field(default_factory=dict)  # the episode's: error, timeout, refused, samples, dropped
     history: tuple = ()  # (messages + the answer, normalised; tools) of its last call: what a next call extends
@@ -185,11 +166,11 @@ class AgentSample:
 
     @property
     def fields(self) -> dict:
-        """The batch fields it carries (fsdp_train.add_fields): the loss mask narrows the response mask; its episode;
-        per sample its calls (recorded for the dumps) and the episode's counts (on its first sample)."""
+        """Its batch fields (fsdp_train.add_fields): the loss mask, its episode, its calls, the episode's counts."""
         counted, outcome = int(self.first), self.outcome
         counts = {"starts": 1, "errors": outcome["error"] is not None, "timeouts": outcome["timeout"],
-                  "refusals": outcome["refused"], "splits": outcome["samples"] > 1, "dropped_lines": outcome["dropped"]}  # fmt: skip
+                  "refusals": outcome["refused"], "splits": outcome["samples"] > 1,
+                  "dropped_lines": outcome["dropped"]}  # fmt: skip
         return {"response_mask": ("response", self.loss_mask), "episode": ("row", self.episode),
                 "num_calls": ("row", len(self.calls)), "agent_error": ("row", outcome["error"] or ""),
                 "agent_calls": ("row", self.calls),
@@ -197,13 +178,12 @@ class AgentSample:
 
 
 class Episode:
-    """One episode (k = i * n + j: episode j of row i): its id, in its URL; its samples; each call's tokens, planned on
-    the call's thread, settled and recorded on the engine's, under its lock. Call t is seeded seed + (t - 1) * stride
-    + k (stride: the batch's episodes): multi_turn.generate's seeds. version: the policy version sampling it."""
+    """One episode (k = i * n + j: episode j of row i): its samples; its calls, planned on their threads and recorded
+    on the engine's, under its lock; call t seeded seed + (t - 1) * stride + k, as multi_turn.generate seeds."""
 
     def __init__(self, k: int, row: dict, *, budget: int, seed: int | None, stride: int, sampling: dict, version=0):
         self.k, self.row, self.budget, self.seed, self.stride, self.sampling = k, row, budget, seed, stride, sampling
-        self.id, self.version = f"{k}-{secrets.token_hex(8)}", version  # unguessable: none can address another's
+        self.id, self.version = f"{k}-{os.urandom(8).hex()}", version  # unguessable: none can address another's
         self.samples: list[AgentSample] = []
         self.calls = self.planned = self.requests = self.used = self.dropped = 0  # answered, planned; budget used
         self.reward, self.text, self.lock = None, "", threading.RLock()  # text: its last sampled answer's content
@@ -215,11 +195,10 @@ class Episode:
             self.error, self.refused = self.error or error, self.refused or refused
 
     def plan(self, request: dict, tokenizer, limits: dict) -> dict:
-        """The next call: {"sample" (the one it continues, held for it; None: a new one), "appended" (the new messages'
-        ids, cut to the room left), "prompt_ids", "max_tokens" (the budget left, the request's cap, the context),
-        "seed"}. It continues the sample whose last call it extends (the longest such history) unless another call
-        holds it. Renders and tokenises; RequestError for what the template cannot render or the model cannot take,
-        untokenised when its characters exceed the tokens allowed x limits["longest"] (a token's most characters)."""
+        """The next call: {"sample" (the one it continues, held; None: a new one), "appended" (the new messages' ids,
+        cut to the room left), "prompt_ids", "max_tokens", "seed"}: it continues the sample whose last call it extends
+        (the longest), unless another call holds it. RequestError for what the template cannot render or the model
+        cannot take, untokenised when its characters exceed the tokens allowed x limits["longest"] (characters)."""
         messages, tools, kwargs = request["messages"], request["tools"], limits["template_kwargs"]
         seen = [normalised(m) for m in messages]
         with self.lock:
@@ -249,19 +228,19 @@ class Episode:
                 if ids is None or len(ids["input_ids"]) > longest:
                     length = f"{len(text)} characters" if ids is None else f"{len(ids['input_ids'])} tokens"
                     raise RequestError(400, f"This model's maximum context length is {limits['max_model_len']} tokens "
-                                       f"and an episode's first prompt may have {limits['max_prompt_length']} "
-                                       f"(data.max_prompt_length); your messages resulted in {length}, more than "
-                                       f"{longest} tokens", param="messages", code="context_length_exceeded")  # fmt: skip
+                                       f"(a first prompt: data.max_prompt_length {limits['max_prompt_length']}); "
+                                       f"your messages resulted in {length}", "messages",
+                                       "context_length_exceeded")  # fmt: skip
                 plan["prompt_ids"] = ids["input_ids"]
         except Exception as e:  # a RequestError, or what the template raises (jinja's errors, its raise_exception)
             self.release(plan)
             if isinstance(e, RequestError):
                 raise
-            message = str(e).splitlines()[0] if str(e) else type(e).__name__
-            raise RequestError(400, f"the chat template cannot render the request: {message}", code="template_error") from None  # fmt: skip
+            message = f"the chat template cannot render the request: {(str(e) or type(e).__name__).splitlines()[0]}"
+            raise RequestError(400, message, None, "template_error") from None
         with self.lock:
             left = self.budget - self.used - len(plan["appended"])
-        plan["max_tokens"] = min(left, request["max_tokens"] or left, limits["max_model_len"] - len(plan["prompt_ids"]))  # fmt: skip
+        plan["max_tokens"] = min(left, request["max_tokens"] or left, limits["max_model_len"] - len(plan["prompt_ids"]))
         return plan
 
     def release(self, plan: dict) -> None:  # the call no longer holds the sample it continues
@@ -270,8 +249,8 @@ class Episode:
                 held.in_flight -= 1
 
     def record(self, request: dict, plan: dict, sampled: list[int], logprobs: list[float], answer: dict) -> None:
-        """Call plan's tokens into its sample (a new one unless it continues one), and the call as the sample's history
-        that a next call may extend. answer: the assistant message returned, with its finish reason."""
+        """Call plan's tokens into its sample (a new one unless it continues one), and the call (with the answer
+        returned) as the sample's history, which a next call may extend."""
         with self.lock:
             self.calls += 1
             sample = plan["sample"]
@@ -282,7 +261,7 @@ class Episode:
                 sample.response_ids += plan["appended"] + sampled
                 sample.logprobs += [0.0] * len(plan["appended"]) + logprobs
                 sample.loss_mask += [0] * len(plan["appended"]) + [1] * len(sampled)
-                sample.text, sample.truncated = answer["message"]["content"] or "", answer["finish_reason"] == "length"
+                sample.text = answer["message"]["content"] or ""
                 sample.calls.append({"call": self.calls, "prompt_ids": plan["prompt_ids"], "sampled_ids": sampled,
                                      "logprobs": logprobs, "finish": answer["finish_reason"],
                                      "model_version": self.version})  # fmt: skip
@@ -292,26 +271,23 @@ class Episode:
             self.text = sample.text if sampled else self.text
 
     def end(self, answer: dict) -> None:
-        """Its worker's answer (multi_turn.WorkerPool's): a reward (None: a command that printed none) or an error,
-        or a timeout or the worker's end (failures); the lines of its worker that were no answer, counted."""
+        """Its worker's answer (a reward, None: the run's scorer's; an error; a timeout; the worker's end)."""
         with self.lock:
             self.over, self.dropped, self.reward = True, answer["dropped"], answer.get("reward")
+            self.timeout = answer.get("timeout", False)
             if "failed" in answer:
-                self.timeout = answer["timeout"]
                 self.fail(f"timed out: {answer['failed']} (rollout.agent.timeout)" if self.timeout else
                           f"exited: {answer['failed']}")  # fmt: skip
             elif answer["error"] is not None or not isinstance(answer["reward"], (float, type(None))):
                 self.fail(str(answer["error"] or f"its worker answered {str(answer)[:200]}"))
 
     def finish(self, endpoint: "Endpoint", score) -> list[AgentSample]:
-        """The episode's samples, each with its reward (0 after a failure; score(row, text) of its last sampled
-        answer when it gave none) and its outcome; an episode that called nothing gets one sample without a
-        response (its row's prompt, as rollout.render_prompt renders it), so that it still counts in its group."""
-        if not self.samples:
-            text = endpoint.tokenizer.apply_chat_template(self.row["prompt"], add_generation_prompt=True, tokenize=False,
-                                                          **(endpoint.limits["template_kwargs"] or {}))  # fmt: skip
-            prompt = endpoint.tokenizer(text, add_special_tokens=False)["input_ids"]
-            self.samples.append(AgentSample(prompt_ids=prompt, episode=self.k, first=True))
+        """Its samples (one without a call: its prompt), each with its reward (0 after a failure; score(row, text) of
+        its last sampled answer when it gave none) and its outcome."""
+        if not self.samples:  # its row's prompt as rollout.render_prompt renders it (no special tokens added)
+            kwargs = endpoint.limits["template_kwargs"] or {}
+            prompt = endpoint.tokenizer.apply_chat_template(self.row["prompt"], add_generation_prompt=True, **kwargs)
+            self.samples.append(AgentSample(prompt_ids=prompt["input_ids"], episode=self.k, first=True))
         reward = 0.0 if self.error is not None else self.reward
         reward = score(self.row, self.text) if reward is None else reward
         outcome = {"error": self.error, "timeout": self.timeout, "refused": self.refused, "samples": len(self.samples),
@@ -323,10 +299,10 @@ class Episode:
 
 # ------------------------------------------------------------------------------------------ the endpoint
 def run_episodes(endpoint: "Endpoint", episodes: list[Episode], workers: multi_turn.WorkerPool) -> None:
-    """Every episode run in the workers until each has ended (its worker's answer, a timeout, its end); meanwhile
-    this thread, the engine's, takes the planned calls when woken (endpoint.serve) and steps the engine."""
+    """The episodes run by the workers until each ends, this thread (the engine's) serving their calls meanwhile."""
     endpoint.open(episodes)
-    jobs = {workers.submit({"episode": e.id, "base_url": endpoint.url(e), "row": e.row}): e for e in episodes}
+    url = f"http://127.0.0.1:{endpoint.port}/{{}}/v1"  # the episode's id in its URL
+    jobs = {workers.submit({"episode": e.id, "base_url": url.format(e.id), "row": e.row}): e for e in episodes}
     try:
         while jobs:
             for job, answer in workers.poll(0.0 if endpoint.running else None, wake=endpoint.wake_read):
@@ -339,8 +315,7 @@ def run_episodes(endpoint: "Endpoint", episodes: list[Episode], workers: multi_t
 
 
 class Endpoint:
-    """An OpenAI-compatible endpoint in front of one engine, on 127.0.0.1: its HTTP threads read, plan and queue each
-    request (submit) and build its reply; the engine's thread takes them (serve) and steps the engine (step)."""
+    """An OpenAI endpoint on 127.0.0.1 in front of one engine: HTTP threads plan requests (submit), one thread steps."""
 
     def __init__(self, llm, *, model: str, port: int, **limits):
         import vllm.entrypoints.openai.chat_completion.protocol  # noqa: F401  (imported once, here)
@@ -359,29 +334,22 @@ class Endpoint:
         self.server.daemon_threads, self.server.endpoint, self.port = True, self, self.server.server_address[1]
         threading.Thread(target=self.server.serve_forever, daemon=True, name="agent-endpoint").start()
 
-    def url(self, episode: Episode) -> str:
-        return f"http://127.0.0.1:{self.port}/{episode.id}/v1"
-
     def open(self, episodes: list[Episode]) -> None:  # the episodes whose requests it serves
         with self.lock:
             self.episodes = {e.id: e for e in episodes}
 
-    def close_episodes(self) -> None:  # every episode over: a call still queued or sampled is refused
-        with self.lock:
-            episodes, self.episodes = list(self.episodes.values()), {}
-        for episode in episodes:
-            episode.over = True
+    def close_episodes(self) -> None:  # the episodes have ended: a call still queued or sampled is refused
+        self.open([])
         self.serve()
         if self.running:  # the calls of episodes that ended meanwhile (timed out, exited): never answered
             self.llm.llm_engine.abort_request(list(self.running))
             for call in self.running.values():
                 call["episode"].release(call["plan"])
-                self._answer(call, _over(call["episode"]))
+                _answer(call, _over(call["episode"]))
             self.running = {}
 
     def submit(self, episode_id: str, body: bytes | None) -> tuple[int, dict | list]:
-        """An HTTP thread's request (body None: too large to read), counted, read, planned and queued for the engine
-        on that thread: (status, the reply or a stream's chunks). A refusal fails a running episode (refused)."""
+        """An HTTP thread's request (None: too large), counted, read, planned, queued: (status, reply or chunks)."""
         with self.lock:
             episode = self.episodes.get(episode_id)
         if episode is None:
@@ -400,7 +368,7 @@ class Endpoint:
             call = {"episode": episode, "request": parse_request(body, self.model), "done": threading.Event()}
             call["plan"] = episode.plan(call["request"], self.tokenizer, self.limits)
         except Exception as e:  # a RequestError, or a request this code did not foresee: never the run's end
-            return self._refuse(episode, e)
+            return _refuse(episode, e)
         with self.lock:
             self.inbox.append(call)
         os.write(self.wake_write, b".")
@@ -408,8 +376,7 @@ class Endpoint:
         return call["refusal"] if "refusal" in call else (200, self._reply(call))
 
     def serve(self) -> None:
-        """On the engine's thread: each planned call joins the running batch (one with no budget left is answered
-        "length", unsampled; one of an episode that is over is refused)."""
+        """On the engine's thread: each planned call joins the running batch (no budget left: "length", unsampled)."""
         from vllm import SamplingParams
         from vllm.inputs import tokens_input
         from vllm.sampling_params import RequestOutputKind
@@ -421,10 +388,6 @@ class Endpoint:
         for call in calls:
             episode, request, plan = call["episode"], call["request"], call["plan"]
             try:
-                if episode.over:
-                    episode.release(plan)
-                    self._answer(call, _over(episode))
-                    continue
                 if plan["max_tokens"] <= 0:  # the budget is spent: "length", nothing sampled
                     self._finish(call, [], [], "length", "")
                     continue
@@ -435,7 +398,7 @@ class Endpoint:
                 self.llm.llm_engine.add_request(f"agent-{self.added}", tokens_input(plan["prompt_ids"]), sampling)
             except Exception as e:  # what this code did not foresee, the engine's own checks: refused, never the end
                 episode.release(plan)
-                self._answer(call, self._refuse(episode, e))
+                _answer(call, _refuse(episode, e))
                 continue
             self.running[f"agent-{self.added}"] = call
 
@@ -447,20 +410,17 @@ class Endpoint:
                 call, completion = self.running.pop(output.request_id), output.outputs[0]
                 sampled = list(completion.token_ids)
                 logprobs = [lp[token].logprob for token, lp in zip(sampled, completion.logprobs, strict=True)]
-                if isinstance(completion.stop_reason, str):  # a stop string: vLLM's text ends before it
-                    text = completion.text
-                else:  # the text of the ids, without the eos (or stop token) that ended them
-                    text = self.tokenizer.decode(sampled[:-1] if completion.finish_reason == "stop" else sampled)
+                ids = sampled[:-1] if completion.finish_reason == "stop" else sampled  # without the eos that ended them
+                text = completion.text if isinstance(completion.stop_reason, str) else self.tokenizer.decode(ids)
                 self._finish(call, sampled, logprobs, completion.finish_reason, text, completion.logprobs)
 
     def _finish(self, call, sampled, logprobs, finish, text, alternatives=None) -> None:
-        """A call's answer (assistant_message; tool call ids call_<call>_<i>) recorded, its reply built on its own
-        thread; but the call of an episode that is over (while sampled) is refused, never recorded or trained."""
+        """A call's answer recorded (tool call ids call_<call>_<i>); an over episode's is refused, never recorded."""
         episode, request = call["episode"], call["request"]
         with episode.lock:
             episode.release(call["plan"])
             if episode.over:
-                return self._answer(call, _over(episode))
+                return _answer(call, _over(episode))
             number = episode.calls + 1  # this call's, once recorded
             special = self.tokenizer.all_special_tokens
             answer = assistant_message(text, finish, request["parse_tools"], special, call_ids=f"call_{number}")
@@ -493,8 +453,8 @@ class Endpoint:
         deltas += [api.DeltaMessage(tool_calls=[DeltaToolCall(index=i, id=c.id, type="function",
                                                               function=c.function.model_dump())])
                    for i, c in enumerate(calls)]  # fmt: skip
-        choices = [api.ChatCompletionResponseStreamChoice(index=0, delta=delta) for delta in deltas]
-        choices[0].logprobs = logprobs
+        choices = [api.ChatCompletionResponseStreamChoice(index=0, delta=d, logprobs=None if k else logprobs)
+                   for k, d in enumerate(deltas)]  # fmt: skip
         choices.append(api.ChatCompletionResponseStreamChoice(index=0, delta=api.DeltaMessage(), finish_reason=finish))
         chunks = [api.ChatCompletionStreamResponse(**head, choices=[choice]) for choice in choices]
         chunks += [api.ChatCompletionStreamResponse(**head, choices=[], usage=usage)] if request["usage"] else []
@@ -504,27 +464,22 @@ class Endpoint:
         text = self.tokenizer.decode([token])
         return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
 
-    @staticmethod
-    def _refuse(episode: Episode, error: Exception) -> tuple[int, dict]:
-        """(status, body) of an error (500 for one this code did not foresee); its episode has failed (refused)."""
-        if not isinstance(error, RequestError):
-            message = f"the endpoint could not serve the request: {type(error).__name__}: {str(error)[:300]}"
-            error = RequestError(500, message, code="internal_error")
-        episode.fail(f"refused ({error.status}): {error}", refused=True)
-        return error.status, error.body
 
-    @staticmethod
-    def _answer(call: dict, refusal) -> None:  # a refusal: a RequestError or (status, body)
-        call["refusal"] = (refusal.status, refusal.body) if isinstance(refusal, RequestError) else refusal
-        call["done"].set()
-
-    def close(self) -> None:
-        self.server.shutdown()
-        self.server.server_close()
+def _refuse(episode: Episode, error: Exception) -> tuple[int, dict]:
+    """(status, body) of an error (500 for one this code did not foresee); its episode has failed (refused)."""
+    if not isinstance(error, RequestError):
+        message = f"the endpoint could not serve the request: {type(error).__name__}: {str(error)[:300]}"
+        error = RequestError(500, message, code="internal_error")
+    episode.fail(f"refused ({error.status}): {error}", refused=True)
+    return error.status, error.body
 
 
-def _over(episode: Episode) -> RequestError:
-    """The refusal of a request of an episode that is over or has failed (400): its outcome stays."""
+def _answer(call: dict, refusal) -> None:  # a refusal: a RequestError or (status, body)
+    call["refusal"] = (refusal.status, refusal.body) if isinstance(refusal, RequestError) else refusal
+    call["done"].set()
+
+
+def _over(episode: Episode) -> RequestError:  # a request of an episode over or failed: its outcome stays
     reason = "is over" if episode.error is None else f"has failed: {episode.error}"
     return RequestError(400, f"episode {episode.id} {reason}", code="episode_over")
 
@@ -554,7 +509,7 @@ class Handler(http.server.BaseHTTPRequestHandler):
             return self._send(404, RequestError(404, f"no route GET {self.path}", code="not_found").body)
         if route["model"] in (None, model):
             return self._send(200, {"object": "list", "data": [served]} if route["model"] is None else served)
-        self._send(404, RequestError(404, f"The model `{route['model']}` does not exist.", "model", "model_not_found").body)  # fmt: skip
+        self._send(404, RequestError(404, f"no model `{route['model']}`", "model", "model_not_found").body)
 
     def _send(self, status: int, body: dict | bytes, kind: str = "application/json") -> None:
         data = body if isinstance(body, bytes) else json.dumps(body).encode()
@@ -568,16 +523,14 @@ class Handler(http.server.BaseHTTPRequestHandler):
             self.close_connection = True
 
     def log_message(self, *args):  # no access log on the console
-        pass
+        return
 
 
 # ------------------------------------------------------------------------------------------- requests
 def parse_request(body: bytes, model: str) -> dict:
-    """A chat-completions body, read by vLLM's own OpenAI model (ChatCompletionRequest, as its server reads it) ->
-    {"messages", "tools", "max_tokens", "stop", "parse_tools", "logprobs", "top_logprobs", "stream", "usage"};
-    RequestError (OpenAI's status and wording) for what that model refuses, and what would make the samples other
-    than the policy's: n > 1, a forced tool_choice, a response format, a logit bias. Sampling fields (temperature,
-    top_p, seed, penalties) are ignored: the run's settings sample."""
+    """A chat-completions body read by vLLM's own OpenAI model (ChatCompletionRequest, as its server reads it);
+    RequestError (OpenAI's status and wording) for what it refuses, and what would make the samples other than the
+    policy's: n > 1, a forced tool_choice, a response format, a logit bias. Sampling fields are ignored."""
     from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
     from vllm.exceptions import VLLMClientError
 
@@ -601,7 +554,7 @@ def parse_request(body: bytes, model: str) -> dict:
     top, stop = parsed.top_logprobs or 0, [parsed.stop] if isinstance(parsed.stop, str) else parsed.stop or None
     max_tokens = next((m for m in (parsed.max_completion_tokens, vars(parsed)["max_tokens"]) if m is not None), None)
     refused = {  # key: (refused, why[, code: else unsupported])
-        "n": (parsed.n not in (None, 1), f"{parsed.n}: one completion per request (an episode's calls are its samples)"),
+        "n": (parsed.n not in (None, 1), f"{parsed.n}: one completion per request (the calls are the samples)"),
         "tool_choice": (parsed.tool_choice not in ("auto", "none"), f"{parsed.tool_choice!r}: accepted auto, none"),
         "response_format": (kind != "text", f"{kind!r}: text only (a format would constrain the sampling)"),
         "logit_bias": (bool(parsed.logit_bias), "it would change what is sampled; the samples are the policy's"),
@@ -621,9 +574,8 @@ def parse_request(body: bytes, model: str) -> dict:
 
 
 def template_message(message: dict, index: int = 0) -> dict:
-    """One message (as vLLM's model validated it) as chat templates read it (vLLM's server's conversion): content a
-    string (text parts joined by newlines; null: ""), "developer" as "system", tool calls' arguments parsed;
-    tool_call_id and name kept. RequestError for another role or content."""
+    """A message as chat templates read it (vLLM's server's conversion): content a string (text parts joined by
+    newlines), "developer" as "system", tool calls' arguments parsed. RequestError for another role or content."""
     content, where = message.get("content"), f"messages[{index}]"
     if isinstance(content, list):
         if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in content):
@@ -640,18 +592,16 @@ def template_message(message: dict, index: int = 0) -> dict:
 
 
 def normalised(message: dict) -> tuple:
-    """What two messages must share for one to stand for the other: role, content, tool calls (name and parsed
-    arguments), tool_call_id and name (a template may write them). Call ids the endpoint made are not compared."""
+    """What two messages must share for one to stand for the other (not the call ids the endpoint made)."""
     calls = tuple((c["function"]["name"], json.dumps(c["function"]["arguments"], sort_keys=True))
                   for c in message.get("tool_calls") or [])  # fmt: skip
     return message["role"], message.get("content") or "", calls, message.get("tool_call_id"), message.get("name")
 
 
 def assistant_message(text: str, finish: str, parse_tools: bool, special_tokens: list[str], call_ids="call") -> dict:
-    """{"message": {"role", "content", "tool_calls"?}, "finish_reason"} of the sampled text (with its special tokens,
-    left out of the content; without the eos). With tools (tool_choice not none), Hermes calls (multi_turn's parser)
-    become tool_calls as vLLM's hermes parser makes them: content the text before the first <tool_call> (null if
-    none), finish_reason "tool_calls", ids call_ids + "_<i>"; a call that does not parse leaves all as content."""
+    """{"message", "finish_reason"} of the sampled text (without the eos; its special tokens left out). With tools,
+    Hermes calls (multi_turn's parser) become tool_calls as vLLM's hermes parser makes them: content the text before
+    the first (null if none), finish_reason "tool_calls", ids call_ids_<i>; one that does not parse: all content."""
     calls = multi_turn.parse_tool_calls(text) if parse_tools else []
     for token in special_tokens:
         text = text.replace(token, "")
@@ -666,25 +616,25 @@ def assistant_message(text: str, finish: str, parse_tools: bool, special_tokens:
 
 # ------------------------------------------------------------------------------------ the episodes' workers
 def episode_workers(settings: dict) -> multi_turn.WorkerPool:
-    """The rank's episode workers (multi_turn.WorkerPool), each episode within rollout.agent.timeout: an agent file's
-    imports it once, then runs episodes; a command's runs one, then is killed with what the command left running."""
+    """The rank's episode workers (multi_turn.WorkerPool); a command's runs one episode, then is killed with it."""
     served = json.dumps([settings["path"], settings["name"], settings["command"]])
     return multi_turn.WorkerPool([sys.executable, os.path.abspath(__file__), "--serve-episodes", served],
-                                 workers=settings["num_workers"], timeout=settings["timeout"], where="an episode worker",
+                                 workers=settings["num_workers"], timeout=settings["timeout"], where="a worker",
                                  keys=("reward", "error"), reuse=not settings["command"])  # fmt: skip
 
 
 def serve_episodes(path: str | None, name: str, command: str | None) -> None:
-    """An episode worker (`python agent.py --serve-episodes '[path, name, command]'`): loads the agent, says {"ready":
-    true}, then runs each episode ({"id", "episode", "base_url", "row"}, OPENAI_BASE_URL and OPENAI_API_KEY set) and
-    answers {"id", "reward" (None: the run's scorer decides), "error"}. A process the episode forked that returns from
-    it ends there, silently. SIGTERM and SIGINT do nothing here: the rank decides when the run stops."""
+    """An episode worker (WorkerPool's): loads the agent, then runs each episode ({"id", "episode", "base_url", "row"},
+    OPENAI_BASE_URL and OPENAI_API_KEY set), answering {"id", "reward" (None: the run's scorer's), "error"}. A process
+    the episode forked ends there, silently; SIGTERM and SIGINT do nothing here (the rank decides when to stop)."""
     jobs, answers = multi_turn.worker_pipes()
     worker = os.getpid()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: None)  # a handler, not SIG_IGN, which the agent's subprocesses would inherit
     try:
-        run = run_command(command) if command else run_function(load_episode(path, name))
+        if not command:  # (a command's worker needs neither)
+            function = load_episode(path, name)
+            import openai
     except (AgentError, ImportError) as e:
         answers.write(f"{e}\n")
         answers.flush()
@@ -694,60 +644,42 @@ def serve_episodes(path: str | None, name: str, command: str | None) -> None:
     for line in jobs:
         job = json.loads(line)
         os.environ.update(OPENAI_BASE_URL=job["base_url"], OPENAI_API_KEY=API_KEY)
-        reward, error = run(job)
+        if command:
+            reward, error = run_command(command, job["row"])
+        else:  # the function, given an openai.OpenAI client bound to the episode (no retries: a refusal raises)
+            try:
+                with openai.OpenAI(base_url=job["base_url"], api_key=API_KEY, max_retries=0) as client:
+                    reward = function(client, job["row"])
+                ok = isinstance(reward, numbers.Real) and math.isfinite(reward)  # a float, an int, numpy's
+                reward, error = (float(reward), None) if ok else (None, f"returned {str(reward)[:200]!r}, not a number")
+            except BaseException as e:  # SystemExit and KeyboardInterrupt too: the episode failed, the worker goes on
+                reward, error = None, f"raised {type(e).__name__}: {str(e)[:500]}"
         if os.getpid() != worker:  # a process the episode forked came back here: it never answers
             os._exit(0)
         answers.write(json.dumps({"id": job["id"], "reward": reward, "error": error}) + "\n")
         answers.flush()
 
 
-def run_function(function):
-    """run(job) -> (reward, error) of an agent file's function: it gets an openai.OpenAI client bound to the
-    episode's URL (no retries: a refused request raises at once) and the row, and returns a finite number."""
-    import openai
-
-    clients = []  # one client, its connections reused (a new one if an episode closed it)
-
-    def run(job: dict) -> tuple:
-        if not clients or clients[0].is_closed():
-            clients[:] = [openai.OpenAI(base_url="http://127.0.0.1", api_key=API_KEY, max_retries=0)]
-        try:
-            reward = function(clients[0].with_options(base_url=job["base_url"]), job["row"])
-        except BaseException as e:  # SystemExit and KeyboardInterrupt too: the episode failed, the worker goes on
-            return None, f"raised {type(e).__name__}: {str(e)[:500]}"
-        if isinstance(reward, numbers.Real) and math.isfinite(reward):  # a float, an int, numpy's
-            return float(reward), None
-        return None, f"returned {str(reward)[:200]!r}, not a number (an episode returns its reward)"
-
-    return run
-
-
-def run_command(command: str):
-    """run(job) -> (reward, error) of rollout.agent.command, run by /bin/sh with the row as one JSON line on its
-    stdin and in the file $FLATGRPO_ROW. Its reward is all it prints, a number; nothing: None (the run's scorer's).
-    Exiting non-zero (its stderr's last line says why) or printing anything else is an error. Its output is read
-    until its stdout closes (what it left running may hold it), the first 4 KiB kept; its stderr's last 4 KiB."""
-
-    def run(job: dict) -> tuple:
-        with tempfile.NamedTemporaryFile("w+", suffix=".json") as row, tempfile.TemporaryFile() as err:
-            row.write(json.dumps(job["row"], default=str) + "\n")
-            row.flush()
-            row.seek(0)
-            process = subprocess.Popen(command, shell=True, stdin=row, stdout=subprocess.PIPE, stderr=err,
-                                       env={**os.environ, "FLATGRPO_ROW": row.name})  # fmt: skip
-            printed = process.stdout.read(4096).decode("utf-8", "replace").strip()
-            while process.stdout.read(1 << 16):  # the rest, dropped
-                pass
-            err.seek(max(0, err.seek(0, 2) - 4096))
-            said = (err.read().decode("utf-8", "replace").strip().splitlines() or [""])[-1][:300]
-        if process.wait():
-            return None, f"exited with status {process.returncode}" + (f": {said}" if said else "")
-        with contextlib.suppress(ValueError):
-            if not printed or math.isfinite(float(printed)):  # nothing, or a number
-                return float(printed) if printed else None, None
-        return None, f"printed {printed[:200]!r}, not a reward (a number, or nothing: the run's scorer)"
-
-    return run
+def run_command(command: str, row: dict) -> tuple:
+    """(reward, error) of rollout.agent.command (/bin/sh; the row a JSON line on stdin and in $FLATGRPO_ROW): all it
+    prints, a number (nothing: None); exiting non-zero (stderr's last line) or printing anything else, an error."""
+    with tempfile.NamedTemporaryFile("w+", suffix=".json") as file, tempfile.TemporaryFile() as err:
+        file.write(json.dumps(row, default=str) + "\n")
+        file.flush()
+        file.seek(0)
+        process = subprocess.Popen(command, shell=True, stdin=file, stdout=subprocess.PIPE, stderr=err,
+                                   env={**os.environ, "FLATGRPO_ROW": file.name})  # fmt: skip
+        printed = process.stdout.read(4096).decode("utf-8", "replace").strip()
+        while process.stdout.read(1 << 16):  # the rest, dropped
+            pass
+        err.seek(max(0, err.seek(0, 2) - 4096))
+        said = (err.read().decode("utf-8", "replace").strip().splitlines() or [""])[-1][:300]
+    if process.wait():
+        return None, f"exited with status {process.returncode}" + (f": {said}" if said else "")
+    with contextlib.suppress(ValueError):
+        if not printed or math.isfinite(float(printed)):  # nothing, or a number
+            return float(printed) if printed else None, None
+    return None, f"printed {printed[:200]!r}, not a reward (a number, or nothing: the run's scorer)"
 
 
 def load_episode(path: str, name: str):

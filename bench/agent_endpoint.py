@@ -100,7 +100,7 @@ def main() -> None:
         )
     print(f"  endpoint / direct: {results['endpoint'][0] / results['direct'][0]:.2f}x the time")
     through_agent.state["workers"].close()
-    through_agent.state["endpoint"].close()
+    through_agent.state["endpoint"].server.shutdown()
     pool.close()
 
 

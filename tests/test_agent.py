@@ -109,8 +109,8 @@ def test_a_request_is_read_as_openai_sends_it_and_refused_as_openai_refuses():
     )  # fields vLLM's model ignores: ignored
     assert (plain["logprobs"], plain["top_logprobs"]) == (False, 0)
     deep = "[" * 100_000 + "]" * 100_000  # tool call arguments nested past Python's recursion limit: kept as sent
-    nested = [*messages[:2], {"role": "assistant",
-                              "tool_calls": [{"id": "c2", "type": "function", "function": {"name": "f", "arguments": deep}}]}]  # fmt: skip
+    call = {"id": "c2", "type": "function", "function": {"name": "f", "arguments": deep}}
+    nested = [*messages[:2], {"role": "assistant", "tool_calls": [call]}]
     assert agent.parse_request(body(messages=nested), MODEL)["messages"][2]["tool_calls"][0]["function"] == {
         "name": "f", "arguments": deep
     }  # fmt: skip
@@ -226,7 +226,7 @@ def test_the_endpoint_answers_what_it_refuses_and_a_late_request_changes_no_outc
     try:
         results = served(endpoint, [(e.id, raw) for e, raw in bodies.items()])
     finally:
-        endpoint.close()
+        endpoint.server.shutdown()
     assert [(status, reply["error"]["code"]) for status, reply in results] == [
         (400, "episode_over"), (400, "invalid_json"), (400, "invalid_tools"), (500, "internal_error")
     ]  # fmt: skip
@@ -270,7 +270,7 @@ def test_the_request_at_the_flood_limit_is_served_and_the_next_refused(tokenizer
         assert all(reply["choices"][0]["finish_reason"] == "length" for _, reply in answers)
         flooded, after = (served(endpoint, [(episode.id, body())])[0] for _ in range(2))
     finally:
-        endpoint.close()
+        endpoint.server.shutdown()
     assert flooded[0] == 429 and flooded[1]["error"]["code"] == "too_many_requests"
     assert episode.refused and episode.error == "flooded: more than 3 requests (rollout.agent.max_requests)"
     assert after[0] == 400 and after[1]["error"]["code"] == "episode_over"
@@ -474,11 +474,11 @@ FORKS = """import os, sys, threading, time
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
-def _answers():  # the worker's own answer stream (serve_episodes' local): a line there is a line of the worker
+def _answers(name="answers"):  # serve_episodes' locals: its answer stream (a line there is the worker's), its job
     frame = sys._getframe(1)
-    while "answers" not in frame.f_locals:
+    while name not in frame.f_locals:
         frame = frame.f_back
-    return frame.f_locals["answers"]
+    return frame.f_locals[name]
 
 
 def _write(stream, line, wait):
@@ -501,7 +501,7 @@ def episode(client, row):
     if row["case"] == "second_line":  # its answer, then a second line (a thread writes it 0.3 s later)
         threading.Thread(target=_write, args=(_answers(), '{"not": "an answer"}\\n', 0.3)).start()
     if row["case"] == "answer_and_line":  # its answer and a second line in one write (then the worker's answer)
-        job = sys._getframe(2).f_locals["job"]["id"]
+        job = _answers("job")["id"]
         _write(_answers(), '{"id": %d, "reward": 0.875, "error": null}\\nmore\\n' % job, 0.0)
     return row["reward"]
 """
@@ -512,13 +512,10 @@ signal.signal(signal.SIGTERM, lambda *_: print("stop requested", file=sys.stderr
 
 
 class NoCalls:  # the episodes call no endpoint: what agent.run_episodes reads of one
-    running = {}
+    running, port = {}, 9
 
     def __init__(self):
         self.wake_read, self.wake_write = os.pipe()
-
-    def url(self, episode):
-        return "http://127.0.0.1:9/v1"
 
     def open(self, episodes):
         pass
@@ -823,7 +820,8 @@ def ask(client, stream, **request):
     seen = {"k": int(k), "call": int(call), "content": message.content, "finish": reply.choices[0].finish_reason,
             "calls": [[c.id, c.function.name, c.function.arguments] for c in message.tool_calls or []],
             "tokens": reply.usage.completion_tokens, "model_version": (reply.model_extra or {}).get("model_version"),
-            "api": "chunks" if stream and state["turn"] % 2 else "helper" if stream else "create", "where": state["where"]}
+            "api": "chunks" if stream and state["turn"] % 2 else "helper" if stream else "create",
+            "where": state["where"]}
     with open(LOG, "a") as f:
         fcntl.flock(f, fcntl.LOCK_EX)
         f.write(json.dumps(seen) + "\\n")
@@ -904,8 +902,8 @@ def episode(client, row):
     _count("done", add=True)
     return 1.0
 '''
-COMMANDS = '''"""rollout.agent.command of tests/helpers/agent_worker.py's "commands" (python commands.py): the first four
-episodes (a counter in a file) exit non-zero, hang (with a child; their pids in hung.pids), print garbage, print a
+COMMANDS = '''"""rollout.agent.command of tests/helpers/agent_worker.py's "commands" (python commands.py): the first
+four episodes (a counter in a file) exit non-zero, hang (with a child; their pids in hung.pids), print garbage, print a
 reward; every later one runs examples/gsm8k_calculator_agent.sh (sh, curl and jq)."""
 import fcntl
 import os
@@ -932,8 +930,8 @@ elif k == 3:
 else:
     os.execvp("sh", ["sh", os.path.join(ROOT, "examples", "gsm8k_calculator_agent.sh")])
 '''
-DISPATCH = '''"""rollout.agent.command of the rollout-ranks run (python dispatch.py): the first 32 episodes (batch 1: both
-trainer ranks' 16) run examples/gsm8k_calculator_agent.py as a command (python, the openai client), every later one
+DISPATCH = '''"""rollout.agent.command of the rollout-ranks run (python dispatch.py): the first 32 episodes (batch 1:
+both trainer ranks' 16) run examples/gsm8k_calculator_agent.py as a command (python, the openai client), every later one
 examples/gsm8k_calculator_agent.sh (sh, curl and jq)."""
 import fcntl
 import os
@@ -1111,8 +1109,9 @@ def test_each_dumped_sample_is_the_concatenation_of_its_calls(agent_run):
 def test_every_hostile_episode_ends_with_reward_zero_is_counted_and_the_run_goes_on(agent_run):
     """One of each in step 1: an episode that raises, hangs past the limit, exits its process, floods, returns no
     number, and requests for an unknown model, for n = 2, with a huge message, with malformed JSON and with tools the
-    template cannot render; and one whose worker writes its answer and a second line (kept, the line counted). Each refused request got its OpenAI error (the openai client raised it);
-    each episode's rows have reward 0 and say why; the logged agent/* rates are the dump's."""
+    template cannot render; and one whose worker writes its answer and a second line (kept, the line counted). Each
+    refused request got its OpenAI error (the openai client raised it); each episode's rows have reward 0 and say
+    why; the logged agent/* rates are the dump's."""
     root, logged, _, _ = agent_run
     with open(root / "run_agents" / "seen.jsonl") as f:
         seen = [json.loads(line) for line in f]

@@ -117,8 +117,8 @@ def late(endpoint, row: dict) -> dict:
     endpoint.open([])
     status, reply = results[0]
     return {"sampling": sampling, "steps": steps, "status": status, "code": reply["error"]["code"],
-            "samples": [{"calls": len(s.calls), "response": len(s.response_ids), "reward": s.reward, "error": s.outcome["error"]}
-                        for s in samples]}  # fmt: skip
+            "samples": [{"calls": len(s.calls), "response": len(s.response_ids), "reward": s.reward,
+                         "error": s.outcome["error"]} for s in samples]}  # fmt: skip
 
 
 def summary(samples, rewards) -> dict:
