@@ -15,6 +15,7 @@ agent". Imports the standard library and multi_turn.py.
 
 import contextlib
 import http.server
+import importlib
 import inspect
 import json
 import math
@@ -627,20 +628,14 @@ def serve_episodes(path: str | None, name: str, command: str | None) -> None:
     """An episode worker (WorkerPool's): loads the agent, then runs each episode ({"id", "episode", "base_url", "row"},
     OPENAI_BASE_URL and OPENAI_API_KEY set), answering {"id", "reward" (None: the run's scorer's), "error"}. A process
     the episode forked ends there, silently; SIGTERM and SIGINT do nothing here (the rank decides when to stop)."""
-    jobs, answers = multi_turn.worker_pipes()
-    worker = os.getpid()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: None)  # a handler, not SIG_IGN, which the agent's subprocesses would inherit
-    try:
-        if not command:  # (a command's worker needs neither)
-            function = load_episode(path, name)
-            import openai
-    except (AgentError, ImportError) as e:
-        answers.write(f"{e}\n")
-        answers.flush()
-        return
-    answers.write('{"ready": true}\n')
-    answers.flush()
+
+    def load():  # the agent file's function and the openai client's module (a command's worker needs neither)
+        return None if command else (load_episode(path, name), importlib.import_module("openai"))
+
+    jobs, answers, loaded = multi_turn.worker_pipes(load)
+    (function, openai), worker = loaded or (None, None), os.getpid()
     for line in jobs:
         job = json.loads(line)
         os.environ.update(OPENAI_BASE_URL=job["base_url"], OPENAI_API_KEY=API_KEY)

@@ -499,10 +499,12 @@ def _failed(message: str) -> dict:
     return {"text": message, "error": message, "timeout": False}
 
 
-def worker_pipes() -> tuple:
+def worker_pipes(load) -> tuple:
     """A worker's set-up (WorkerPool): on Linux it gets SIGKILL when the process that started it dies, even in the
     middle of a job (elsewhere it ends at its next read: stdin closed); it keeps its own copies of stdin and stdout
-    for the protocol, so that what a job prints goes nowhere and what it reads is empty. Returns (jobs, answers)."""
+    for the protocol, so that what a job prints goes nowhere and what it reads is empty; then load(), what it runs.
+    Returns (jobs, answers, loaded) once it has said {"ready": true}; a ValueError or ImportError of load is its one
+    line instead, and the worker ends."""
     try:
         import ctypes
 
@@ -513,7 +515,15 @@ def worker_pipes() -> tuple:
     quiet = os.open(os.devnull, os.O_RDWR)
     for fd in (0, 1, 2):
         os.dup2(quiet, fd)
-    return jobs, answers
+    try:
+        loaded = load()
+    except (ValueError, ImportError) as e:  # a ToolSetupError, agent.py's AgentError: one line
+        answers.write(f"{e}\n")
+        answers.flush()
+        sys.exit(0)
+    answers.write('{"ready": true}\n')
+    answers.flush()
+    return jobs, answers, loaded
 
 
 def serve_tools(function_tool_path: str | None, max_chars: int, side: str) -> None:
@@ -521,15 +531,7 @@ def serve_tools(function_tool_path: str | None, max_chars: int, side: str) -> No
     {"id", "name", "arguments"} on stdin with a JSON line {"id" (the call's), "text", "error"} on stdout (worker_pipes:
     what a tool prints goes nowhere and what it reads is empty); whatever it raises, SystemExit included, is an error
     response; its return value becomes text (tool_text), cut to max_chars (truncate)."""
-    requests, answers = worker_pipes()
-    try:
-        tools = tool_functions(function_tool_path)
-    except ToolSetupError as e:
-        answers.write(f"{e}\n")
-        answers.flush()
-        return
-    answers.write('{"ready": true}\n')
-    answers.flush()
+    requests, answers, tools = worker_pipes(lambda: tool_functions(function_tool_path))
     for line in requests:
         call = json.loads(line)
         try:
