@@ -443,13 +443,13 @@ class Endpoint:
         logprobs = request["logprobs"] and api.ChatCompletionLogProbs(content=[  # vLLM's, by rank: the ones recorded
             {**self._logprob(token, ranked[token].logprob), "top_logprobs": [self._logprob(t, lp.logprob) for t, lp in
              sorted(ranked.items(), key=lambda item: item[1].rank)[: request["top_logprobs"]]]}
-            for token, ranked in zip(call["sampled"], call["alternatives"], strict=True)]) or None  # fmt: skip
+            for token, ranked in zip(call["sampled"], call["alternatives"] or [], strict=True)]) or None  # fmt: skip
         calls = [api.ToolCall(id=c["id"], function=c["function"]) for c in message.get("tool_calls", [])]
         if not request["stream"]:
             said = api.ChatMessage(role="assistant", content=message["content"], tool_calls=calls)
             choice = api.ChatCompletionResponseChoice(index=0, message=said, logprobs=logprobs, finish_reason=finish)
             return api.ChatCompletionResponse(**head, choices=[choice], usage=usage).model_dump(exclude_none=True)
-        deltas = [api.DeltaMessage(role="assistant", content="")]
+        deltas = [api.DeltaMessage(role="assistant", content=None if message["content"] is None else "")]
         deltas += [api.DeltaMessage(content=piece) for piece in re.findall(r"\s*\S+|\s+", message["content"] or "")]
         deltas += [api.DeltaMessage(tool_calls=[DeltaToolCall(index=i, id=c.id, type="function",
                                                               function=c.function.model_dump())])
