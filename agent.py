@@ -14,6 +14,7 @@ agent". Imports the standard library and multi_turn.py.
 """
 
 import contextlib
+import functools
 import http.server
 import importlib
 import inspect
@@ -165,7 +166,7 @@ class AgentSample:
     history: tuple = ()  # (messages + the answer, normalised; tools) of its last call: what a next call extends
     in_flight: int = 0  # its calls planned or being sampled (a call that extends it meanwhile starts a new sample)
 
-    @property
+    @functools.cached_property  # one dict: a field added to it stays (rollout ranks' policy_version)
     def fields(self) -> dict:
         """Its batch fields (fsdp_train.add_fields): the loss mask, its episode, its calls, the episode's counts."""
         counted, outcome = int(self.first), self.outcome

@@ -1302,27 +1302,32 @@ def test_huge_and_deep_requests_are_refused_at_once_and_stall_no_other_episode(a
     assert episodes == [1.0, 0.0, 0.0, 0.0]  # the hostile ones refused: failed
 
 
-def test_a_command_that_fails_hangs_or_prints_garbage_ends_with_reward_0_and_is_counted(agent_run):
-    """rollout.agent.command on one engine, 8 episodes, a 5 s limit: a command that exits non-zero (its stderr's last
-    line in the error), one that hangs (killed at the limit with the child it started), one that prints garbage, one
-    that prints its reward (0.25, kept); the others run examples/gsm8k_calculator_agent.sh and are scored by the
-    run's scorer. The failures have reward 0 and are counted in agent/*."""
+def test_a_command_that_fails_hangs_or_prints_garbage_ends_with_reward_0_and_is_counted(agent_run, tokenizer):
+    """rollout.agent.command on one engine: a command that exits non-zero (its stderr's last line in the error), one
+    that hangs (killed at the 3 s limit with the child it started), one that prints garbage, one that prints its
+    reward (0.25, kept): the failures have reward 0 and are counted in agent/*. Then 4 episodes of
+    examples/gsm8k_calculator_agent.sh (sh, curl, jq): each called the endpoint, none failed, and each reward is the
+    run's scorer on the content of its last sampled answer (decoded here)."""
     root, _, _, engine = agent_run
-    commands = engine["commands"]
+    commands, shell = engine["commands"], engine["shell"]
     errors = [s["outcome"]["error"] for s in commands["samples"]]
     assert errors[0] == "exited with status 1: broken on purpose"
-    assert errors[1] == "timed out: no answer within 5 s (rollout.agent.timeout)"
+    assert errors[1] == "timed out: no answer within 3 s (rollout.agent.timeout)"
     assert errors[2].startswith("printed 'garbage \\x01\\n#### 5', not a reward")
-    assert errors[3:] == [None] * 5 and commands["rewards"][:4] == [0.0, 0.0, 0.0, 0.25]
-    assert all(s["calls"] for s in commands["samples"][4:]) and [s["episode"] for s in commands["samples"]] == list(
-        range(8)
-    )
+    assert errors[3] is None and commands["rewards"] == [0.0, 0.0, 0.0, 0.25]
     metrics = commands["metrics"]
-    assert metrics["agent/error_rate"] == 3 / 8 and metrics["agent/timeout_rate"] == 1 / 8
+    assert metrics["agent/error_rate"] == 3 / 4 and metrics["agent/timeout_rate"] == 1 / 4
     pids = [int(p) for p in open(root / "engine_agents" / "hung.pids").read().split()]
     for pid in pids:  # the hung command and its child: killed with its worker
         with pytest.raises(ProcessLookupError):
             os.kill(pid, 0)
+    assert [s["outcome"]["error"] for s in shell["samples"]] == [None] * 4 and all(s["calls"] for s in shell["samples"])
+    for s, score in zip(shell["samples"], shell["rewards"], strict=True):
+        last = s["calls"][-1]
+        ids = last["sampled_ids"][:-1] if last["finish"] != "length" else last["sampled_ids"]
+        text = tokenizer.decode(ids, skip_special_tokens=True)
+        content = text.split("<tool_call>")[0] if last["finish"] == "tool_calls" else text
+        assert score == reward.compute_score(content, shell["ground_truth"])
 
 
 def test_a_call_that_finishes_after_its_episode_returned_is_never_recorded(agent_run):

@@ -16,9 +16,9 @@ python tests/helpers/agent_worker.py TINY_TOOLS_DIR AGENTS_DIR OUT
                  prompts x 2: its samples and what it logged (AGENTS_DIR/shapes.jsonl)
   "latency":     AGENTS_DIR/latency.py, 4 episodes of one prompt: one calls on and on while the others send a 5 MB
                  message, a 30 MB body and a body nested 100,000 deep (what they saw: AGENTS_DIR/latency.jsonl)
-  "commands":    rollout.agent.command "python AGENTS_DIR/commands.py", 2 test prompts x 4, a 5 s limit: the first
-                 four episodes exit non-zero, hang, print garbage, print 0.25; the others run
-                 examples/gsm8k_calculator_agent.sh; their samples, rewards, the agent/* metrics
+  "commands":    rollout.agent.command "python AGENTS_DIR/commands.py", 1 test prompt x 4, a 3 s limit: its episodes
+                 exit non-zero, hang, print garbage, print 0.25; their samples, rewards, the agent/* metrics
+  "shell":       the same command, the next test prompt x 4 (a 120 s limit): examples/gsm8k_calculator_agent.sh
   "batches":     the calls in each engine step of the endpoint
   "together":    two requests of one episode planned on two threads and taken by one serve(): both answered, two
                  samples, two seeds
@@ -170,10 +170,12 @@ def main(model_dir: str, agents: str, out: str) -> None:
     latency = agent.sampler(config(os.path.join(agents, "latency.py")))
     results["latency"] = summary(*latency(run, test_rows[:1], {}, n=4, seed=3, **sampling)[:2])
     command = f"{sys.executable} {os.path.join(agents, 'commands.py')}"
-    commands = agent.sampler(config(None, workers=8, command=command, timeout=5.0))
     run.parts = types.SimpleNamespace(score=lambda row, text, _: (reward.compute_score(text, row["ground_truth"]), {}))
     run.cfg = {"reward": {}}
-    results["commands"] = summary(*commands(run, test_rows[:2], {}, n=4, seed=3, **sampling)[:2])
+    for name, timeout, rows in (("commands", 3.0, test_rows[:1]), ("shell", 120.0, test_rows[1:2])):
+        commands = agent.sampler(config(None, workers=4, command=command, timeout=timeout))
+        results[name] = {**summary(*commands(run, rows, {}, n=4, seed=3, **sampling)[:2]),
+                         "ground_truth": rows[0]["ground_truth"]}  # fmt: skip
     results["batches"] = calculator.state["endpoint"].batch_sizes
     results["together"] = together(calculator.state["endpoint"], test_rows[0], tokenizer)
     results["late"] = late(calculator.state["endpoint"], test_rows[0])
