@@ -1,7 +1,6 @@
 """An agent written with the openai client: GSM8K with a calculator tool, trained by flatgrpo (agent.py).
 python grpo.py --config recipes/tiny_calculator_agent.yaml      (tiny.py's tiny_tools model, on a CPU)
 ... rollout.agent.name=episode_streamed                         (every call streamed: the same samples)
-... rollout.agent.command="python examples/gsm8k_calculator_agent.py"     (the same agent run as a command)
 
 It offers the model the calculator (tools=), runs each call itself and sends back the answer as a tool message, for
 up to three turns of the model, then scores the last answer with veRL's GSM8K rule. It does what rollout.multi_turn
@@ -11,12 +10,9 @@ with it, as multi_turn answers it, where a plain agent would just stop.
 """
 
 import json
-import os
-import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # flatgrpo's files, run as a command
-from multi_turn import calculator, parse_tool_calls, truncate  # noqa: E402  (the safe evaluator, Hermes parser, cut)
-from reward import compute_score  # noqa: E402  (veRL's GSM8K rule)
+from multi_turn import calculator, parse_tool_calls, truncate  # flatgrpo's safe evaluator, Hermes parser and cut
+from reward import compute_score  # veRL's GSM8K rule
 
 CALCULATOR = {  # the schema transformers.utils.get_json_schema writes for multi_turn.calculator
     "type": "function",
@@ -81,9 +77,3 @@ def run(name: str, arguments: dict) -> str:
         return truncate(calculator(**arguments), 256, "middle")
     except Exception as e:
         return f"Error executing tool 'calculator': {e}"
-
-
-if __name__ == "__main__":  # as a command: the row on stdin, OPENAI_BASE_URL set; the reward printed
-    import openai
-
-    print(episode(openai.OpenAI(max_retries=0), json.loads(sys.stdin.readline())))
