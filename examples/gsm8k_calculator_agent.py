@@ -11,6 +11,8 @@ with it, as multi_turn answers it, where a plain agent would just stop.
 
 import json
 
+import openai
+
 from multi_turn import calculator, parse_tool_calls, truncate  # flatgrpo's safe evaluator, Hermes parser and cut
 from reward import compute_score  # veRL's GSM8K rule
 
@@ -62,11 +64,15 @@ def episode_streamed(client, row) -> float:
 
 def ask(client, stream: bool, **request):
     """One chat completion: as one reply, or streamed and put together by the openai client's stream helper (the
-    usage in the stream's last chunk)."""
+    usage in the stream's last chunk). The helper raises on a reply cut at the length limit, the whole completion in
+    hand: here the response budget's end, a reply like any other."""
     if not stream:
         return client.chat.completions.create(**request)
     with client.chat.completions.stream(**request, stream_options={"include_usage": True}) as chunks:
-        return chunks.get_final_completion()
+        try:
+            return chunks.get_final_completion()
+        except openai.LengthFinishReasonError as cut:
+            return cut.completion
 
 
 def run(name: str, arguments: dict) -> str:
