@@ -116,7 +116,7 @@ def late(endpoint, row: dict) -> dict:
     samples = episode.finish(endpoint, score=None)
     endpoint.open([])
     status, reply = results[0]
-    return {"sampling": sampling, "steps": steps, "status": status, "code": reply["error"]["code"],
+    return {"sampling": sampling, "steps": steps, "status": status, "code": reply.get("error", {}).get("code"),
             "samples": [{"calls": len(s.calls), "response": len(s.response_ids), "reward": s.reward,
                          "error": s.outcome["error"]} for s in samples]}  # fmt: skip
 
