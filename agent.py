@@ -636,16 +636,17 @@ def serve_episodes(path: str | None, name: str, command: str | None) -> None:
         return None if command else (load_episode(path, name), importlib.import_module("openai"))
 
     jobs, answers, loaded = multi_turn.worker_pipes(load)
-    (function, openai), worker = loaded or (None, None), os.getpid()
+    (function, openai), worker, client = loaded or (None, None), os.getpid(), None
     for line in jobs:
         job = json.loads(line)
         os.environ.update(OPENAI_BASE_URL=job["base_url"], OPENAI_API_KEY=API_KEY)
         if command:
             reward, error = run_command(command, job["row"])
         else:  # the function, given an openai.OpenAI client bound to the episode (no retries: a refusal raises)
+            if client is None or client.is_closed():  # one client, its connections reused (unless an episode closed it)
+                client = openai.OpenAI(base_url="http://127.0.0.1", api_key=API_KEY, max_retries=0)
             try:
-                with openai.OpenAI(base_url=job["base_url"], api_key=API_KEY, max_retries=0) as client:
-                    reward = function(client, job["row"])
+                reward = function(client.with_options(base_url=job["base_url"]), job["row"])
                 ok = isinstance(reward, numbers.Real) and math.isfinite(reward)  # a float, an int, numpy's
                 reward, error = (float(reward), None) if ok else (None, f"returned {str(reward)[:200]!r}, not a number")
             except BaseException as e:  # SystemExit and KeyboardInterrupt too: the episode failed, the worker goes on
