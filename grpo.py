@@ -682,7 +682,7 @@ def choose_parts(cfg: dict) -> Parts:
         import lora
 
         parts.adapter = lora.adapter_part(cfg)
-    if rollout_cfg["agent"]["path"]:  # an agent's episodes against an endpoint in front of the engine
+    if rollout_cfg["agent"]["path"] or rollout_cfg["agent"]["command"]:  # an agent's episodes against an endpoint
         import agent
 
         episodes = agent.parts(cfg)

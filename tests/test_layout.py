@@ -42,7 +42,11 @@ FEATURES = (
     "agent",
 )
 COMPONENTS = ("rollout", "reward", "losses", "fsdp_train", "sync", "tiny")
-EXTENDS = {"grpo_family": {"losses"}, "rollout_correction": {"losses"}}  # a feature may import what it extends
+EXTENDS = {  # a feature may import what it extends
+    "grpo_family": {"losses"},
+    "rollout_correction": {"losses"},
+    "agent": {"multi_turn"},  # the tool pool's worker design (WorkerPool) and Hermes parser: one of each in the project
+}
 SETUP = {  # grpo.py's set-up and finish code: where a feature's file may be imported (feature), its keys read
     "main",
     "choose_parts",
