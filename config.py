@@ -101,6 +101,7 @@ SCHEMA = {
         # veRL's actor_rollout_ref.rollout.agent.*: docs/features.md "Bring your agent"
         "agent": {
             "path": (None, str),
+            "command": (None, str),  # or any program, run once per episode (agent.run_command)
             "name": "episode",
             "num_workers": (8, ">= 1 (episodes running at once on a rank, each in a worker process)"),
             "timeout": (600.0, "> 0 (seconds an episode may take; then its worker is killed)"),

@@ -645,7 +645,7 @@ def choose_parts(cfg: dict) -> Parts:
         import reward_files
 
         parts.score = reward_files.scorer(cfg["custom_reward_function"])
-    if rollout_cfg["agent"]["path"]:  # an agent's episodes against an endpoint in front of the engine
+    if rollout_cfg["agent"]["path"] or rollout_cfg["agent"]["command"]:  # an agent's episodes against an endpoint
         import agent
 
         parts = agent.parts(cfg, parts, losses.grpo_advantages)

@@ -43,6 +43,7 @@ import signal
 import subprocess
 import sys
 import time
+import types
 from dataclasses import dataclass, field
 
 TOOL_CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)  # veRL's HermesToolParser
@@ -161,14 +162,7 @@ def tool_functions(function_tool_path: str | None) -> dict:
     if function_tool_path is None:
         return {"calculator": calculator}
     where = f"rollout.multi_turn.function_tool_path {function_tool_path}"
-    if not os.path.isfile(function_tool_path):
-        raise ToolSetupError(f"{where}: no such file")
-    spec = importlib.util.spec_from_file_location("_flatgrpo_tools", function_tool_path)
-    module = importlib.util.module_from_spec(spec)
-    try:
-        spec.loader.exec_module(module)
-    except BaseException as e:  # SystemExit too: a file that exits at import is a file that does not import
-        raise ToolSetupError(f"{where}: importing it raised {type(e).__name__}: {e}") from None
+    module = load_file(function_tool_path, where, ToolSetupError)
     tools = {
         name: fn
         for name, fn in vars(module).items()
@@ -177,6 +171,20 @@ def tool_functions(function_tool_path: str | None) -> dict:
     if not tools:
         raise ToolSetupError(f"{where}: defines no public function (a tool is a plain function, as the calculator)")
     return tools
+
+
+def load_file(path: str, where: str, error: type) -> types.ModuleType:
+    """A Python file imported as a module; error(one line, `where` first) when it is missing or its import raises
+    (SystemExit too: a file that exits at import is a file that does not import)."""
+    if not os.path.isfile(path):
+        raise error(f"{where}: no such file")
+    spec = importlib.util.spec_from_file_location("_flatgrpo_" + os.path.basename(path).split(".")[0], path)
+    module = importlib.util.module_from_spec(spec)
+    try:
+        spec.loader.exec_module(module)
+    except BaseException as e:
+        raise error(f"{where}: importing it raised {type(e).__name__}: {e}") from None
+    return module
 
 
 @functools.cache
@@ -221,9 +229,162 @@ def check_template(tokenizer, tools: dict, template_kwargs: dict | None = None) 
 
 
 # ------------------------------------------------------------------------------------------ running the calls
-class ToolPool:
-    """Runs tool calls in worker processes, side by side, each within a time limit, so that no sampled call and no
-    tool can stall or end the run. `workers` processes (rollout.multi_turn.tool_workers), each `python
+class WorkerPool:
+    """Worker processes, each running one job at a time within a time limit, so that nothing a job does can stall
+    or end the run: a tool call here (ToolPool), an agent's episode in agent.py. `command` starts a worker (a serve
+    loop: worker_pipes, {"ready": true} once it has loaded what it runs, then a JSON line in and one out per job), in
+    a session of its own: a stop signal to the rank's process group (torchrun forwards its own so, a terminal's
+    Ctrl-C) never reaches it, and killing it (SIGKILL to its process group) kills whatever its job forked. Workers
+    start `STARTS_AT_ONCE` at a time (many imports at once on a few cores would each take as many times as long),
+    the first ones running jobs while the others start; one that cannot start stops the run (ToolSetupError, `where`).
+
+        pool = WorkerPool([sys.executable, "multi_turn.py", "--serve-tools", ...], workers=4, timeout=5.0, where=...)
+        job = pool.submit({"name": "calculator", "arguments": {"expression": "6 * 7"}})
+        pool.poll(None)  -> [(job, {"id": job, "text": "42", "error": None, "dropped": 0})]
+
+    Every job sent carries an id, unique in the pool's life, and every answer names the id it answers: a job's answer
+    is the line of ITS worker that names ITS id (with every key in `keys`), never the next line the worker writes.
+    Any other line (a second answer, a late one, an answer to another job, a line that is not an answer) is dropped,
+    counted on the job during which it was read ("dropped"; one written while idle: on the next job sent), and its
+    worker replaced once the job is answered (or before a job is sent, when it wrote while idle). A job with no answer
+    within `timeout` seconds has its worker killed (never read again) and replaced: {"failed": "no answer within 5 s",
+    "timeout": True}; so has one whose worker ends (os._exit, a crash): {"failed": "its process ended (exit status 3)
+    without an answer", "timeout": False}. reuse=False: a worker runs one job, then is killed (with what it left)."""
+
+    START_TIMEOUT = 60.0  # seconds for a worker to import what it runs and say it is ready
+    STARTS_AT_ONCE = max(2, (os.cpu_count() or 2) // 2)
+
+    def __init__(self, command: list[str], *, workers: int, timeout: float, where: str, keys=(), reuse=True):
+        self.command, self.wanted, self.timeout, self.where, self.reuse = command, workers, timeout, where, reuse
+        self.keys = {"id", *keys}
+        self.idle, self.starting, self.busy = [], {}, {}  # starting: worker -> deadline; busy: -> (job id, deadline)
+        self.queue, self.dropped, self.carried, self.last_id = [], {}, 0, 0  # carried: lines of idle workers
+        self._start_more()
+
+    def submit(self, job: dict) -> int:
+        """Queue a job (sent to the next idle worker); returns its id."""
+        self.last_id += 1
+        self.queue.append({"id": self.last_id, **job})
+        return self.last_id
+
+    def wait_started(self) -> None:
+        """Until every worker has started (ToolSetupError if one cannot)."""
+        while self.starting:
+            self.poll(None)
+
+    def poll(self, wait: float | None, wake: int | None = None) -> list[tuple[int, dict]]:
+        """Send what is queued to idle workers, then wait up to `wait` seconds (None: until something happens) for a
+        worker's line or end, a deadline, or the file descriptor `wake` to be readable. Returns the jobs answered
+        meanwhile: (id, answer), each answer with "dropped"."""
+        answered = []
+        self._send_queued()
+        deadlines = [deadline for _, deadline in self.busy.values()] + list(self.starting.values())
+        if deadlines:
+            until = max(0.0, min(deadlines) - time.monotonic())
+            wait = until if wait is None else min(wait, until)
+        with selectors.DefaultSelector() as selector:
+            for worker in [*self.busy, *self.starting]:
+                selector.register(worker.fd, selectors.EVENT_READ, worker)
+            if wake is not None:
+                selector.register(wake, selectors.EVENT_READ, None)
+            ready = [key.data for key, _ in selector.select(wait) if key.data is not None]
+        for worker in ready:
+            self._read(worker, answered)
+        now = time.monotonic()
+        for worker in [w for w, (_, deadline) in self.busy.items() if deadline <= now]:
+            job = self.busy.pop(worker)[0]
+            self._replace(worker)  # killed: whatever it writes later is never read
+            failed = {"failed": f"no answer within {self.timeout:g} s", "timeout": True}
+            answered.append((job, {"id": job, **failed, "dropped": self.dropped.pop(job)}))
+        for worker in [w for w, deadline in self.starting.items() if deadline <= now]:
+            self._started(worker, [])  # ToolSetupError: no answer within START_TIMEOUT
+        self._send_queued()
+        return answered
+
+    def _start_more(self) -> None:
+        """Start workers until there are `workers`, at most STARTS_AT_ONCE starting at a time."""
+        while len(self.idle) + len(self.busy) + len(self.starting) < self.wanted:
+            if len(self.starting) >= self.STARTS_AT_ONCE:
+                return
+            process = subprocess.Popen(
+                self.command,
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.DEVNULL,
+                bufsize=0,
+                start_new_session=True,
+            )
+            self.starting[_Worker(process)] = time.monotonic() + self.START_TIMEOUT
+
+    def _started(self, worker: "_Worker", lines: list[str] | None) -> None:
+        """A starting worker's first line: ready (it becomes idle), or what went wrong (ToolSetupError)."""
+        if lines == []:  # a part of a line: wait for its rest
+            if self.starting[worker] > time.monotonic():
+                return
+        del self.starting[worker]
+        if lines != ['{"ready": true}']:
+            _end(worker)
+            message = "; ".join(lines or []) or f"no answer within {self.START_TIMEOUT:g} s"
+            raise ToolSetupError(f"{self.where} could not start: {message}")
+        self.idle.append(worker)
+        self._start_more()
+
+    def _send_queued(self) -> None:
+        """Each queued job to an idle worker; a worker that wrote while idle (no job of its own: every line is
+        dropped, and counted on the next job sent) or ended is replaced first."""
+        while self.queue and self.idle:
+            worker = self.idle.pop()
+            lines = worker.read_lines(0.0)
+            if lines is None or lines:
+                self.carried += len(lines or [])
+                self._replace(worker)
+                continue
+            job = self.queue.pop(0)
+            self.dropped[job["id"]], self.carried = self.carried, 0
+            worker.send(job)
+            self.busy[worker] = (job["id"], time.monotonic() + self.timeout)
+
+    def _read(self, worker: "_Worker", answered: list) -> None:
+        """A worker's lines: ready, its job's answer, or its end (the job failed); any other line is dropped."""
+        lines = worker.read_lines()
+        if worker in self.starting:
+            return self._started(worker, lines)
+        if worker not in self.busy:  # killed at its deadline in this poll, or replaced
+            return
+        job, answer = self.busy[worker][0], None
+        for line in lines or []:
+            candidate = _answer(line, self.keys)
+            if candidate is not None and candidate["id"] == job and answer is None:
+                answer = candidate
+            else:  # not this job's answer, or a second one
+                self.dropped[job] += 1
+                worker.strays += 1
+        if answer is None and lines is not None:
+            return  # still waiting for its answer
+        if answer is None:  # the worker ended without it
+            message = f"its process ended (exit status {worker.process.wait()}) without an answer"
+            answer = {"id": job, "failed": message, "timeout": False}
+        del self.busy[worker]
+        answered.append((job, {**answer, "dropped": self.dropped.pop(job)}))
+        if worker.strays or lines is None or not self.reuse:
+            self._replace(worker)
+        else:
+            self.idle.append(worker)
+
+    def _replace(self, worker: "_Worker") -> None:
+        _end(worker)
+        self._start_more()
+
+    def close(self) -> None:
+        """Ends the workers (they also end when this process does: their stdin closes)."""
+        for worker in [*self.idle, *self.starting, *self.busy]:
+            _end(worker)
+        self.idle, self.starting, self.busy, self.wanted = [], {}, {}, 0
+
+
+class ToolPool(WorkerPool):
+    """Runs tool calls in worker processes (WorkerPool), side by side, each within a time limit, so that no sampled
+    call and no tool can stall or end the run. `workers` processes (rollout.multi_turn.tool_workers), each `python
     multi_turn.py --serve-tools ...` (serve_tools): the tools imported once, then one call at a time. A call with
     no answer within `timeout` seconds (rollout.multi_turn.tool_timeout) has its worker killed (SIGKILL to its
     process group stops a sleep, a busy loop, a billion-bit integer and whatever the tool forked alike) and replaced;
@@ -236,130 +397,54 @@ class ToolPool:
             {"text": "Tool 'search' not found; tools: calculator", "error": <the same>, "timeout": False,
              "dropped": 0}]
 
-    Every call sent to a worker carries an id, unique in the pool's life, and every answer names the id it answers:
-    {"id": 7, "name": ..., "arguments": ...} -> {"id": 7, "text": ..., "error": ...}. A call's answer is the line
-    of ITS worker that names ITS id, never the next line the worker writes. Any other line (a second answer of a
-    tool that forked, a late one, an answer to another call, a line that is not an answer) is dropped, counted in
-    the answer of the call during which it was read ("dropped"), and its worker replaced once the call is answered
-    (or before the call is sent, when the worker wrote it while idle). A worker killed at its timeout is never read
-    again.
-
-    Responses are cut as veRL cuts them (truncate: max_chars, side) inside the worker, so a huge return value never
-    crosses the pipe. tools, schemas: the tools by name and their schemas (load_tools, in this process)."""
-
-    START_TIMEOUT = 60.0  # seconds for a worker to import the tools' file and say it is ready
+    Each call is a job with an id: {"id": 7, "name": ..., "arguments": ...} -> {"id": 7, "text": ..., "error": ...};
+    lines that answer no call of their worker are dropped and counted ("dropped"), as WorkerPool says. Responses are
+    cut as veRL cuts them (truncate: max_chars, side) inside the worker, so a huge return value never crosses the
+    pipe. tools, schemas: the tools by name and their schemas (load_tools, in this process)."""
 
     def __init__(self, function_tool_path: str | None, *, workers: int, timeout: float, max_chars: int, side: str):
         self.tools = load_tools(function_tool_path)
         self.schemas = tool_schemas(self.tools)
-        self.timeout = timeout
-        where = os.path.abspath(__file__)
-        self.command = [sys.executable, where, "--serve-tools", json.dumps([function_tool_path, max_chars, side])]
-        self.last_id = 0  # the id of the last call sent to a worker
-        self.idle = [self._start() for _ in range(workers)]
-
-    def _start(self) -> "_Worker":
-        """A new worker, once it has imported the tools (one line, {"ready": true}); ToolSetupError if it cannot. In
-        a process group of its own, so that killing it kills what its tools forked."""
-        process = subprocess.Popen(
-            self.command,
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.DEVNULL,
-            bufsize=0,
-            start_new_session=True,
+        served = json.dumps([function_tool_path, max_chars, side])
+        command = [sys.executable, os.path.abspath(__file__), "--serve-tools", served]
+        super().__init__(
+            command, workers=workers, timeout=timeout, where="multi-turn: a tool worker", keys=("text", "error")
         )
-        worker, deadline = _Worker(process), time.monotonic() + self.START_TIMEOUT
-        lines = []
-        while lines == [] and time.monotonic() < deadline:  # [] until a whole line has come
-            lines = worker.read_lines(deadline - time.monotonic())
-        if lines != ['{"ready": true}']:
-            _end(worker)
-            message = "; ".join(lines or []) or f"no answer within {self.START_TIMEOUT:g} s"
-            raise ToolSetupError(f"multi-turn: a tool worker could not start: {message}")
-        return worker
+        self.wait_started()
 
     def run(self, calls: list[dict]) -> list[dict]:
-        """Each call's answer {"text", "error" (None, or the text: what went wrong), "timeout", "dropped" (answers
-        not its own read while it ran, dropped)}, in order. Calls from parse_tool_calls: {"name", "arguments"} or
+        """Each call's answer {"text", "error" (None, or the text: what went wrong), "timeout", "dropped" (lines not
+        its own read while it ran, dropped)}, in order. Calls from parse_tool_calls: {"name", "arguments"} or
         {"error"}. At most len(workers) run at once; every call is answered, whatever its tool does."""
-        answers, queue = [None] * len(calls), []
+        answers, jobs = [None] * len(calls), {}
         for index, call in enumerate(calls):
             if "error" in call:  # not a call: parse_tool_calls says why
                 answers[index] = _failed(call["error"])
             elif call["name"] not in self.tools:
                 answers[index] = _failed(f"Tool '{call['name']}' not found; tools: {', '.join(self.tools)}")
             else:
-                queue.append(index)
-        busy, dropped = {}, {index: 0 for index in queue}  # busy: worker -> (call index, call id, deadline)
-        selector = selectors.DefaultSelector()
-        while queue or busy:
-            while queue and self.idle:
-                index = queue.pop(0)
-                worker, dropped[index] = self._ready_worker()
-                self.last_id += 1
-                worker.send({"id": self.last_id, **calls[index]})
-                busy[worker] = (index, self.last_id, time.monotonic() + self.timeout)
-                selector.register(worker.fd, selectors.EVENT_READ, worker)
-            wait = max(0.0, min(deadline for _, _, deadline in busy.values()) - time.monotonic())
-            for key, _ in selector.select(wait):
-                worker = key.data
-                index, call_id, _ = busy[worker]
-                lines = worker.read_lines()
-                for line in lines or []:
-                    answer = _answer(line)
-                    if answer is not None and answer["id"] == call_id and answers[index] is None:
-                        answers[index] = {"text": answer["text"], "error": answer["error"], "timeout": False}
-                    else:  # not this call's answer, or a second one
-                        dropped[index] += 1
-                        worker.strays += 1
-                if answers[index] is None and lines is not None:
-                    continue  # still waiting for its answer
-                if answers[index] is None:  # the worker ended without it
-                    status = worker.process.wait()
-                    message = f"its process ended (exit status {status}) without an answer"
-                    answers[index] = _failed(f"Error executing tool '{calls[index]['name']}': {message}")
-                del busy[worker]
-                selector.unregister(worker.fd)
-                self.idle.append(self._replace(worker) if worker.strays or lines is None else worker)
-            for worker in [w for w, (_, _, deadline) in busy.items() if deadline <= time.monotonic()]:
-                index = busy.pop(worker)[0]
-                selector.unregister(worker.fd)
-                self.idle.append(self._replace(worker))  # killed: whatever it writes later is never read
-                message = f"Error executing tool '{calls[index]['name']}': no answer within {self.timeout:g} s"
-                answers[index] = {**_failed(message), "timeout": True}
-        selector.close()
-        return [{**answer, "dropped": dropped.get(index, 0)} for index, answer in enumerate(answers)]
-
-    def _ready_worker(self) -> tuple["_Worker", int]:
-        """An idle worker to send a call to, and the number of lines dropped to get it: one that wrote while idle
-        (no call of its own: every line is dropped) or ended is replaced first."""
-        worker = self.idle.pop()
-        lines = worker.read_lines(0.0)
-        if lines is None or lines:
-            worker = self._replace(worker)
-        return worker, len(lines or [])
-
-    def _replace(self, worker: "_Worker") -> "_Worker":
-        _end(worker)
-        return self._start()
-
-    def close(self) -> None:
-        """Ends the workers (they also end when this process does: their stdin closes)."""
-        for worker in self.idle:
-            _end(worker)
-        self.idle = []
+                jobs[self.submit(call)] = index
+        while jobs:
+            for job, answer in self.poll(None):
+                index = jobs.pop(job)
+                if "failed" in answer:  # timed out, or its worker ended
+                    message = f"Error executing tool '{calls[index]['name']}': {answer['failed']}"
+                    answers[index] = {**_failed(message), "timeout": answer["timeout"]}
+                else:
+                    answers[index] = {"text": answer["text"], "error": answer["error"], "timeout": False}
+                answers[index]["dropped"] = answer["dropped"]
+        return [{"dropped": 0, **answer} for answer in answers]
 
 
 class _Worker:
-    """A tool worker process, its pipes, and what it wrote past its last full line (read unbuffered, so that a
-    line waiting in a buffer can never hide from select)."""
+    """A worker process, its pipes, and what it wrote past its last full line (read unbuffered, so that a line
+    waiting in a buffer can never hide from select); strays: lines it wrote that answered no job of its own."""
 
     def __init__(self, process: subprocess.Popen):
         self.process, self.fd, self.unread, self.strays = process, process.stdout.fileno(), b"", 0
 
     def send(self, message: dict) -> None:
-        line = memoryview((json.dumps(message) + "\n").encode())
+        line = memoryview((json.dumps(message, default=str) + "\n").encode())
         try:
             while line:
                 line = line[os.write(self.process.stdin.fileno(), line) :]
@@ -386,49 +471,67 @@ def _poll(fd: int, timeout: float = 0.0) -> bool:
 
 
 def _end(worker: _Worker) -> None:
-    """Kill a worker and everything in its process group (what its tools forked), reap it, close its pipes."""
+    """Kill a worker and everything in its process group (what its job forked), reap it, close its pipes."""
     try:
         os.killpg(worker.process.pid, signal.SIGKILL)
     except ProcessLookupError:  # already gone
         pass
     worker.process.wait()
-    worker.process.stdin.close()
-    worker.process.stdout.close()
+    for pipe in (worker.process.stdin, worker.process.stdout):
+        try:
+            pipe.close()
+        except OSError:  # a job line it never read
+            pass
 
 
-def _answer(line: str) -> dict | None:
-    """A worker's line as an answer {"id", "text", "error"}, or None when it is not one."""
+def _answer(line: str, keys: set[str]) -> dict | None:
+    """A worker's line as an answer (a JSON object with an integer "id" and every key in keys), or None when it is
+    not one (nested past Python's depth too: never an exception in the rank's loop)."""
     try:
         answer = json.loads(line)
-    except ValueError:
+    except (ValueError, RecursionError):
         return None
-    keys = isinstance(answer, dict) and {"id", "text", "error"} <= set(answer)
-    return answer if keys and isinstance(answer["id"], int) and isinstance(answer["text"], str) else None
+    ok = isinstance(answer, dict) and keys <= set(answer) and type(answer["id"]) is int
+    return answer if ok else None
 
 
 def _failed(message: str) -> dict:
     return {"text": message, "error": message, "timeout": False}
 
 
-def serve_tools(function_tool_path: str | None, max_chars: int, side: str) -> None:
-    """A tool worker (ToolPool): imports the tools, says {"ready": true}, then answers each call read as a JSON line
-    {"id", "name", "arguments"} on stdin with a JSON line {"id" (the call's), "text", "error"} on stdout. What a
-    tool prints goes nowhere and what it reads is empty (the protocol keeps its own copies of stdin and stdout);
-    whatever it raises, SystemExit included, is an error response; its return value becomes text (tool_text), cut
-    to max_chars (truncate)."""
-    _end_with_parent()
-    requests, answers = os.fdopen(os.dup(0), encoding="utf-8"), os.fdopen(os.dup(1), "w", encoding="utf-8")
+def worker_pipes(load) -> tuple:
+    """A worker's set-up (WorkerPool): on Linux it gets SIGKILL when the process that started it dies, even in the
+    middle of a job (elsewhere it ends at its next read: stdin closed); it keeps its own copies of stdin and stdout
+    for the protocol, so that what a job prints goes nowhere and what it reads is empty; then load(), what it runs.
+    Returns (jobs, answers, loaded) once it has said {"ready": true}; a ValueError or ImportError of load is its one
+    line instead, and the worker ends."""
+    try:
+        import ctypes
+
+        ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):  # not Linux
+        pass
+    jobs, answers = os.fdopen(os.dup(0), encoding="utf-8"), os.fdopen(os.dup(1), "w", encoding="utf-8")
     quiet = os.open(os.devnull, os.O_RDWR)
     for fd in (0, 1, 2):
         os.dup2(quiet, fd)
     try:
-        tools = tool_functions(function_tool_path)
-    except ToolSetupError as e:
+        loaded = load()
+    except (ValueError, ImportError) as e:  # a ToolSetupError, agent.py's AgentError: one line
         answers.write(f"{e}\n")
         answers.flush()
-        return
+        sys.exit(0)
     answers.write('{"ready": true}\n')
     answers.flush()
+    return jobs, answers, loaded
+
+
+def serve_tools(function_tool_path: str | None, max_chars: int, side: str) -> None:
+    """A tool worker (ToolPool): imports the tools, says {"ready": true}, then answers each call read as a JSON line
+    {"id", "name", "arguments"} on stdin with a JSON line {"id" (the call's), "text", "error"} on stdout (worker_pipes:
+    what a tool prints goes nowhere and what it reads is empty); whatever it raises, SystemExit included, is an error
+    response; its return value becomes text (tool_text), cut to max_chars (truncate)."""
+    requests, answers, tools = worker_pipes(lambda: tool_functions(function_tool_path))
     for line in requests:
         call = json.loads(line)
         try:
@@ -450,16 +553,6 @@ def tool_text(value) -> str:
     return text.encode("utf-8", "replace").decode("utf-8")
 
 
-def _end_with_parent() -> None:
-    """Linux: this worker gets SIGKILL when the process that started it dies, even in the middle of a call."""
-    try:
-        import ctypes
-
-        ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):  # not Linux: the worker ends at its next read (stdin closed)
-        pass
-
-
 def truncate(text: str, max_chars: int, side: str) -> str:
     """veRL's cut of a long tool response, in characters: keep the end (left), the start (right) or both (middle)."""
     if len(text) <= max_chars:
@@ -475,23 +568,32 @@ def truncate(text: str, max_chars: int, side: str) -> str:
 # ------------------------------------------------------------------------------------- tokens in, tokens out
 def tool_response_ids(tokenizer, responses: list[str], schemas: list[dict], template_kwargs: dict | None) -> list[int]:
     """The token ids that follow an assistant turn (which ends with eos) for its tool messages, up to and including
-    the next assistant header: the chat template's text for [user, assistant, tool, tool, ...] with the generation
-    prompt, from the eos after the assistant's content on, tokenised once. Qwen2.5: ["8"] ->
-    "\\n<|im_start|>user\\n<tool_response>\\n8\\n</tool_response><|im_end|>\\n<|im_start|>assistant\\n". Only the text
-    after the assistant turn is read, so a template that renders an earlier assistant turn differently (Qwen3 drops
-    the empty <think> block of a turn before the last) gives the same ids."""
-    marker = "flatgrpo-assistant-turn"
-    messages = [{"role": "user", "content": "x"}, {"role": "assistant", "content": marker}]
-    messages += [{"role": "tool", "content": r} for r in responses]
-    after = tokenizer.apply_chat_template(
-        messages, tools=schemas, add_generation_prompt=True, tokenize=False, **(template_kwargs or {})
-    )
-    end = after.find(tokenizer.eos_token, after.find(marker) + len(marker))
-    if marker not in after or end < 0:
+    the next assistant header (ids_after_assistant). Qwen2.5: ["8"] ->
+    "\\n<|im_start|>user\\n<tool_response>\\n8\\n</tool_response><|im_end|>\\n<|im_start|>assistant\\n"."""
+    ids = ids_after_assistant(tokenizer, [{"role": "tool", "content": r} for r in responses], schemas, template_kwargs)
+    if ids is None:
         raise ToolSetupError(
             f"multi-turn: the chat template does not end an assistant turn with the eos token {tokenizer.eos_token!r}"
         )
-    return tokenizer(after[end + len(tokenizer.eos_token) :], add_special_tokens=False)["input_ids"]
+    return ids
+
+
+def ids_after_assistant(tokenizer, messages: list[dict], tools, template_kwargs, cut: int | None = None) -> list | None:
+    """The token ids that follow an assistant turn (which ends with eos) for the messages after it, through the next
+    generation prompt: the chat template's text for [user, assistant, *messages] with the generation prompt, from the
+    eos after the assistant's content on (its first `cut` characters), tokenised once; None when the template does
+    not end an assistant turn with eos. Only the text after the assistant turn is read, so a template that renders
+    an earlier assistant turn differently (Qwen3 drops the empty <think> block of a turn before the last) gives the
+    same ids. What the template raises is raised."""
+    marker = "flatgrpo-assistant-turn"
+    history = [{"role": "user", "content": "x"}, {"role": "assistant", "content": marker}, *messages]
+    after = tokenizer.apply_chat_template(
+        history, tools=tools, add_generation_prompt=True, tokenize=False, **(template_kwargs or {})
+    )
+    end = after.find(tokenizer.eos_token, after.find(marker) + len(marker))
+    if marker not in after or end < 0:
+        return None
+    return tokenizer(after[end + len(tokenizer.eos_token) :][:cut], add_special_tokens=False)["input_ids"]
 
 
 def parse_tool_calls(text: str) -> list[dict]:

@@ -568,4 +568,5 @@ def receive_weights(run, state, first: dict, stopped: dict) -> None:
         raise RolloutRanksError(f"{trainer['when']}the weights arrived changed in {', '.join(wrong)}")
     tools.check_push(run.llm, trainer["sums"], run.engine_buffers, when=trainer["when"])
     run.last_proof = time.perf_counter() - t0
+    run.policy_version = version  # what the engine samples with from now (an agent's replies say it)
     send(link, 0, "loaded", version=version, signal=stopped["signal"])

@@ -45,12 +45,13 @@ FEATURES = (
     "agent",
 )
 COMPONENTS = ("rollout", "reward", "losses", "fsdp_train", "sync", "tiny")
-EXTENDS = {  # a feature may import the components it extends
+EXTENDS = {  # a feature may import what it extends
     "grpo_family": {"losses"},
     "rollout_correction": {"losses"},
     "lora": {"fsdp_train"},  # LoRA's layers in the trainer's model, loaded and exported with its pieces
     "logit_rules": {"fsdp_train"},  # a family's head and attention in the trainer's log-prob path
     "moe": {"fsdp_train", "rollout"},  # MoE's FLOPs term; R3's routing with the rollout's samples
+    "agent": {"multi_turn"},  # the tool pool's worker design (WorkerPool) and Hermes parser: one of each in the project
 }
 SETUP = {  # grpo.py's set-up and finish code: where a feature's file may be imported (feature), its keys read
     "main",
