@@ -1,4 +1,4 @@
-"""LoRA (fsdp_train.LoraLinear and friends) against PEFT itself, a test-only dependency: the layer's output and
+"""LoRA (lora.LoraLinear and friends) against PEFT itself, a test-only dependency: the layer's output and
 gradients, which modules a target list adapts, the adapter files; then the training side under torchrun
 (tests/helpers/train_worker.py --lora): the policy at step 0 is the base bit for bit and its KL 0, world sizes 1 and 2
 equal the float64 plain run, kill and resume is bitwise with only the adapters in the checkpoint, the exported
@@ -330,7 +330,7 @@ def test_resume_refuses_another_alpha_or_other_targets(random_models, tmp_path, 
 
 def plain_lora_model(path: str, settings: dict) -> torch.nn.Module:
     """The HF model (fp32, one process, no FSDP) with LoRA added and initialised exactly as load_model does
-    (fsdp_train._with_adapters from the same seed), the base frozen: the plain computation for the references."""
+    (lora._with_adapters from the same seed), the base frozen: the plain computation for the references."""
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     state = model.state_dict()
     model.adapt_settings = lora.add_lora(model, settings)
