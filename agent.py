@@ -25,7 +25,6 @@ import os
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -118,17 +117,9 @@ def check_settings(cfg: dict) -> None:
     elif not os.path.isfile(settings["path"]):
         raise AgentError(f"rollout.agent.path {settings['path']}: no such file")
     else:
-        pool = episode_workers({**settings, "num_workers": 1})
-        try:
+        with contextlib.closing(episode_workers({**settings, "num_workers": 1})) as pool:
             pool.wait_started()  # ToolSetupError: the worker's line (load_episode's) says why
-        finally:
-            pool.close()
-    port = settings["port"] + int(os.environ.get("LOCAL_RANK", 0)) if settings["port"] else 0
-    try:
-        with socket.socket() as probe:
-            probe.bind(("127.0.0.1", port))
-    except OSError as e:
-        raise AgentError(f"config: rollout.agent.port: 127.0.0.1:{port} cannot be bound ({e.strerror})") from None
+    http_server(settings["port"]).server_close()  # the rank's port, bound as the endpoint binds it, then freed
 
 
 def sampler(cfg: dict):
@@ -144,11 +135,10 @@ def sampler(cfg: dict):
 
         start = time.perf_counter()
         if not state:
-            port = settings["port"] + int(os.environ.get("LOCAL_RANK", 0)) if settings["port"] else 0
             limits = dict(max_prompt_length=data["max_prompt_length"], max_requests=settings["max_requests"],
                           max_model_len=data["max_prompt_length"] + data["max_response_length"],
                           template_kwargs=data["apply_chat_template_kwargs"])  # fmt: skip
-            state.update(endpoint=Endpoint(run.llm, model=cfg["model"]["path"], port=port, **limits),
+            state.update(endpoint=Endpoint(run.llm, model=cfg["model"]["path"], port=settings["port"], **limits),
                          workers=episode_workers(settings))  # fmt: skip
         sampling, version = dict(temperature=temperature, top_p=top_p, top_k=top_k), policy_version(run, rows)
         episodes = [Episode(k, row, budget=max_tokens, seed=seed, stride=len(rows) * n, sampling=sampling,
@@ -367,11 +357,8 @@ class Endpoint:
         self.wake_read, self.wake_write = os.pipe()
         os.set_blocking(self.wake_read, False)
         self.running, self.added, self.batch_sizes = {}, 0, []  # engine id -> call; calls added; calls per step
-        try:
-            self.server = http.server.ThreadingHTTPServer(("127.0.0.1", port), Handler)
-        except OSError as e:
-            raise AgentError(f"rollout.agent.port: 127.0.0.1:{port} cannot be bound ({e.strerror})") from None
-        self.server.daemon_threads, self.server.endpoint, self.port = True, self, self.server.server_address[1]
+        self.server = http_server(port)
+        self.server.endpoint, self.port = self, self.server.server_address[1]
         threading.Thread(target=self.server.serve_forever, daemon=True, name="agent-endpoint").start()
 
     def open(self, episodes: list[Episode]) -> None:  # the episodes whose requests it serves
@@ -522,6 +509,15 @@ def _answer(call: dict, refusal) -> None:  # a refusal: a RequestError or (statu
 def _over(episode: Episode) -> RequestError:  # a request of an episode over or failed: its outcome stays
     reason = "is over" if episode.error is None else f"has failed: {episode.error}"
     return RequestError(400, f"episode {episode.id} {reason}", code="episode_over")
+
+
+def http_server(port: int) -> http.server.ThreadingHTTPServer:
+    """The endpoint's server (Handler) on 127.0.0.1 at rollout.agent.port + LOCAL_RANK (0: a free port); AgentError."""
+    port = port + int(os.environ.get("LOCAL_RANK", 0)) if port else 0
+    try:
+        return http.server.ThreadingHTTPServer(("127.0.0.1", port), Handler)
+    except OSError as e:
+        raise AgentError(f"config: rollout.agent.port: 127.0.0.1:{port} cannot be bound ({e.strerror})") from None
 
 
 class Handler(http.server.BaseHTTPRequestHandler):
