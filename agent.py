@@ -16,7 +16,6 @@ agent". Imports the standard library and multi_turn.py.
 import contextlib
 import functools
 import http.server
-import importlib
 import inspect
 import json
 import math
@@ -225,9 +224,9 @@ class Episode:
 
     def plan(self, request: dict, tokenizer, limits: dict) -> dict:
         """The next call: {"sample" (the one it continues, held; None: a new one), "appended" (the new messages' ids,
-        cut to the room left), "prompt_ids", "max_tokens", "seed"}: it continues the sample whose last call it extends
-        (the longest), unless another call holds it. RequestError for what the template cannot render or the model
-        cannot take, untokenised when its characters exceed the tokens allowed x limits["longest"] (characters)."""
+        cut to the room left), "prompt_ids", "max_tokens", "seed", "seen" (the messages normalised)}: it continues the
+        sample whose last call it extends (the longest), unless another call holds it. RequestError for what the
+        template cannot render or the model cannot take (untokenised past the tokens allowed x limits["longest"])."""
         messages, tools, kwargs = request["messages"], request["tools"], limits["template_kwargs"]
         seen = [normalised(m) for m in messages]
         with self.lock:
@@ -236,7 +235,7 @@ class Episode:
             longest = limits["max_prompt_length"] if not self.samples else limits["max_model_len"] - 1
             self.planned += 1  # call t of the episode
             seed = None if self.seed is None else self.seed + (self.planned - 1) * self.stride + self.k
-            plan = {"sample": sample, "held": sample, "appended": [], "seed": seed}
+            plan = {"sample": sample, "held": sample, "appended": [], "seed": seed, "seen": seen}
             if sample is not None:
                 sample.in_flight += 1
                 so_far = sample.prompt_ids + sample.response_ids  # fixed while the call holds the sample
@@ -294,8 +293,7 @@ class Episode:
                 sample.calls.append({"call": self.calls, "prompt_ids": plan["prompt_ids"], "sampled_ids": sampled,
                                      "logprobs": logprobs, "finish": answer["finish_reason"],
                                      "model_version": self.version})  # fmt: skip
-                said = [normalised(m) for m in request["messages"]] + [normalised(template_message(answer["message"]))]
-                sample.history = (said, request["tools"])
+                sample.history = (plan["seen"] + [normalised(template_message(answer["message"]))], request["tools"])
             self.used += len(plan["appended"]) + len(sampled)
             self.text = sample.text if sampled else self.text
 
@@ -404,9 +402,8 @@ class Endpoint:
 
     def serve(self) -> None:
         """On the engine's thread: each planned call joins the running batch (no budget left: "length", unsampled)."""
-        from vllm import SamplingParams
         from vllm.inputs import tokens_input
-        from vllm.sampling_params import RequestOutputKind
+        from vllm.sampling_params import RequestOutputKind, SamplingParams
 
         with contextlib.suppress(BlockingIOError):
             os.read(self.wake_read, 1 << 20)  # the wake-ups: a byte per request (a pipe holds 64 KiB)
@@ -432,14 +429,13 @@ class Endpoint:
     def step(self) -> None:
         """One step of the engine (every running call advances by a token); each finished call, _finish'ed."""
         self.batch_sizes.append(len(self.running))
-        for output in self.llm.llm_engine.step():
-            if output.finished:
-                call, completion = self.running.pop(output.request_id), output.outputs[0]
-                sampled = list(completion.token_ids)
-                logprobs = [lp[token].logprob for token, lp in zip(sampled, completion.logprobs, strict=True)]
-                ids = sampled[:-1] if completion.finish_reason == "stop" else sampled  # without the eos that ended them
-                text = completion.text if isinstance(completion.stop_reason, str) else self.tokenizer.decode(ids)
-                self._finish(call, sampled, logprobs, completion.finish_reason, text, completion.logprobs)
+        for output in self.llm.llm_engine.step():  # the finished calls alone (FINAL_ONLY)
+            call, completion = self.running.pop(output.request_id), output.outputs[0]
+            sampled = list(completion.token_ids)
+            logprobs = [lp[token].logprob for token, lp in zip(sampled, completion.logprobs, strict=True)]
+            ids = sampled[:-1] if completion.finish_reason == "stop" else sampled  # without the eos that ended them
+            text = completion.text if isinstance(completion.stop_reason, str) else self.tokenizer.decode(ids)
+            self._finish(call, sampled, logprobs, completion.finish_reason, text, completion.logprobs)
 
     def _finish(self, call, sampled, logprobs, finish, text, alternatives=None) -> None:
         """A call's answer recorded (tool call ids call_<call>_<i>); an over episode's is refused, never recorded."""
@@ -665,11 +661,7 @@ def serve_episodes(path: str | None, name: str, command: str | None) -> None:
     the episode forked ends there, silently; SIGTERM and SIGINT do nothing here (the rank decides when to stop)."""
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: None)  # a handler, not SIG_IGN, which the agent's subprocesses would inherit
-
-    def load():  # the agent file's function and the openai client's module (a command's worker needs neither)
-        return None if command else (load_episode(path, name), importlib.import_module("openai"))
-
-    jobs, answers, loaded = multi_turn.worker_pipes(load)
+    jobs, answers, loaded = multi_turn.worker_pipes(lambda: None if command else load_episode(path, name))
     (function, openai), worker, client = loaded or (None, None), os.getpid(), None
     for line in jobs:
         job = json.loads(line)
@@ -713,8 +705,8 @@ def run_command(command: str, row: dict) -> tuple:
     return None, f"printed {printed[:200]!r}, not a reward (a number, or nothing: the run's scorer)"
 
 
-def load_episode(path: str, name: str):
-    """The agent file's function `name`, taking (client, row); AgentError (one line) otherwise."""
+def load_episode(path: str, name: str) -> tuple:
+    """(The agent file's function `name`, taking (client, row); the openai module); AgentError (one line) otherwise."""
     where = f"rollout.agent.path {path}"
     function = getattr(multi_turn.load_file(path, where, AgentError), name, None)
     if not callable(function):
@@ -723,7 +715,9 @@ def load_episode(path: str, name: str):
         inspect.signature(function).bind(None, None)
     except (TypeError, ValueError):
         raise AgentError(f"{where}: {name}() must take two arguments, (client, row)") from None
-    return function
+    import openai
+
+    return function, openai
 
 
 if __name__ == "__main__":  # an episode worker: python agent.py --serve-episodes '[path, name, command]'
