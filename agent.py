@@ -369,7 +369,6 @@ class Endpoint:
         if self.running:  # the calls of episodes that ended meanwhile (timed out, exited): never answered
             self.llm.llm_engine.abort_request(list(self.running))
             for call in self.running.values():
-                call["episode"].release(call["plan"])
                 _answer(call, _over(call["episode"]))
             self.running = {}
 
@@ -381,7 +380,7 @@ class Endpoint:
             return 404, RequestError(404, f"no episode {episode_id!r} is running", code="unknown_episode").body
         with episode.lock:
             if episode.over or episode.error is not None:  # refused; its outcome stays
-                return _over(episode).status, _over(episode).body
+                return _over(episode)
             episode.requests += 1
             if episode.requests > self.limits["max_requests"]:
                 message = f"more than {self.limits['max_requests']} requests (rollout.agent.max_requests)"
@@ -421,7 +420,6 @@ class Endpoint:
                 self.added += 1
                 self.llm.llm_engine.add_request(f"agent-{self.added}", tokens_input(plan["prompt_ids"]), sampling)
             except Exception as e:  # what this code did not foresee, the engine's own checks: refused, never the end
-                episode.release(plan)
                 _answer(call, _refuse(episode, e))
                 continue
             self.running[f"agent-{self.added}"] = call
@@ -441,9 +439,9 @@ class Endpoint:
         """A call's answer recorded (tool call ids call_<call>_<i>); an over episode's is refused, never recorded."""
         episode, request = call["episode"], call["request"]
         with episode.lock:
-            episode.release(call["plan"])
             if episode.over:
                 return _answer(call, _over(episode))
+            episode.release(call["plan"])
             number = episode.calls + 1  # this call's, once recorded
             special = self.tokenizer.all_special_tokens
             answer = assistant_message(text, finish, request["parse_tools"], special, call_ids=f"call_{number}")
@@ -497,14 +495,15 @@ def _refuse(episode: Episode, error: Exception) -> tuple[int, dict]:
     return error.status, error.body
 
 
-def _answer(call: dict, refusal) -> None:  # a refusal: a RequestError or (status, body)
-    call["refusal"] = (refusal.status, refusal.body) if isinstance(refusal, RequestError) else refusal
+def _answer(call: dict, refusal: tuple[int, dict]) -> None:  # a queued call refused: the sample it held released
+    call["episode"].release(call["plan"])
+    call["refusal"] = refusal
     call["done"].set()
 
 
-def _over(episode: Episode) -> RequestError:  # a request of an episode over or failed: its outcome stays
+def _over(episode: Episode) -> tuple[int, dict]:  # a request of an episode over or failed: its outcome stays
     reason = "is over" if episode.error is None else f"has failed: {episode.error}"
-    return RequestError(400, f"episode {episode.id} {reason}", code="episode_over")
+    return 400, RequestError(400, f"episode {episode.id} {reason}", code="episode_over").body
 
 
 def http_server(port: int) -> http.server.ThreadingHTTPServer:
