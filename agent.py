@@ -55,9 +55,8 @@ class RequestError(Exception):
 
 # ----------------------------------------------------------------------------------------- the loop's part
 def parts(cfg: dict, parts, group_advantages):
-    """The step's parts (grpo.choose_parts), after check_settings: scored_samples (sampler: one sample per episode,
-    its last, which validation scores), sample_groups (episode_groups), advantages (episode_advantages, GRPO's over
-    episodes: group_advantages, losses.grpo_advantages) and field_metrics (agent/*)."""
+    """The step's parts (grpo.choose_parts), after check_settings: scored_samples (sampler), sample_groups
+    (episode_groups), advantages (episode_advantages over group_advantages: losses.grpo_advantages), field_metrics."""
     check_settings(cfg)
     parts.scored_samples, parts.field_metrics = sampler(cfg), field_metrics
     parts.sample_groups = episode_groups(parts.sample_groups)
@@ -123,9 +122,9 @@ def check_settings(cfg: dict) -> None:
 
 def sampler(cfg: dict):
     """scored_samples(run, rows, t, *, n, ...) -> (samples, rewards [N], extras): n episodes of each row against the
-    rank's endpoint (both started at the first call, kept for the run), each giving samples with its reward (a
-    command's printing none: run.parts.score's): its last, the ones before it in its .earlier. t["gen"]: their wall
-    time (the episodes score themselves: t["reward"] is 0)."""
+    rank's endpoint and workers (started at the first call, kept), each one sample, its last (validation scores it;
+    the ones before it in its .earlier), with its reward (a command's printing none: run.parts.score's). t["gen"]:
+    their wall time (the episodes score themselves: t["reward"] is 0)."""
     settings, data = cfg["rollout"]["agent"], cfg["data"]
     state = {}
 
@@ -464,16 +463,14 @@ class Endpoint:
             {**self._logprob(token, ranked[token].logprob), "top_logprobs": [self._logprob(t, lp.logprob) for t, lp in
              sorted(ranked.items(), key=lambda item: item[1].rank)[: request["top_logprobs"]]]}
             for token, ranked in zip(call["sampled"], call["alternatives"] or [], strict=True)]) or None  # fmt: skip
-        calls = [api.ToolCall(id=c["id"], function=c["function"]) for c in message.get("tool_calls", [])]
+        calls = message.get("tool_calls", [])  # {"id", "type", "function"} each: what vLLM's ToolCall reads
         if not request["stream"]:
             said = api.ChatMessage(role="assistant", content=message["content"], tool_calls=calls)
             choice = api.ChatCompletionResponseChoice(index=0, message=said, logprobs=logprobs, finish_reason=finish)
             return api.ChatCompletionResponse(**head, choices=[choice], usage=usage).model_dump(exclude_none=True)
         deltas = [api.DeltaMessage(role="assistant", content=None if message["content"] is None else "")]
         deltas += [api.DeltaMessage(content=piece) for piece in re.findall(r"\s*\S+|\s+", message["content"] or "")]
-        deltas += [api.DeltaMessage(tool_calls=[DeltaToolCall(index=i, id=c.id, type="function",
-                                                              function=c.function.model_dump())])
-                   for i, c in enumerate(calls)]  # fmt: skip
+        deltas += [api.DeltaMessage(tool_calls=[DeltaToolCall(index=i, **c)]) for i, c in enumerate(calls)]
         choices = [api.ChatCompletionResponseStreamChoice(index=0, delta=d, logprobs=None if k else logprobs)
                    for k, d in enumerate(deltas)]  # fmt: skip
         choices.append(api.ChatCompletionResponseStreamChoice(index=0, delta=api.DeltaMessage(), finish_reason=finish))
