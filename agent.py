@@ -221,6 +221,18 @@ class Episode:
         with self.lock:
             self.error, self.refused = self.error or error, self.refused or refused
 
+    def refuse(self, error: Exception) -> tuple[int, dict]:
+        """(status, body) of a request's error (500: one this code did not foresee); the episode has failed, refused."""
+        if not isinstance(error, RequestError):
+            message = f"the endpoint could not serve the request: {type(error).__name__}: {str(error)[:300]}"
+            error = RequestError(500, message, code="internal_error")
+        self.fail(f"refused ({error.status}): {error}", refused=True)
+        return error.status, error.body
+
+    def over_reply(self) -> tuple[int, dict]:  # to a request of the episode over or failed: its outcome stays
+        reason = "is over" if self.error is None else f"has failed: {self.error}"
+        return 400, RequestError(400, f"episode {self.id} {reason}", code="episode_over").body
+
     def plan(self, request: dict, tokenizer, limits: dict) -> dict:
         """The next call: {"sample" (the one it continues, held; None: a new one), "appended" (the new messages' ids,
         cut to the room left), "prompt_ids", "max_tokens", "seed", "seen" (the messages normalised)}: it continues the
@@ -368,7 +380,7 @@ class Endpoint:
         if self.running:  # the calls of episodes that ended meanwhile (timed out, exited): never answered
             self.llm.llm_engine.abort_request(list(self.running))
             for call in self.running.values():
-                _answer(call, _over(call["episode"]))
+                _answer(call, call["episode"].over_reply())
             self.running = {}
 
     def submit(self, episode_id: str, body: bytes | None) -> tuple[int, dict | list]:
@@ -379,7 +391,7 @@ class Endpoint:
             return 404, RequestError(404, f"no episode {episode_id!r} is running", code="unknown_episode").body
         with episode.lock:
             if episode.over or episode.error is not None:  # refused; its outcome stays
-                return _over(episode)
+                return episode.over_reply()
             episode.requests += 1
             if episode.requests > self.limits["max_requests"]:
                 message = f"more than {self.limits['max_requests']} requests (rollout.agent.max_requests)"
@@ -391,7 +403,7 @@ class Endpoint:
             call = {"episode": episode, "request": parse_request(body, self.model), "done": threading.Event()}
             call["plan"] = episode.plan(call["request"], self.tokenizer, self.limits)
         except Exception as e:  # a RequestError, or a request this code did not foresee: never the run's end
-            return _refuse(episode, e)
+            return episode.refuse(e)
         with self.lock:
             self.inbox.append(call)
         os.write(self.wake_write, b".")
@@ -419,7 +431,7 @@ class Endpoint:
                 self.added += 1
                 self.llm.llm_engine.add_request(f"agent-{self.added}", tokens_input(plan["prompt_ids"]), sampling)
             except Exception as e:  # what this code did not foresee, the engine's own checks: refused, never the end
-                _answer(call, _refuse(episode, e))
+                _answer(call, episode.refuse(e))
                 continue
             self.running[f"agent-{self.added}"] = call
 
@@ -439,7 +451,7 @@ class Endpoint:
         episode, request = call["episode"], call["request"]
         with episode.lock:
             if episode.over:
-                return _answer(call, _over(episode))
+                return _answer(call, episode.over_reply())
             episode.release(call["plan"])
             number = episode.calls + 1  # this call's, once recorded
             special = self.tokenizer.all_special_tokens
@@ -483,24 +495,10 @@ class Endpoint:
         return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
 
 
-def _refuse(episode: Episode, error: Exception) -> tuple[int, dict]:
-    """(status, body) of an error (500 for one this code did not foresee); its episode has failed (refused)."""
-    if not isinstance(error, RequestError):
-        message = f"the endpoint could not serve the request: {type(error).__name__}: {str(error)[:300]}"
-        error = RequestError(500, message, code="internal_error")
-    episode.fail(f"refused ({error.status}): {error}", refused=True)
-    return error.status, error.body
-
-
 def _answer(call: dict, refusal: tuple[int, dict]) -> None:  # a queued call refused: the sample it held released
     call["episode"].release(call["plan"])
     call["refusal"] = refusal
     call["done"].set()
-
-
-def _over(episode: Episode) -> tuple[int, dict]:  # a request of an episode over or failed: its outcome stays
-    reason = "is over" if episode.error is None else f"has failed: {episode.error}"
-    return 400, RequestError(400, f"episode {episode.id} {reason}", code="episode_over").body
 
 
 def http_server(port: int) -> http.server.ThreadingHTTPServer:
