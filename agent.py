@@ -341,7 +341,7 @@ def run_episodes(endpoint: "Endpoint", episodes: list[Episode], workers: multi_t
     """The episodes run by the workers until each ends, this thread (the engine's) serving their calls meanwhile."""
     endpoint.open(episodes)
     url = f"http://127.0.0.1:{endpoint.port}/{{}}/v1"  # the episode's id in its URL
-    jobs = {workers.submit({"episode": e.id, "base_url": url.format(e.id), "row": e.row}): e for e in episodes}
+    jobs = {workers.submit({"base_url": url.format(e.id), "row": e.row}): e for e in episodes}
     try:
         while jobs:
             for job, answer in workers.poll(0.0 if endpoint.running else None, wake=endpoint.wake_read):
@@ -650,7 +650,7 @@ def episode_workers(settings: dict) -> multi_turn.WorkerPool:
 
 
 def serve_episodes(path: str | None, name: str, command: str | None) -> None:
-    """An episode worker (WorkerPool's): loads the agent, then runs each episode ({"id", "episode", "base_url", "row"},
+    """An episode worker (WorkerPool's): loads the agent, then runs each episode ({"id", "base_url", "row"},
     OPENAI_BASE_URL and OPENAI_API_KEY set), answering {"id", "reward" (None: the run's scorer's), "error"}. A process
     the episode forked ends there, silently; SIGTERM and SIGINT do nothing here (the rank decides when to stop)."""
     for sig in (signal.SIGTERM, signal.SIGINT):
