@@ -522,11 +522,7 @@ class Handler(http.server.BaseHTTPRequestHandler):
         body = None if length > MAX_BODY else self.rfile.read(length)
         if len(parts) != 4 or parts[1:] != ["v1", "chat", "completions"]:
             return self._send(404, RequestError(404, f"no route POST {self.path}", code="not_found").body)
-        status, reply = self.server.endpoint.submit(parts[0], body)
-        if isinstance(reply, list):
-            events = "".join(f"data: {json.dumps(chunk)}\n\n" for chunk in reply) + "data: [DONE]\n\n"
-            return self._send(status, events.encode(), "text/event-stream")
-        self._send(status, reply)
+        self._send(*self.server.endpoint.submit(parts[0], body))
 
     def do_GET(self):
         route, model = MODELS.fullmatch(self.path.split("?")[0]), self.server.endpoint.model
@@ -537,11 +533,13 @@ class Handler(http.server.BaseHTTPRequestHandler):
             return self._send(200, {"object": "list", "data": [served]} if route["model"] is None else served)
         self._send(404, RequestError(404, f"no model `{route['model']}`", "model", "model_not_found").body)
 
-    def _send(self, status: int, body: dict | bytes, kind: str = "application/json") -> None:
-        data = body if isinstance(body, bytes) else json.dumps(body).encode()
+    def _send(self, status: int, body: dict | list) -> None:  # a list: a stream's chunks, as server-sent events
+        stream = isinstance(body, list)
+        text = "".join(f"data: {json.dumps(c)}\n\n" for c in body) + "data: [DONE]\n\n" if stream else json.dumps(body)
+        data = text.encode()
         try:
             self.send_response(status)
-            self.send_header("Content-Type", kind)
+            self.send_header("Content-Type", "text/event-stream" if stream else "application/json")
             self.send_header("Content-Length", str(len(data)))
             self.end_headers()
             self.wfile.write(data)
