@@ -430,10 +430,9 @@ class Endpoint:
                                           output_kind=RequestOutputKind.FINAL_ONLY, **episode.sampling)  # fmt: skip
                 self.added += 1
                 self.llm.llm_engine.add_request(f"agent-{self.added}", tokens_input(plan["prompt_ids"]), sampling)
+                self.running[f"agent-{self.added}"] = call
             except Exception as e:  # what this code did not foresee, the engine's own checks: refused, never the end
                 _answer(call, episode.refuse(e))
-                continue
-            self.running[f"agent-{self.added}"] = call
 
     def step(self) -> None:
         """One step of the engine (every running call advances by a token); each finished call, _finish'ed."""
