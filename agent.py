@@ -377,11 +377,10 @@ class Endpoint:
     def close_episodes(self) -> None:  # the episodes have ended: a call still queued or sampled is refused
         self.open([])
         self.serve()
-        if self.running:  # the calls of episodes that ended meanwhile (timed out, exited): never answered
-            self.llm.llm_engine.abort_request(list(self.running))
-            for call in self.running.values():
-                _answer(call, call["episode"].over_reply())
-            self.running = {}
+        self.llm.llm_engine.abort_request(list(self.running))  # calls of episodes that ended (timed out, exited)
+        for call in self.running.values():  # refused: never answered
+            _answer(call, call["episode"].over_reply())
+        self.running = {}
 
     def submit(self, episode_id: str, body: bytes | None) -> tuple[int, dict | list]:
         """An HTTP thread's request (None: too large), counted, read, planned, queued: (status, reply or chunks)."""
