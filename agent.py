@@ -154,10 +154,8 @@ def sampler(cfg: dict):
 def policy_version(run, rows: list) -> int:
     """The step whose weights sample these rows: what rollout ranks hold (run.policy_version); on the rank's own
     engine, step s - 1's for training batch s (run.gen_cursor = s), step s's for validation after step s."""
-    if hasattr(run, "policy_version"):
-        return run.policy_version
     validating = any(row is rows[0] for row in run.val_rows)
-    return getattr(run, "gen_cursor", 0) - (not validating)
+    return getattr(run, "policy_version", run.gen_cursor - (not validating))
 
 
 def field_metrics(fields: dict) -> dict:
