@@ -275,8 +275,7 @@ class Episode:
                 raise
             message = f"the chat template cannot render the request: {(str(e) or type(e).__name__).splitlines()[0]}"
             raise RequestError(400, message, None, "template_error") from None
-        with self.lock:
-            left = self.budget - self.used - len(plan["appended"])
+        left = self.budget - self.used - len(plan["appended"])  # the budget as it is now (self.used: one read)
         plan["max_tokens"] = min(left, request["max_tokens"] or left, limits["max_model_len"] - len(plan["prompt_ids"]))
         return plan
 
