@@ -674,8 +674,7 @@ def run_command(command: str, row: dict) -> tuple:
     """(reward, error) of rollout.agent.command (/bin/sh; the row a JSON line on stdin and in $FLATGRPO_ROW): all it
     prints, a number (nothing: None); exiting non-zero (stderr's last line) or printing anything else, an error."""
     with tempfile.NamedTemporaryFile("w+", suffix=".json") as file, tempfile.TemporaryFile() as err:
-        file.write(json.dumps(row, default=str) + "\n")
-        file.flush()
+        print(json.dumps(row, default=str), file=file, flush=True)
         file.seek(0)
         process = subprocess.Popen(command, shell=True, stdin=file, stdout=subprocess.PIPE, stderr=err,
                                    env={**os.environ, "FLATGRPO_ROW": file.name})  # fmt: skip
