@@ -506,8 +506,7 @@ def http_server(port: int) -> http.server.ThreadingHTTPServer:
 
 
 class Handler(http.server.BaseHTTPRequestHandler):
-    """HTTP/1.1 (keep-alive): POST /<episode>/v1/chat/completions (Endpoint.submit), answered as JSON or as
-    server-sent events ("data: <chunk>", then "data: [DONE]"); GET [/<episode>]/v1/models; else an OpenAI 404."""
+    """HTTP/1.1 (keep-alive): POST /<episode>/v1/chat/completions (Endpoint.submit), GET models (MODELS); else 404s."""
 
     protocol_version = "HTTP/1.1"
 
@@ -528,7 +527,7 @@ class Handler(http.server.BaseHTTPRequestHandler):
             return self._send(200, {"object": "list", "data": [served]} if route["model"] is None else served)
         self._send(404, RequestError(404, f"no model `{route['model']}`", "model", "model_not_found").body)
 
-    def _send(self, status: int, body: dict | list) -> None:  # a list: a stream's chunks, as server-sent events
+    def _send(self, status: int, body: dict | list) -> None:  # a list: a stream, "data: <chunk>" each, "data: [DONE]"
         stream = isinstance(body, list)
         text = "".join(f"data: {json.dumps(c)}\n\n" for c in body) + "data: [DONE]\n\n" if stream else json.dumps(body)
         data = text.encode()
