@@ -359,7 +359,7 @@ class Endpoint:
         self.llm, self.tokenizer, self.model = llm, llm.get_tokenizer(), model
         longest = max(map(len, self.tokenizer.get_vocab()))  # characters: a token's text has at most its raw form's
         self.limits = {**limits, "longest": longest}  # max_prompt_length, max_model_len, max_requests, template_kwargs
-        self.episodes, self.inbox, self.lock = {}, [], threading.Lock()
+        self.episodes, self.inbox, self.lock = {}, [], threading.Lock()  # the lock: the inbox's
         self.wake_read, self.wake_write = os.pipe()
         os.set_blocking(self.wake_read, False)
         self.running, self.added, self.batch_sizes = {}, 0, []  # engine id -> call; calls added; calls per step
@@ -368,8 +368,7 @@ class Endpoint:
         threading.Thread(target=self.server.serve_forever, daemon=True, name="agent-endpoint").start()
 
     def open(self, episodes: list[Episode]) -> None:  # the episodes whose requests it serves
-        with self.lock:
-            self.episodes = {e.id: e for e in episodes}
+        self.episodes = {e.id: e for e in episodes}  # a new dict each time: submit reads it without a lock
 
     def close_episodes(self) -> None:  # the episodes have ended: a call still queued or sampled is refused
         self.open([])
@@ -381,8 +380,7 @@ class Endpoint:
 
     def submit(self, episode_id: str, body: bytes | None) -> tuple[int, dict | list]:
         """An HTTP thread's request (None: too large), counted, read, planned, queued: (status, reply or chunks)."""
-        with self.lock:
-            episode = self.episodes.get(episode_id)
+        episode = self.episodes.get(episode_id)  # one read of the dict open() set
         if episode is None:
             return 404, RequestError(404, f"no episode {episode_id!r} is running", code="unknown_episode").body
         with episode.lock:
@@ -514,7 +512,7 @@ class Handler(http.server.BaseHTTPRequestHandler):
         parts, length = self.path.split("?")[0].strip("/").split("/"), int(self.headers.get("Content-Length") or 0)
         self.close_connection = length > MAX_BODY  # such a body is never read (its episode is told: 413)
         body = None if length > MAX_BODY else self.rfile.read(length)
-        if len(parts) != 4 or parts[1:] != ["v1", "chat", "completions"]:
+        if parts[1:] != ["v1", "chat", "completions"]:
             return self._send(404, RequestError(404, f"no route POST {self.path}", code="not_found").body)
         self._send(*self.server.endpoint.submit(parts[0], body))
 
