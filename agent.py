@@ -122,9 +122,8 @@ def check_settings(cfg: dict) -> None:
 
 def sampler(cfg: dict):
     """scored_samples(run, rows, t, *, n, ...) -> (samples, rewards [N], extras): n episodes of each row against the
-    rank's endpoint and workers (started at the first call, kept), each one sample, its last (validation scores it;
-    the ones before it in its .earlier), with its reward (a command's printing none: run.parts.score's). t["gen"]:
-    their wall time (the episodes score themselves: t["reward"] is 0)."""
+    rank's endpoint and workers (started at the first call, kept), each its last sample (Episode.finish), which
+    validation scores, with its reward (a silent command's: run.parts.score's); t["gen"]: their time (t["reward"] 0)."""
     settings, data = cfg["rollout"]["agent"], cfg["data"]
     state = {}
 
