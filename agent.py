@@ -456,7 +456,6 @@ class Endpoint:
         """A recorded call's reply, with vLLM's OpenAI models: a ChatCompletionResponse, or (stream) OpenAI's chunks:
         the role (and log-probs asked for), the content in pieces, each tool call, the finish reason, the usage
         (stream_options.include_usage). Both say what was recorded, and model_version: the policy that sampled it."""
-        from vllm.entrypoints.generate.base.protocol import DeltaToolCall
         from vllm.entrypoints.openai.chat_completion import protocol as api
 
         request, (message, finish), episode = call["request"], call["answer"].values(), call["episode"]
@@ -467,14 +466,14 @@ class Endpoint:
             {**self._logprob(token, ranked[token].logprob), "top_logprobs": [self._logprob(t, lp.logprob) for t, lp in
              sorted(ranked.items(), key=lambda item: item[1].rank)[: request["top_logprobs"]]]}
             for token, ranked in zip(call["sampled"], call["alternatives"] or [], strict=True)]) or None  # fmt: skip
-        calls = message.get("tool_calls", [])  # {"id", "type", "function"} each: what vLLM's ToolCall reads
+        calls = message.get("tool_calls", [])  # {"id", "type", "function"} each: what vLLM's (Delta)ToolCall reads
         if not request["stream"]:
             said = api.ChatMessage(role="assistant", content=message["content"], tool_calls=calls)
             choice = api.ChatCompletionResponseChoice(index=0, message=said, logprobs=logprobs, finish_reason=finish)
             return api.ChatCompletionResponse(**head, choices=[choice], usage=usage).model_dump(exclude_none=True)
         deltas = [api.DeltaMessage(role="assistant", content=None if message["content"] is None else "")]
         deltas += [api.DeltaMessage(content=piece) for piece in re.findall(r"\s*\S+|\s+", message["content"] or "")]
-        deltas += [api.DeltaMessage(tool_calls=[DeltaToolCall(index=i, **c)]) for i, c in enumerate(calls)]
+        deltas += [api.DeltaMessage(tool_calls=[{"index": i, **c}]) for i, c in enumerate(calls)]
         choices = [api.ChatCompletionResponseStreamChoice(index=0, delta=d, logprobs=None if k else logprobs)
                    for k, d in enumerate(deltas)]  # fmt: skip
         choices.append(api.ChatCompletionResponseStreamChoice(index=0, delta=api.DeltaMessage(), finish_reason=finish))
