@@ -21,6 +21,7 @@ import json
 import math
 import numbers
 import os
+import queue
 import re
 import shutil
 import signal
@@ -358,7 +359,7 @@ class Endpoint:
         self.llm, self.tokenizer, self.model = llm, llm.get_tokenizer(), model
         longest = max(map(len, self.tokenizer.get_vocab()))  # characters: a token's text has at most its raw form's
         self.limits = {**limits, "longest": longest}  # max_prompt_length, max_model_len, max_requests, template_kwargs
-        self.episodes, self.inbox, self.lock = {}, [], threading.Lock()  # the lock: the inbox's
+        self.episodes, self.inbox = {}, queue.SimpleQueue()  # inbox: the planned calls, from the HTTP threads
         self.wake_read, self.wake_write = os.pipe()
         os.set_blocking(self.wake_read, False)
         self.running, self.added, self.batch_sizes = {}, 0, []  # engine id -> call; calls added; calls per step
@@ -397,8 +398,7 @@ class Endpoint:
             call["plan"] = episode.plan(call["request"], self.tokenizer, self.limits)
         except Exception as e:  # a RequestError, or a request this code did not foresee: never the run's end
             return episode.refuse(e)
-        with self.lock:
-            self.inbox.append(call)
+        self.inbox.put(call)
         os.write(self.wake_write, b".")
         call["done"].wait()
         return call["refusal"] if "refusal" in call else (200, self._reply(call))
@@ -410,9 +410,8 @@ class Endpoint:
 
         with contextlib.suppress(BlockingIOError):
             os.read(self.wake_read, 1 << 20)  # the wake-ups: a byte per request (a pipe holds 64 KiB)
-        with self.lock:
-            calls, self.inbox = self.inbox, []
-        for call in calls:
+        while not self.inbox.empty():
+            call = self.inbox.get()
             episode, request, plan = call["episode"], call["request"], call["plan"]
             try:
                 if plan["max_tokens"] <= 0:  # the budget is spent: "length", nothing sampled
