@@ -465,17 +465,15 @@ class Endpoint:
             {**self._logprob(token, ranked[token].logprob), "top_logprobs": [self._logprob(t, lp.logprob) for t, lp in
              sorted(ranked.items(), key=lambda item: item[1].rank)[: request["top_logprobs"]]]}
             for token, ranked in zip(call["sampled"], call["alternatives"] or [], strict=True)]) or None  # fmt: skip
-        calls = message.get("tool_calls", [])  # {"id", "type", "function"} each: what vLLM's (Delta)ToolCall reads
+        calls = message.get("tool_calls", [])  # dicts, as the message is: vLLM's models read and check them
         if not request["stream"]:
-            said = api.ChatMessage(role="assistant", content=message["content"], tool_calls=calls)
-            choice = api.ChatCompletionResponseChoice(index=0, message=said, logprobs=logprobs, finish_reason=finish)
+            choice = {"index": 0, "message": message, "logprobs": logprobs, "finish_reason": finish}
             return api.ChatCompletionResponse(**head, choices=[choice], usage=usage).model_dump(exclude_none=True)
         deltas = [api.DeltaMessage(role="assistant", content=None if message["content"] is None else "")]
         deltas += [api.DeltaMessage(content=piece) for piece in re.findall(r"\s*\S+|\s+", message["content"] or "")]
         deltas += [api.DeltaMessage(tool_calls=[{"index": i, **c}]) for i, c in enumerate(calls)]
-        choices = [api.ChatCompletionResponseStreamChoice(index=0, delta=d, logprobs=None if k else logprobs)
-                   for k, d in enumerate(deltas)]  # fmt: skip
-        choices.append(api.ChatCompletionResponseStreamChoice(index=0, delta=api.DeltaMessage(), finish_reason=finish))
+        choices = [{"index": 0, "delta": d, "logprobs": None if k else logprobs} for k, d in enumerate(deltas)]
+        choices.append({"index": 0, "delta": {}, "finish_reason": finish})  # the last chunk: the finish reason alone
         chunks = [api.ChatCompletionStreamResponse(**head, choices=[choice]) for choice in choices]
         chunks += [api.ChatCompletionStreamResponse(**head, choices=[], usage=usage)] if request["usage"] else []
         return [chunk.model_dump(exclude_none=True) for chunk in chunks]
