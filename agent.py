@@ -16,6 +16,7 @@ agent". Imports the standard library and multi_turn.py.
 import contextlib
 import functools
 import http.server
+import importlib
 import inspect
 import json
 import math
@@ -693,9 +694,7 @@ def load_episode(path: str, name: str) -> tuple:
         inspect.signature(function).bind(None, None)
     except (TypeError, ValueError):
         raise AgentError(f"{where}: {name}() must take two arguments, (client, row)") from None
-    import openai
-
-    return function, openai
+    return function, importlib.import_module("openai")  # its client's module, imported here, once
 
 
 if __name__ == "__main__":  # an episode worker: python agent.py --serve-episodes '[path, name, command]'
