@@ -636,10 +636,9 @@ def episode_workers(settings: dict) -> multi_turn.WorkerPool:
 
 
 def serve_episodes(path: str | None, name: str, command: str | None) -> None:
-    """An episode worker (WorkerPool's): loads the agent, then runs each episode ({"id", "base_url", "row"},
-    OPENAI_BASE_URL and OPENAI_API_KEY set), answering {"id", "reward" (None: the run's scorer's), "error"}. A process
-    the episode forked ends there, silently; SIGTERM and SIGINT do nothing here (the rank decides when to stop)."""
-    for sig in (signal.SIGTERM, signal.SIGINT):
+    """An episode worker (WorkerPool's): loads the agent, then runs each episode ({"id", "base_url", "row"}, its
+    OPENAI_BASE_URL and OPENAI_API_KEY set), answering {"id", "reward" (None: the run's scorer's), "error"}."""
+    for sig in (signal.SIGTERM, signal.SIGINT):  # do nothing here: the rank decides when to stop
         signal.signal(sig, lambda *_: None)  # a handler, not SIG_IGN, which the agent's subprocesses would inherit
     jobs, answers, loaded = multi_turn.worker_pipes(lambda: None if command else load_episode(path, name))
     (function, openai), worker, client = loaded or (None, None), os.getpid(), None
