@@ -540,9 +540,8 @@ class Handler(http.server.BaseHTTPRequestHandler):
 
 # ------------------------------------------------------------------------------------------- requests
 def parse_request(body: bytes, model: str) -> dict:
-    """A chat-completions body read by vLLM's own OpenAI model (ChatCompletionRequest, as its server reads it);
-    RequestError (OpenAI's status and wording) for what it refuses, and what would make the samples other than the
-    policy's: n > 1, a forced tool_choice, a response format, a logit bias. Sampling fields are ignored."""
+    """A chat-completions body read by vLLM's own OpenAI model (ChatCompletionRequest, as its server reads it), its
+    sampling fields ignored; RequestError (OpenAI's status and wording) for what it refuses and what `refused` lists."""
     from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
     from vllm.exceptions import VLLMClientError
 
@@ -565,7 +564,7 @@ def parse_request(body: bytes, model: str) -> dict:
     kind = getattr(parsed.response_format, "type", "text")
     top, stop = parsed.top_logprobs or 0, [parsed.stop] if isinstance(parsed.stop, str) else parsed.stop or None
     max_tokens = next((m for m in (parsed.max_completion_tokens, vars(parsed)["max_tokens"]) if m is not None), None)
-    refused = {  # key: (refused, why[, code: else unsupported])
+    refused = {  # key: (refused, why[, code: else unsupported, what would make the samples other than the policy's])
         "n": (parsed.n not in (None, 1), f"{parsed.n}: one completion per request (the calls are the samples)"),
         "tool_choice": (parsed.tool_choice not in ("auto", "none"), f"{parsed.tool_choice!r}: accepted auto, none"),
         "response_format": (kind != "text", f"{kind!r}: text only (a format would constrain the sampling)"),
