@@ -9,7 +9,7 @@ agent". Imports the standard library and multi_turn.py.
         reply = client.chat.completions.create(model=client.models.list().data[0].id, messages=row["prompt"])
         return 1.0 if "#### " + row["ground_truth"] in (reply.choices[0].message.content or "") else 0.0
 
-    python grpo.py --config tiny.yaml rollout.agent.path=my_agent.py          # grpo.choose_parts: parts(cfg, parts, ...)
+    python grpo.py --config tiny.yaml rollout.agent.path=my_agent.py         # grpo.choose_parts: parts(cfg, parts, ...)
     python grpo.py --config tiny.yaml rollout.agent.command="sh examples/gsm8k_calculator_agent.sh"  # any program
 """
 
