@@ -394,7 +394,7 @@ class Endpoint:
                 return 429, RequestError(429, f"episode {episode.id}: {message}", code="too_many_requests").body
         try:
             if body is None:
-                raise RequestError(413, f"a request body of more than {MAX_BODY} bytes", code="body_too_large")
+                raise RequestError(413, f"a body of over {MAX_BODY} bytes, or no byte count", code="body_too_large")
             call = {"episode": episode, "request": parse_request(body, self.model), "done": threading.Event()}
             call["plan"] = episode.plan(call["request"], self.tokenizer, self.limits)
         except Exception as e:  # a RequestError, or a request this code did not foresee: never the run's end
@@ -505,9 +505,9 @@ class Handler(http.server.BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
 
     def do_POST(self):
-        parts, length = self.path.split("?")[0].strip("/").split("/"), int(self.headers.get("Content-Length") or 0)
-        self.close_connection = length > MAX_BODY  # such a body is never read (its episode is told: 413)
-        body = None if length > MAX_BODY else self.rfile.read(length)
+        parts, length = self.path.split("?")[0].strip("/").split("/"), self.headers.get("Content-Length") or "0"
+        readable = length.isdigit() and int(length) <= MAX_BODY  # else never read: its episode is told (413)
+        self.close_connection, body = not readable, (self.rfile.read(int(length)) if readable else None)
         if parts[1:] != ["v1", "chat", "completions"]:
             return self._send(404, RequestError(404, f"no route POST {self.path}", code="not_found").body)
         self._send(*self.server.endpoint.submit(parts[0], body))
