@@ -108,8 +108,8 @@ def check_settings(cfg: dict) -> None:
                f"algorithm.adv_estimator={algorithm['adv_estimator']}": algorithm["adv_estimator"] != "grpo",
                "rollout.agent.path and .command": settings["path"] and settings["command"]}.items() if on]  # fmt: skip
     if refused:
-        raise AgentError(f"config: {refused[0]} is not served with an agent (its episodes score themselves and may "
-                         "give several samples, which only GRPO's advantage groups); set it off")  # fmt: skip
+        raise AgentError(f"config: {refused[0]} is not served with an agent (rollout.agent.path/command: its episodes "
+                         "score themselves and may give several samples, grouped by GRPO); set it off")  # fmt: skip
     if settings["command"]:
         program = (settings["command"].split() or [""])[0]
         if shutil.which(program) is None and not os.path.isfile(program):
