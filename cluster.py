@@ -148,11 +148,11 @@ def end_process(status: int):
     os._exit(status)
 
 
-def resume(cfg: dict, policy, optimizer, scheduler, rank: int, world: int, check=None) -> tuple[int, dict]:
-    """Load the checkpoint trainer.resume names (auto: the newest complete one, chosen by rank 0 for all).
-    Returns the first step to run and this rank's saved loop state: step, generation cursor, RNG states
-    (dropped when the checkpoint was written at another world size). check: fsdp_train.load_checkpoint's (LoRA's
-    lora.check_resume, handed by grpo's set-up)."""
+def resume(cfg: dict, load_checkpoint, rank: int, world: int) -> tuple[int, dict]:
+    """Load the checkpoint trainer.resume names (auto: the newest complete one, chosen by rank 0 for all) with
+    load_checkpoint(path) -> the saved loop state (the model record's resume: fsdp_train.load_checkpoint on the run's
+    model, optimizer and schedule). Returns the first step to run and this rank's saved loop state: step, generation
+    cursor, RNG states (dropped when the checkpoint was written at another world size)."""
     trainer = cfg["trainer"]
     path = trainer["resume"] if trainer["resume"] not in ("off", "auto") else None
     if trainer["resume"] == "auto":
@@ -163,7 +163,7 @@ def resume(cfg: dict, policy, optimizer, scheduler, rank: int, world: int, check
         path = broadcast(newest)  # rank 0's choice, for all: ranks must not resume different steps
     if not path:
         return 1, {}
-    extra = fsdp_train.load_checkpoint(path, policy, optimizer, scheduler, check=check)
+    extra = load_checkpoint(path)
     log0(rank, f"resumed from {path} (step {extra['step']})")
     if extra["saved_world_size"] != world:
         extra.pop("rng", None)
@@ -195,20 +195,19 @@ def restore_rng(state: dict):
 
 
 def global_rows(
-    tensors: list[torch.Tensor], positions: list[int], n: int, episodes: list[int] | None = None
+    tensors: list[torch.Tensor], positions: list[int], groups: list[int]
 ) -> tuple[list[torch.Tensor], list[int]]:
-    """Each rank's [b, R_rank] tensors -> the WHOLE batch's [B, R] tensors on every rank (sample j of the prompt
-    at position p is row p * n + j; R is the widest rank's, zero-padded), and the rows that are this rank's.
-    The same tensors at any world size, so whole-batch statistics (rollout correction) do not depend on it.
-    episodes: each local row's episode i * n + j (sample j of this rank's i-th prompt; None: row k is episode k); an
-    agent's episode of several rows keeps them together, in order, where its one row would be."""
-    episodes = range(len(tensors[0])) if episodes is None else episodes
-    keys = [positions[e // n] * n + e % n for e in episodes]  # each row's place: p * n + j
+    """Each rank's [b, R_rank] tensors -> the WHOLE batch's [B, R] tensors on every rank (the rows of the prompt at
+    position p of the step's prompt list before those of position p + 1, a prompt's rows in their order; R is the
+    widest rank's, zero-padded), and the rows that are this rank's. The same tensors at any world size, so
+    whole-batch statistics (rollout correction) do not depend on it. groups: each local row's prompt, its index among
+    this rank's prompts (batch["uid"]), whose position is positions[group]."""
+    keys = [positions[group] for group in groups]  # each row's prompt's place
     parts = [None] * dist.get_world_size()
     dist.all_gather_object(parts, (keys, [t.cpu() for t in tensors]))
     width = max(t.shape[1] for _, ts in parts for t in ts)
     every_key = [key for part_keys, _ in parts for key in part_keys]
-    order = sorted(range(len(every_key)), key=every_key.__getitem__)  # stable: an episode's rows stay in order
+    order = sorted(range(len(every_key)), key=every_key.__getitem__)  # stable: a prompt's rows stay in order
     place = {row: i for i, row in enumerate(order)}  # gathered row -> its row in the whole batch
     offset = sum(len(part_keys) for part_keys, _ in parts[: dist.get_rank()])
     out = []

@@ -8,6 +8,7 @@ Any unknown key, wrong type or value outside its range stops here with one Confi
 key and what it accepts, before anything heavy loads. veRL's name of each key: docs/verl-mapping.md.
 """
 
+import argparse
 import copy
 import math
 import os
@@ -417,3 +418,29 @@ def check_config(cfg: dict) -> dict:
             f"{m['exclude_modules']!r} with LoRA off; set model.lora_rank > 0 (or model.lora_adapter_path)"
         )
     return cfg
+
+
+def lora_on(model: dict) -> bool:
+    """Does the run train LoRA adapters (model.lora_rank > 0, or an adapter directory, model.lora_adapter_path)?"""
+    return bool(model["lora_rank"] or model["lora_adapter_path"])
+
+
+def rollout_ranks_on(cfg: dict) -> bool:
+    """Does the run put its engines on ranks of their own (rollout.n_gpus_per_node, or an asynchronous run)?"""
+    return bool(cfg["rollout"]["n_gpus_per_node"] or cfg["async_training"]["staleness_threshold"])
+
+
+def parse_args(argv, doc: str):
+    """grpo.py's command line (argv; None: sys.argv's): --config FILE (repeatable: a recipe layered on a config),
+    --print-config, and section.key=value overrides; its help is doc's first paragraph, then its second."""
+    ap = argparse.ArgumentParser(
+        description=doc.split("\n\n")[0],
+        epilog=doc.split("\n\n")[1],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    ap.add_argument(
+        "--config", action="append", help="YAML config (gsm8k.yaml, tiny.yaml); repeat to layer a recipe on it"
+    )
+    ap.add_argument("--print-config", action="store_true", help="print the merged configuration and exit")
+    ap.add_argument("overrides", nargs="*", help="section.key=value, e.g. actor.lr=3e-6")
+    return ap.parse_args(argv)

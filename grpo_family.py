@@ -64,9 +64,13 @@ def loss_part(cfg: dict):
 
 def advantages_part(cfg: dict, gather):
     """The loop's advantages for algorithm.adv_estimator and the KL in the reward (grpo.choose_parts), its settings
-    checked first: advantages(run, batch) -> metrics, compute_advantages with gather (cluster.global_rows)."""
+    checked first: advantages(run, batch) -> metrics, compute_advantages with gather (cluster.global_rows) and the
+    KL-in-the-reward beta, algorithm.kl_ctrl.kl_coef, moved by its adaptive controller (as veRL's, it restarts with
+    the process: a resumed run starts from the key's value)."""
     check_settings(cfg)
-    return functools.partial(compute_advantages, gather=gather)
+    return functools.partial(
+        compute_advantages, gather=gather, beta={"kl_coef": cfg["algorithm"]["kl_ctrl"]["kl_coef"]}
+    )
 
 
 # ------------------------------------------------------------------------------------- policy losses
@@ -223,22 +227,22 @@ def geo_mean_loss(
 
 
 # ------------------------------------------------------------------------ advantages and the KL in the reward
-def compute_advantages(run, batch: dict, gather) -> dict:
+def compute_advantages(run, batch: dict, gather, beta: dict) -> dict:
     """veRL's apply_kl_penalty and compute_advantage on the WHOLE batch of all ranks (so nothing depends on the
     world size): the per-token rewards (each score at its response's last token; with algorithm.use_kl_in_reward,
-    minus run.kl_coef times the old policy's KL to the reference on every sampled token, before rejection), then
+    minus beta["kl_coef"] times the old policy's KL to the reference on every sampled token, before rejection), then
     algorithm.adv_estimator's advantages and returns over the response mask (after rejection). run: cfg,
-    positions (this rank's prompts), kl_coef (moved by algorithm.kl_ctrl's adaptive controller, after the
-    penalty). gather(tensors, positions) -> (the whole batch's tensors, this rank's rows in them)
+    positions (this rank's prompts); beta["kl_coef"] is moved by algorithm.kl_ctrl's adaptive controller, after the
+    penalty. gather(tensors, positions, groups) -> (the whole batch's tensors, this rank's rows in them)
     (cluster.global_rows). Fills
     batch["token_level_rewards"], ["advantages"], ["returns"] [B, R]; returns the KL metrics."""
-    algorithm, n, kl_coef = run.cfg["algorithm"], run.cfg["rollout"]["n"], run.kl_coef
+    algorithm, n, kl_coef = run.cfg["algorithm"], run.cfg["rollout"]["n"], beta["kl_coef"]
     width = batch["response_mask"].shape[1]
     sampled = batch["attention_mask"][:, -width:].float()  # [B, R]: every sampled token, before rejection
     local = [losses.token_level_scores(batch["rewards"], sampled), sampled, batch["response_mask"]]
     if algorithm["use_kl_in_reward"]:
         local += [batch["old_logprobs"], batch["ref_logprobs"]]
-    everything, mine = gather(local, run.positions)
+    everything, mine = gather(local, run.positions, batch["uid"].tolist())
     rewards, out = everything[0], {}  # [B_all, R]
     if algorithm["use_kl_in_reward"]:
         scores, g_sampled, _, old, ref = everything
@@ -248,7 +252,7 @@ def compute_advantages(run, batch: dict, gather) -> dict:
         controller = algorithm["kl_ctrl"]
         if controller["type"] == "adaptive":  # veRL's AdaptiveKLController.update, n_steps = the batch's rows
             current = out["actor/reward_kl_penalty"]
-            run.kl_coef = adaptive_kl_coef(
+            beta["kl_coef"] = adaptive_kl_coef(
                 kl_coef, current, controller["target_kl"], controller["horizon"], len(row_kl)
             )
     advantages, returns = estimate_advantages(algorithm, rewards, everything[2], n)

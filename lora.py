@@ -3,28 +3,29 @@ its linear layers, the reference the policy with its adapters off, and PEFT's ad
 plain LoRA (peft/tuners/lora, 0.21) written out; tests/test_lora.py holds it against PEFT itself. veRL 0.9.1
 applies PEFT's get_peft_model before FSDP (verl/workers/engine/fsdp/transformer_impl.py, _build_lora_module), so
 names, shapes, scaling and the adapter files are PEFT's and move freely between PEFT, veRL, vLLM and flatgrpo.
-Imports torch and transformers only: copy it with fsdp_train.py, which it plugs into.
+Imports torch, transformers and fsdp_train.py, the component it extends: copy both files.
 
-Entry points, each grpo.py's set-up's (or finish's) call for its part:
-  adapter_part    check_settings (the model.lora_* keys, the adapter directory), then per model path the
-                  adapter: fsdp_train.load_model's `adapt`, LoraLinear layers before sharding, their initial
-                  values, which parameters train
-  adapters_off    the reference model's context: the policy with its adapters off IS the base (veRL's ref_in_actor)
-  check_resume    fsdp_train.load_checkpoint's `check`: a checkpoint of the same LoRA settings
-  exporter        fsdp_train.export_hf's `convert`: the merged weights, and the adapter in PEFT's format
-The push into vLLM: sync.full_params' transform (push_transform, kept as model.push_transform by the adapter) hands
-it each LoraLinear's merged weight (merged_weight) under the base model's names, the adapters not sent.
+Entry points, each grpo.py's set-up's call for its parts:
+  reference_part  the step's reference pass with the policy's adapters off: the policy IS the base (veRL's
+                  ref_in_actor; adapters_off)
+  model_parts     the model's: the loader (fsdp_train's empty model, LoraLinear layers before sharding, their initial
+                  values, only the adapters train; asked for a frozen reference, the policy itself), the push stream
+                  (merged_params: each LoraLinear's merged weight under the base model's names, the adapters not
+                  sent), the checkpoints (the LoRA settings saved with them and checked on resume: check_resume) and
+                  the export (the merged weights, and the adapter in PEFT's format)
 """
 
 import contextlib
-import functools
 import json
 import math
 import os
 import re
 
 import torch
+import torch.distributed as dist
 from transformers.modeling_utils import load_state_dict, safe_save_file  # safetensors' reader and writer
+
+import fsdp_train
 
 ADAPTER_CONFIG, ADAPTER_WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
 ADAPTER_PREFIX = "base_model.model."  # PEFT's key prefix in adapter files: base_model.model.<module>.lora_A.weight
@@ -87,26 +88,32 @@ class LoraLinear(torch.nn.Module):
         return merge_lora(w, a, b, self.scaling).to(dtype or self.base_layer.weight.dtype)
 
 
-def push_transform(model):
-    """sync.full_params' transform for a model with LoraLinear layers: transform(name, parameter, dtype) -> a
-    LoraLinear's base weight as its merged weight (W + (B @ A) * scaling in fp32 from the full tensors, then cast
-    to dtype) under the base model's name `<module>.weight`, its bias as it is under `<module>.bias`, its adapters
-    [] (inside the merged weight); None for every other parameter (gathered as it is). Every rank calls it in
-    step (the gathers are collectives)."""
+def merged_params(model, dtype: torch.dtype | None = None):
+    """The push stream of a model with LoraLinear layers (sync.full_params' for the dense model): each LoraLinear's
+    merged weight (W + (B @ A) * scaling in fp32 from the full tensors, then cast to dtype) under the base model's
+    name `<module>.weight`, its bias as it is under `<module>.bias`, its adapters not sent (inside the merged
+    weight); every other parameter gathered and cast as it is. Every rank consumes it in step (the gathers are
+    collectives); the trainer's weights are never modified."""
+    if hasattr(model, "reshard"):
+        model.reshard()  # FSDP2: a no_grad forward can leave the root unsharded
     layers = {name: m for name, m in model.named_modules() if isinstance(m, LoraLinear)}
-
-    def transform(name: str, param, dtype: torch.dtype | None):
+    for name, param in model.named_parameters():
         module = name.rsplit(".", 2)[0]  # "<module>.base_layer.weight" -> "<module>"
-        layer = layers.get(module)
-        if layer is None:
-            return None
-        if name.endswith(".base_layer.weight"):
-            return [(f"{module}.weight", layer.merged_weight(dtype))]
-        if name.endswith(".base_layer.bias"):
-            return [(f"{module}.bias", _full_tensor(param if dtype is None else param.detach().to(dtype)))]
-        return []  # the adapters
+        if module not in layers:
+            yield _hf_name(name), _full_tensor(param if dtype is None else param.detach().to(dtype))
+        elif name.endswith(".base_layer.weight"):
+            yield _hf_name(f"{module}.weight"), layers[module].merged_weight(dtype)
+        elif name.endswith(".base_layer.bias"):
+            yield _hf_name(f"{module}.bias"), _full_tensor(param if dtype is None else param.detach().to(dtype))
 
-    return transform
+
+WRAPPERS = ("_checkpoint_wrapped_module.", "_orig_mod.", "_fsdp_wrapped_module.")  # in module names, not in HF's
+
+
+def _hf_name(name: str) -> str:
+    for wrapper in WRAPPERS:
+        name = name.replace(wrapper, "")
+    return name
 
 
 def _full_tensor(param: torch.Tensor) -> torch.Tensor:
@@ -123,8 +130,9 @@ def merge_lora(weight: torch.Tensor, lora_A: torch.Tensor, lora_B: torch.Tensor,
 @contextlib.contextmanager
 def adapters_off(model: torch.nn.Module):
     """Within the block every LoraLinear computes its base layer alone: the model IS the base model (veRL 0.9.1's
-    reference in a LoRA run, ref_in_actor: the actor under disable_adapter(); no second copy). No-op without LoRA."""
-    layers = [m for m in model.modules() if isinstance(m, LoraLinear)]
+    reference in a LoRA run, ref_in_actor: the actor under disable_adapter(); no second copy). No-op without LoRA
+    or without a model (None)."""
+    layers = [m for m in model.modules() if isinstance(m, LoraLinear)] if model is not None else []
     for layer in layers:
         layer.enabled = False
     try:
@@ -322,19 +330,59 @@ def write_adapter(out_dir: str, adapter: dict[str, torch.Tensor], lora_config: d
         json.dump(config, f, indent=2)
 
 
-def adapter(lora: dict):
-    """fsdp_train.load_model's `adapt` for LoRA: adapt(meta model) -> (settings, convert, trains). lora:
-    {"rank", "alpha", "target_modules", "exclude_modules", "seed"} or {"adapter_path"}: the targeted linear layers
-    become LoraLinear (add_lora); convert(the HF state dict) renames their base weights and adds the adapters
-    (PEFT's initialisation from `seed`, or the adapter directory's tensors: _with_adapters); only the adapters
-    train; settings = {"r", "lora_alpha", "target_modules"}, kept with the model and in its checkpoints."""
+def loader(lora: dict, built: dict):
+    """The model record's load for LoRA (fsdp_train.load_model's signature): fsdp_train's empty model, the targeted
+    linear layers made LoraLinear (add_lora), sharded, filled with the base weights renamed for them and the adapters
+    (PEFT's initialisation from lora["seed"], or the adapter directory's: _with_adapters), only the adapters
+    training. lora: {"rank", "alpha", "target_modules", "exclude_modules", "seed"} or {"adapter_path"}. The trained
+    model and its settings ({"r", "lora_alpha", "target_modules"}) are kept in built: asked then for a frozen model
+    (the reference), it hands back that model, whose adapters the reference's pass turns off (veRL's ref_in_actor:
+    no second copy)."""
 
-    def adapt(model):
+    def load_model(path, *, device, param_dtype=torch.float32, compute_dtype=None, activation_checkpointing=False,
+                   trainable=True):  # fmt: skip
+        if not trainable and "policy" in built:
+            return built["policy"]
+        compute_dtype = compute_dtype or param_dtype
+        model = fsdp_train.empty_model(path, param_dtype, compute_dtype)
         settings = add_lora(model, lora)
-        model.push_transform = push_transform(model)  # what grpo hands sync.full_params
-        return settings, functools.partial(_with_adapters, lora_config=settings, lora=lora), is_adapter
+        fsdp_train.shard(model, device, compute_dtype, activation_checkpointing)
+        full = fsdp_train.read_hf_weights(path, param_dtype) if dist.get_rank() == 0 else {}
+        fsdp_train.fill(model, _with_adapters(full, settings, lora) if full else {}, trainable)
+        for name, p in model.named_parameters():  # before any forward (pytorch#186998)
+            p.requires_grad_(trainable and is_adapter(name))
+        built.update(settings=settings, **({"policy": model} if trainable else {}))
+        return model
 
-    return adapt
+    return load_model
+
+
+def model_parts(cfg: dict, model_path: str, model) -> None:
+    """The model record's parts for LoRA (grpo.choose_model_parts): load (loader, of the model.lora_* keys and
+    trainer.seed's adapters), weights (merged_params), save and resume (the settings saved with each checkpoint and
+    checked on resume), export (the merged model and the adapter: export)."""
+    built = {}
+    model.load = loader(settings(cfg["model"], model_path, cfg["trainer"]["seed"]), built)
+    model.weights = merged_params
+    save, resume = model.save, model.resume
+
+    def save_with_settings(root, step, policy, optimizer, scheduler, extra=None, keep=2):
+        return save(
+            root, step, policy, optimizer, scheduler, extra={**(extra or {}), "lora": built["settings"]}, keep=keep
+        )
+
+    def resume_checked(path, model, optimizer, scheduler):
+        check_resume(path, saved_settings(fsdp_train.saved_state(path)), built["settings"])
+        return resume(path, model, optimizer, scheduler)
+
+    model.save, model.resume = save_with_settings, resume_checked
+    model.export = lambda policy, out_dir, tokenizer=None: export(policy, out_dir, tokenizer, built["settings"])
+
+
+def saved_settings(state: dict) -> dict | None:
+    """The LoRA settings a checkpoint's loop state holds (None: full fine-tuning): under extra["lora"]; in the
+    checkpoints written before, under "adapt" or, earlier still, "lora"."""
+    return state["extra"].get("lora", state.get("adapt", state.get("lora")))
 
 
 # ------------------------------------------------------------------------------ the loop's settings
@@ -352,11 +400,17 @@ def check_settings(m: dict) -> None:
         )
 
 
-def adapter_part(cfg: dict):
-    """The loop's adapter part (grpo.choose_parts), the model.lora_* keys checked first (check_settings):
-    adapter_for(model_path) -> fsdp_train.load_model's `adapt` (adapter of settings, seeded by trainer.seed)."""
+def reference_part(cfg: dict, reference):
+    """The loop's reference part for LoRA (grpo.choose_parts), the model.lora_* keys checked first (check_settings):
+    the reference's pass (reference) with the policy's adapters off (adapters_off: the reference IS the policy, see
+    loader)."""
     check_settings(cfg["model"])
-    return lambda model_path: adapter(settings(cfg["model"], model_path, cfg["trainer"]["seed"]))
+
+    def reference_without_adapters(run, batch: dict, t: dict) -> None:
+        with adapters_off(run.ref):
+            reference(run, batch, t)
+
+    return reference_without_adapters
 
 
 def settings(m: dict, model_path: str, seed: int) -> dict:
@@ -390,8 +444,8 @@ def check_adapter_base(m: dict, model_path: str) -> None:
 
 
 def check_resume(path: str, saved: dict | None, current: dict | None) -> None:
-    """fsdp_train.load_checkpoint's `check`: the checkpoint at `path` was written with these LoRA settings (saved;
-    None: full fine-tuning), the same as the model's (current), else one line naming both (LoraError)."""
+    """The checkpoint at `path` was written with these LoRA settings (saved; None: full fine-tuning), the same as the
+    model's (current), else one line naming both (LoraError)."""
 
     def describe(c):
         if not c:
@@ -410,14 +464,13 @@ def is_adapter(name: str) -> bool:
     return ".lora_" in name
 
 
-def exporter(settings: dict, base_model: str):
-    """fsdp_train.export_hf's `convert` for a LoRA model of these settings on base_model (export)."""
-    return functools.partial(export, settings=settings, base_model=base_model)
-
-
-def export(full: dict[str, torch.Tensor], out_dir: str, settings: dict, base_model: str) -> dict[str, torch.Tensor]:
-    """fsdp_train.export_hf's `convert` for LoRA: the MERGED state dict (W + (B @ A) * scaling, fp32) that the
-    export saves as the model, and the adapter in PEFT's format written into <out_dir>/lora_adapter."""
-    merged, adapter_tensors = split_merged(full, settings)
-    write_adapter(os.path.join(out_dir, "lora_adapter"), adapter_tensors, settings, base_model)
-    return merged
+def export(model, out_dir: str, tokenizer, settings: dict) -> str:
+    """The model record's export for LoRA: the MERGED model (W + (B @ A) * scaling, fp32: fsdp_train.write_hf), and
+    the adapter in PEFT's format in <out_dir>/lora_adapter."""
+    full = fsdp_train.full_state_dict(model)  # rank 0's; {} on the others
+    merged, adapter_tensors = split_merged(full, settings) if full else ({}, {})
+    fsdp_train.write_hf(model, merged, out_dir, tokenizer)
+    if dist.get_rank() == 0:
+        write_adapter(os.path.join(out_dir, "lora_adapter"), adapter_tensors, settings, model.config.name_or_path)
+    dist.barrier()
+    return out_dir

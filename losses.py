@@ -169,7 +169,7 @@ def policy_loss(
     All tensors [B, T] (advantages already broadcast over tokens). Returns (loss [B, T], parts), parts the
     per-token indicators of veRL's metrics, each [B, T]: pg_clipfrac (L2 > L1), pg_clipfrac_lower (the dual clip
     binds: Lc > -A * clip_c and A < 0), ppo_kl (-d). The caller aggregates: agg_loss(loss, mask, ...) and
-    masked_mean(part, mask) (veRL multiplies the loss by the rollout-correction IS weights before aggregating).
+    masked_mean(part, mask) (importance weights, where a run has them, multiply the loss before aggregating).
     Example: A = 1, ratio = 1.5, clip_high = 0.2 -> L1 = -1.5, L2 = -1.2, loss = -1.2 (clipped, no gradient).
     """
     if not clip_c > 1.0:
@@ -256,8 +256,8 @@ def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
 
 def offpolicy_metrics(old_logp, rollout_logp, mask) -> dict[str, float]:
     """How far the trainer's log-probs (old) are from vLLM's (rollout) on the same tokens: perplexities, KL
-    estimates and chi2, over the batch; logged as rollout_corr/<key> every step, with the rollout correction on or
-    off (veRL trainer/ppo/rollout_corr_helper.py: compute_offpolicy_metrics, its keys unprefixed).
+    estimates and chi2, over the batch; logged as rollout_corr/<key> every step (veRL
+    trainer/ppo/rollout_corr_helper.py: compute_offpolicy_metrics, its keys unprefixed).
 
     Per row: o_i = masked_mean_t(old_i), r_i = masked_mean_t(rollout_i) (0 for an empty row), diff_i = r_i - o_i;
     mean_i runs over ALL rows, empty ones included (veRL's .mean()); d = old - rollout.

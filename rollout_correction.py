@@ -5,9 +5,10 @@ verl/trainer/ppo/rollout_corr_helper.py). Torch and losses.py only, the componen
 
 Entry points, each a part grpo.choose_parts chooses when its key is set:
   check_settings    the rollout_is / rollout_rs specs parsed, bypass_mode's combinations (CorrectionError)
-  corrector         correct: over the WHOLE batch, once per step, the IS weights, the rejection mask, their metrics
-  bypass_old        bypass_mode: vLLM's log-probs stand as the old ones
-  bypass_part       bypass_mode with rollout_rs: the policy term rejecting against the CURRENT policy (bypass_rejection)
+  corrector         the loop's correct: over the WHOLE batch, once per step, veRL's diagnostics, then the IS weights,
+                    the rejection mask and their metrics (correct)
+  bypass_parts      bypass_mode: vLLM's log-probs stand as the old ones (rollout_as_old); with rollout_rs the policy
+                    term rejecting against the CURRENT policy (bypass_rejection)
 
   rollout_is_weights          compute_rollout_correction_weights (token/sequence, TIS/IcePop)
   rollout_rejection_mask      compute_rollout_rejection_mask (the 11 rollout_rs options)
@@ -79,24 +80,40 @@ def enabled(settings: dict) -> bool:
 
 
 def corrector(settings: dict, replay_batches) -> object:
-    """The loop's correction part (grpo.choose_parts), its settings checked first: correct(batch, old_logp,
-    rollout_logp, sampled, response_mask, mine, apply) with these settings; a replay of dumps (replay_batches)
-    keeps their weights and mask."""
+    """The loop's correct part (grpo.choose_parts), its settings checked first: correct(batch, old_logp, rollout_logp,
+    sampled, response_mask, mine, apply) -> veRL's diagnostics (losses.offpolicy_metrics) and correct's metrics
+    with these settings; a replay of dumps (replay_batches) keeps their weights and mask."""
     check_settings(settings)
-    return functools.partial(correct, settings=settings, dumped=bool(replay_batches))
+    return functools.partial(diagnose_and_correct, settings=settings, dumped=bool(replay_batches))
 
 
-def bypass_part(policy_term, settings: dict):
-    """bypass_mode's policy term (grpo.choose_parts), its settings checked first: with rollout_rs, policy_term
-    rejecting tokens against the current policy (bypass_rejection); else policy_term itself."""
+def diagnose_and_correct(batch: dict, old_logp, rollout_logp, sampled, response_mask, mine, settings: dict, **kw):
+    """grpo.diagnose_rollout's metrics (veRL's training/rollout mismatch diagnostics), then the correction (correct)."""
+    diagnostics = losses.offpolicy_metrics(old_logp, rollout_logp, sampled)
+    return {**diagnostics, **correct(batch, old_logp, rollout_logp, sampled, response_mask, mine, settings, **kw)}
+
+
+def bypass_parts(parts, settings: dict):
+    """bypass_mode's parts (grpo.choose_parts), its settings checked first: the old log-probs are vLLM's
+    (rollout_as_old, before the reference's pass, as the step's old-log-prob phase puts them), the update's own
+    forward diagnoses the mismatch (parts.given_old), and with rollout_rs the policy term rejects tokens against the
+    current policy (bypass_rejection)."""
     check_settings(settings)
-    return bypass_rejection(policy_term, settings) if settings["rollout_rs"] else policy_term
+    parts.reference, parts.given_old = rollout_as_old(parts.reference), True
+    if settings["rollout_rs"]:
+        parts.policy_term = bypass_rejection(parts.policy_term, settings)
+    return parts
 
 
-def bypass_old(batch: dict) -> None:
-    """bypass_mode: the old log-probs are vLLM's (batch["rollout_logprobs"] [B, R]); a replayed batch keeps its
-    dumped ones."""
-    batch.setdefault("old_logprobs", batch["rollout_logprobs"])
+def rollout_as_old(reference):
+    """The reference's part with bypass_mode's old log-probs put in the batch first: vLLM's, batch["rollout_logprobs"]
+    [B, R] (a replayed batch keeps its dumped ones)."""
+
+    def vllm_old_then_reference(run, batch: dict, t: dict) -> None:
+        batch.setdefault("old_logprobs", batch["rollout_logprobs"])
+        reference(run, batch, t)
+
+    return vllm_old_then_reference
 
 
 def correct(

@@ -237,8 +237,8 @@ def by_role(cfg: dict, tools: types.SimpleNamespace):
     the training loop on the trainer ranks (tools.train with this file's Mode: start_engine, next_batch,
     update_weights, validate and stop_vote talk to the rollout ranks), generation on the rollout ranks (serve).
     tools: grpo's functions (train, mode, engine_run, next_groups, groups_to_batch, compute_logprobs, validate,
-    weights_to_push, buffers_to_push, with_bit_sums, push_weights, check_push, engine_buffers, engine_dtype,
-    engine_dtypes, match_engine_dtypes, positions, stop_requested, close)."""
+    with_bit_sums, check_push, engine_dtype, engine_dtypes, fit_to_engine, positions, stop_requested,
+    close); each side's run.model pushes (weights, buffers, push)."""
     state = types.SimpleNamespace(
         link=None,
         kept={},
@@ -274,7 +274,7 @@ def hello(run, pushing: bool, state) -> None:
     engine = [from_rollout(link, link.rollouts[0], ("engine",)) if run.rank == 0 else None]
     dist.broadcast_object_list(engine, src=0)  # the trainer ranks' own group
     run.engine_dtype = engine[0]["dtype"]  # for the weights' cast, and whether the run is exact (grpo.exact_run)
-    state.tools.match_engine_dtypes(run, engine[0]["dtypes"])  # tensors the engine keeps in another dtype, if any
+    pushing |= state.tools.fit_to_engine(run, engine[0]["dtypes"])  # tensors the engine keeps in another dtype
     send_weights(run, state, run.start - 1, pushing, when="start-up: ")
     if run.rank == 0:
         print(
@@ -291,12 +291,12 @@ def send_weights(run, state, version: int, pushing: bool, when: str) -> None:
     the stop signal that rank received, if any (for stop_vote)."""
     link, lead = state.link, run.rank == 0
     sums = {}
-    weights = state.tools.with_bit_sums(state.tools.weights_to_push(run.policy, run.engine_dtype), sums)
+    weights = state.tools.with_bit_sums(run.model.weights(run.policy, run.engine_dtype), sums)
     for name, tensor in weights:
         if lead and pushing:
             send_tensor(link, version, name, tensor, buffer=False)
     if lead and pushing:  # the persistent buffers (most families have none), or the engine's reload resets them
-        for name, tensor in state.tools.buffers_to_push(run.policy, run.engine_dtype):
+        for name, tensor in run.model.buffers(run.policy, run.engine_dtype):
             send_tensor(link, version, name, tensor, buffer=True)
     if lead:
         for r in link.rollouts:
@@ -489,9 +489,8 @@ def setup_rollout(cfg: dict, parts_, state, stopped: dict):
     engine's dtype to trainer rank 0; the start-up proof; validation at step 0 (as the colocated run)."""
     link, tools = state.link, state.tools
     start = receive(link, 0, ("start",))  # after the trainers fetched the model and data: read here, not fetched twice
-    run = tools.engine_run(cfg, parts_)
+    run = tools.engine_run(cfg, parts_)  # its engine's buffers as loaded: run.engine_buffers
     run.start, run.gen_cursor = start["start"], start["gen_cursor"]
-    run.engine_buffers = tools.engine_buffers(run.llm)
     if link.rank == link.rollouts[0]:
         send(link, 0, "engine", dtype=tools.engine_dtype(run.llm), dtypes=tools.engine_dtypes(run.llm))
     receive_weights(run, state, receive(link, 0, ("tensor", "sums"), version=run.start - 1), stopped)
@@ -561,7 +560,7 @@ def receive_weights(run, state, first: dict, stopped: dict) -> None:
         arrived["sums"] = message
 
     if first["kind"] == "tensor":
-        tools.push_weights(run.llm, tensors(first), run.after_load)
+        run.model.push(run.llm, tensors(first))
     trainer = arrived.get("sums", first)
     t0 = time.perf_counter()
     if first["kind"] == "tensor" and received != trainer["sums"]:

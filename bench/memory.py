@@ -107,12 +107,12 @@ def point(args) -> dict:
     if args.point == "layer":
         return layer_point(args.model, int(args.rows), device)
     settings = {"rank": args.lora, "alpha": args.lora, "target_modules": "all-linear", "seed": 0}
-    model = ft.load_model(
+    load = lora.loader(settings, {}) if args.lora else ft.load_model
+    model = load(
         args.model,
         device=device,
         activation_checkpointing=args.point == "train",
         trainable=args.point == "train",
-        adapt=lora.adapter(settings) if args.lora else None,
     )
     batch = micro_batch(int(args.rows), model.config.vocab_size)
     tokens, kw = int(batch["attention_mask"].sum()), dict(temperature=1.0, max_tokens=10**9, chunk_size=args.chunk)

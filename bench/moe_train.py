@@ -147,7 +147,7 @@ def measure(model, optimizer, batch, impl: str, steps: int, max_tokens: int, cud
         torch.cuda.empty_cache()
         return {"oom": True}
     seconds, seqlens = statistics.median(times), batch["attention_mask"].sum(-1).tolist()
-    flops = ft.estimate_flops(model.config, seqlens, moe.active_mlp_params(model.config))
+    flops = moe.estimate_flops(model.config, seqlens)
     return {
         "seconds": seconds,
         "tokens_s": sum(seqlens) / seconds,

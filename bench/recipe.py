@@ -110,20 +110,26 @@ def recipe_args(shape: str, path: str, out: str, args) -> list[str]:
 
 
 def run(argv: list[str]) -> float:
-    """grpo.main(argv) in this process; returns the engine's start-up seconds (grpo.start_engine timed)."""
-    start_engine, seconds = grpo.start_engine, []
+    """grpo.main(argv) in this process; returns the engine's start-up seconds (the model parts' start_engine timed)."""
+    choose, seconds = grpo.choose_model_parts, []
 
-    def timed_start(*a, **kw):
-        begin = time.perf_counter()
-        llm = start_engine(*a, **kw)
-        seconds.append(time.perf_counter() - begin)
-        return llm
+    def timed(cfg, model_path):
+        model = choose(cfg, model_path)
+        start = model.start_engine
 
-    grpo.start_engine = timed_start
+        def timed_start(*a, **kw):
+            begin = time.perf_counter()
+            start(*a, **kw)
+            seconds.append(time.perf_counter() - begin)
+
+        model.start_engine = timed_start
+        return model
+
+    grpo.choose_model_parts = timed
     try:
         status = grpo.main(argv)
     finally:
-        grpo.start_engine = start_engine
+        grpo.choose_model_parts = choose
     if status != 0:
         sys.exit(f"the run failed ({status})")
     return seconds[0]

@@ -87,14 +87,17 @@ RUNS = {  # name: (ranks, overrides)
 TIMING = ("timing_s/", "timing_per_token_ms/", "perf/time_per_step", "perf/throughput", "perf/mfu")
 
 
-def record(out: str, tree: str) -> None:
-    """Every RUNS entry in `tree`, its outputs under out/<name>: metrics.jsonl, dump/, generations/, console.txt."""
+def record(out: str, tree: str, only: list[str] | None = None) -> None:
+    """Every RUNS entry in `tree` (or those named in only), its outputs under out/<name>: metrics.jsonl, dump/,
+    generations/, console.txt."""
     out = os.path.abspath(out)
     os.makedirs(out, exist_ok=True)
     moe = os.path.join(out, "moe-model")
     if not os.path.exists(moe):
         subprocess.run([sys.executable, "-c", MOE_MODEL, moe], cwd=tree, check=True)
     for name, (ranks, overrides) in RUNS.items():
+        if only and name not in only:
+            continue
         run_dir = os.path.join(out, name)
         args = [o.format(moe=moe, out=out) for o in overrides]
         args += SMALL + [f"trainer.output_dir={run_dir}", f"trainer.validation_data_dir={run_dir}/generations"]
@@ -191,12 +194,13 @@ def main() -> None:
     rec = sub.add_parser("record", help="run RUNS, outputs under OUT")
     rec.add_argument("out")
     rec.add_argument("--tree", default=ROOT, help="the checkout to run (default: this one)")
+    rec.add_argument("--only", nargs="+", choices=list(RUNS), help="these runs only (a replay needs default's dump)")
     cmp = sub.add_parser("compare", help="compare two recordings key by key")
     cmp.add_argument("before")
     cmp.add_argument("after")
     args = ap.parse_args()
     if args.command == "record":
-        record(args.out, os.path.abspath(args.tree))
+        record(args.out, os.path.abspath(args.tree), args.only)
     else:
         sys.exit(1 if compare(args.before, args.after) else 0)
 

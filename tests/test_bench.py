@@ -28,9 +28,9 @@ def test_the_runs_cudagraph_sizes_reach_the_engine(tiny_build):
     """rollout.cudagraph_capture_sizes, as grpo.start_engine builds the rank's engine: vLLM's record of the arguments
     it was given (its "non-default args" line) holds the sizes, sorted, in its compilation config."""
     code = (
-        "import config, grpo\n"
+        "import config, grpo, types\n"
         "cfg = config.load_config('tiny.yaml', ['rollout.cudagraph_capture_sizes=[16, 1]'])\n"
-        f"grpo.start_engine(cfg, {tiny_build['model']!r}, 0)\n"
+        f"grpo.start_engine(types.SimpleNamespace(cfg=cfg, rank=0), {tiny_build['model']!r})\n"
     )
     proc = run_python("-c", code)
     given = [line for line in (proc.stdout + proc.stderr).splitlines() if "non-default args:" in line]

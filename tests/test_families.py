@@ -27,6 +27,7 @@ import torch
 import transformers
 from test_logit_rules import GEMMA2_RUN
 from tokenizers import processors
+from trainer_models import load_as_a_run
 from transformers import AutoModelForCausalLM, GenerationConfig
 
 import fp32_noise
@@ -192,21 +193,21 @@ def test_the_trainer_loads_what_transformers_loads_and_pushes_the_checkpoints_na
     checkpoint's own tensor names (what vLLM's loaders read; GPT-NeoX's head is embed_out there, lm_head in the
     module), a tied head left out as vLLM skips it; the blocks FSDP2 shards one by one: one per decoder layer."""
     import fsdp_train as ft
-    import logit_rules
     import sync
 
     path = family_models(family)
     ft.init_distributed()
-    model = ft.load_model(path, device=torch.device("cpu"), head=logit_rules.logits_head)
+    model = load_as_a_run(path, device=torch.device("cpu"))
     # with the trainer's attention (transformers' sdpa drops Gemma 2's attention soft-cap; tests/test_packing.py)
-    reference = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation=ft.VARLEN_ATTENTION)
+    attention = model.get_decoder().config._attn_implementation  # varlen_attention, or a family's (logit_rules)
+    reference = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation=attention)
     reference.eval()
     ids = torch.tensor([[(3 + 11 * i) % 400 for i in range(20)]])
     with torch.no_grad():
         assert torch.equal(model.eval()(input_ids=ids).logits, reference(input_ids=ids).logits)
     assert len(ft.decoder_layers(model)) == reference.config.get_text_config().num_hidden_layers  # FSDP2's blocks
-    params = sync.full_params(model, None, model.checkpoint_names, model.checkpoint_split)
-    pushed = dict(itertools.chain(params, sync.full_buffers(model, None, model.checkpoint_names)))  # grpo.push's
+    params = ft.in_checkpoint_format(model, sync.full_params(model, None))  # what grpo.push sends
+    pushed = dict(itertools.chain(params, ft.in_checkpoint_format(model, sync.full_buffers(model, None))))
     with safetensors.safe_open(os.path.join(path, "model.safetensors"), "pt") as f:
         stored = {name: f.get_tensor(name) for name in f.keys()}
     if reference.config.get_text_config().tie_word_embeddings:
@@ -404,19 +405,26 @@ DROPOUTS = {
 
 
 def test_the_trainer_reads_the_tensors_the_engine_keeps_in_bf16_in_bf16(family_models):
-    """engine_dtypes.match on the trainer's Apertus, with what an fp32 engine reports (sync.engine_dtypes, checked
-    against a real engine in test_push_proof): its logits are transformers' with the xIELU layers in bf16 (vLLM's
-    arithmetic) bit for bit, not transformers' fp32 ones; the gradient reaches the fp32 master weights; the push
-    sends those tensors in bf16; a tensor the trainer does not have stops in one line naming it and what to set."""
+    """engine_dtypes.fit on the trainer's Apertus, with what an fp32 engine reports (sync.engine_dtypes, checked
+    against a real engine in test_push_proof), as its run fits it (the model's parts grpo.choose_model_parts
+    chooses): its logits are transformers' with the xIELU layers in bf16 (vLLM's arithmetic) bit for bit, not
+    transformers' fp32 ones; the gradient reaches the fp32 master weights; the push (the model's weights and
+    persistent buffers) sends those tensors in bf16; a tensor the trainer does not have stops in one line naming it
+    and what to set."""
+    import types
+
+    import config
     import engine_dtypes
     import fsdp_train as ft
-    import sync
+    import grpo
 
     path = family_models("apertus")
     ft.init_distributed()
-    model = ft.load_model(path, device=torch.device("cpu"))
+    parts = grpo.choose_model_parts(config.load_config(["tiny.yaml"], []), path)
+    model = parts.load(path, device=torch.device("cpu"))
     act = [f"model.layers.{k}.mlp.act_fn.{name}" for k in range(4) for name in ("alpha_p", "alpha_n", "beta", "eps")]
-    assert engine_dtypes.match(model, dict.fromkeys(act, torch.bfloat16), torch.float32) == 16
+    run = types.SimpleNamespace(policy=model, ref=None, engine_dtype=torch.float32, model=parts)
+    assert "the engine keeps 16 tensors in torch.bfloat16" in engine_dtypes.fit(run, dict.fromkeys(act, torch.bfloat16))
     reference = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     ids = torch.tensor([[(3 + 11 * i) % 400 for i in range(20)]])
     logits = model.eval()(input_ids=ids).logits
@@ -427,8 +435,7 @@ def test_the_trainer_reads_the_tensors_the_engine_keeps_in_bf16_in_bf16(family_m
     logits.logsumexp(-1).sum().backward()
     alpha = model.model.layers[0].mlp.act_fn._parameters["alpha_p"]  # the fp32 master (a read gives bf16)
     assert alpha.dtype == torch.float32 and alpha.grad.dtype == torch.float32 and alpha.grad.abs().item() > 0
-    params = dict(sync.full_params(model, torch.float32, model.checkpoint_names, model.checkpoint_split))
-    pushed = {**params, **dict(sync.full_buffers(model, torch.float32, model.checkpoint_names))}
+    pushed = {**dict(parts.weights(model, torch.float32)), **dict(parts.buffers(model, torch.float32))}
     assert {name for name, t in pushed.items() if t.dtype == torch.bfloat16} == set(act)
     with pytest.raises(engine_dtypes.EngineDtypeError) as e:
         engine_dtypes.match(model, {"model.layers.0.mlp.act_fn.gamma": torch.bfloat16}, torch.float32)
@@ -445,7 +452,6 @@ def test_the_trainer_builds_no_dropout_of_any_spelling(tiny_tokenizer, tmp_path,
     logits on every forward): fsdp_train.load_model's policy, in training mode, gives the same logits twice, and
     those of transformers' model in eval mode (without_dropout zeroes every spelling: DROPOUT_KEY)."""
     import fsdp_train as ft
-    import logit_rules
 
     config_class, keys = FAMILIES[family]
     assert set(DROPOUTS[family]) == {key for key in config_class().to_dict() if "drop" in key}
@@ -453,7 +459,7 @@ def test_the_trainer_builds_no_dropout_of_any_spelling(tiny_tokenizer, tmp_path,
         str(tmp_path / family), tiny_tokenizer, config_class, seed=1, **keys, **dict.fromkeys(DROPOUTS[family], 0.3)
     )
     ft.init_distributed()
-    policy = ft.load_model(path, device=torch.device("cpu"), head=logit_rules.logits_head)
+    policy = load_as_a_run(path, device=torch.device("cpu"))
     reference = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     ids = torch.tensor([[(5 + 7 * i) % 400 for i in range(24)]])
     with torch.no_grad():
@@ -532,11 +538,13 @@ def test_prompts_are_measured_with_the_template_kwargs(tiny_tokenizer, tmp_path)
     overrides += ["data.apply_chat_template_kwargs={enable_thinking: false}", "data.train_batch_size=1"]
     overrides += ["actor.ppo_mini_batch_size=1"]
     fsdp_train.init_distributed()
-    _, _, train_rows, val_rows, _ = grpo.load_data(config.load_config("tiny.yaml", overrides), 0, 1)
+    cfg = config.load_config("tiny.yaml", overrides)
+    _, _, train_rows, val_rows, _ = grpo.load_data(cfg, grpo.choose_parts(cfg), 0, 1)
     assert [r["extra_info"]["question"] for r in train_rows] == fits
     assert [r["extra_info"]["question"] for r in val_rows] == fits
     with pytest.raises(config.ConfigError) as e:
-        grpo.load_data(config.load_config("tiny.yaml", [*overrides, "data.filter_overlong_prompts=false"]), 0, 1)
+        cfg = config.load_config("tiny.yaml", [*overrides, "data.filter_overlong_prompts=false"])
+        grpo.load_data(cfg, grpo.choose_parts(cfg), 0, 1)
     message = str(e.value)
     assert message.startswith(f"data: {len(questions) - len(fits)} prompts exceed data.max_prompt_length={limit} ")
     assert "data.filter_overlong_prompts=true" in message and "\n" not in message, message

@@ -7,23 +7,26 @@ What each feature needs is written here, from what the feature does (docs/featur
 code: NEEDS, one row per feature, and REFUSED, the pairs that cannot run together. A pair's expectation is the union of
 its two rows; what the parts do is read in ONE place, what_the_step_does (the only code here that knows Parts'
 fields), as behaviour: where the update's old log-probs come from (grpo.on_policy_shortcut's verdict and bypass's
-given ones), which part each slot of the step calls (by the module that defines it), which hooks are set.
+given ones), which functions each part of the step calls (the modules that define them: a feature's own in place of
+plain GRPO's, or a wrapper around it whose inner part must stay), whether the run loads a reference.
 
 The bug this was written for (issue 59): the GRPO family's block setting needs_old_pass from the KL in the reward
 alone, dropping what R2 or a dump raised before it: RLOO with R2 then took the on-policy shortcut and replayed no
 routing (rloo+R2, rloo+dump, rloo+replay and every estimator's pairs with them fail here)."""
 
 import functools
+import glob
 import inspect
 import itertools
 import json
+import os
 
 import pytest
 import torch
 from test_multi_turn import tools_build  # noqa: F401  (the tiny_tools build, a module fixture)
 
 import config
-from conftest import cli_calls
+from conftest import ROOT, cli_calls
 
 # feature -> its on-keys (overrides of tiny.yaml); {files} are filled in by the module's files fixture
 FEATURES = {
@@ -67,30 +70,35 @@ LOSS_MODES, ESTIMATORS = (
 #                        rejection compare it with vLLM's)
 #   "vLLM's"             vLLM's sampling log-probs stand as the old ones (bypass: no old pass)
 # Without any, a run of one mini-batch and one epoch takes the update's own forward (the on-policy shortcut).
-# The others: which module's function fills a slot of the step, or that a hook is set.
+# The others: a step part -> the module whose function must be in it, either in place of plain GRPO's ("module": the
+# feature's own function) or around whatever is there ("+module": it wraps it, and what it wraps must stay);
+# "reference model": the run loads the reference without the KL loss.
 NEEDS = {
     **{mode: {"policy_term": "grpo_family"} for mode in LOSS_MODES},
     **{est: {"advantages": "grpo_family"} for est in ESTIMATORS},
-    "kl_in_reward": {
+    "kl_in_reward": {  # the KL of the old policy to the reference, in the reward
         "advantages": "grpo_family",
         "old": "before the update",
-    },  # the KL of the old policy, in the reward
+        "reference model": True,
+    },
     "dynamic_sampling": {"pick_groups": "dapo"},
-    "multi_turn": {"sample": "multi_turn", "field_metrics": "multi_turn"},
+    "multi_turn": {"sample": "multi_turn", "field_metrics": "multi_turn", "prompt_kwargs": "multi_turn"},
     "reward_file": {"score": "reward_files"},
-    "overlong_buffer": {"shape_rewards": "dapo"},
-    "dump": {"dump": True, "old": "before the update"},  # a dump carries explicit old log-probs
-    "replay": {"old": "before the update"},  # the dumped old log-probs, not the update's forward
-    "R2": {"recording": True, "routing_metrics": True, "old": "the old pass"},  # replays the old pass's routing
-    "R3": {"sample": "routing", "routing_metrics": True},  # vLLM's routing, a field of each sample
-    "routing_returned": {"sample": "routing", "routing_metrics": True},
-    "bypass": {"old": "vLLM's"},
-    "rollout_is": {"correct": True, "old": "the old pass"},
-    "rollout_rs": {"correct": True, "old": "before the update"},  # with bypass: against the current policy instead
-    "lora": {"adapter": True},
-    "lora_adapter": {"adapter": True},
-    "agent": {"scored_samples": "agent", "field_metrics": "agent"},
+    "overlong_buffer": {"scored_samples": "+dapo"},  # the penalty on the scored samples' lengths
+    "dump": {"advantages": "+data", "old": "before the update"},  # a dump carries explicit old log-probs
+    "replay": {"reference": "+data", "old": "before the update"},  # the dumped log-probs, not the update's forward
+    # (and the dumped advantages in place of any estimator's: REPLACED_BY_REPLAY)
+    "R2": {"old_logprobs": "+moe", "reference": "+moe", "update": "+moe", "old": "the old pass"},  # records, replays
+    "R3": {"sample": "moe", "old_logprobs": "+moe", "update": "+moe"},  # vLLM's routing, a field of each sample
+    "routing_returned": {"sample": "moe", "old_logprobs": "+moe", "update": "+moe"},
+    "bypass": {"reference": "+rollout_correction", "old": "vLLM's"},  # vLLM's put in the batch before the reference
+    "rollout_is": {"correct": "rollout_correction", "old": "the old pass"},
+    "rollout_rs": {"correct": "rollout_correction", "old": "before the update"},  # with bypass: the current policy's
+    "lora": {"reference": "+lora"},  # the reference's pass with the policy's adapters off
+    "lora_adapter": {"reference": "+lora"},
+    "agent": {"scored_samples": "agent", "sample_groups": "+agent", "advantages": "agent", "field_metrics": "agent"},
 }
+REPLACED_BY_REPLAY = "advantages"  # a replayed batch keeps its dumped advantages, whatever estimator made them
 # Pairs that cannot run together, refused at start-up in one line naming a key of each (set: the pair, either order)
 AGENT_REFUSES = ("multi_turn", "reward_file", "dynamic_sampling", "overlong_buffer", "kl_in_reward", *ESTIMATORS)
 REFUSED = {
@@ -107,94 +115,91 @@ REFUSED = {
     frozenset(("R3", "agent")),
     frozenset(("routing_returned", "agent")),
 }
-# pairs the current code admits although it should not: each a known bug, reported (issue 59)
-KNOWN = {
-    frozenset(("R3", "agent")): "R3 with an agent replays no routing: its samples carry none, and nothing refuses it",
-    frozenset(("routing_returned", "agent")): "the same: an agent's samples carry no routing",
-}
-DEFAULTS = {  # plain GRPO's step: the module of each slot's function, no hook set, the on-policy shortcut
+DEFAULTS = {  # plain GRPO's step: the module of each part's function, the on-policy shortcut, no reference needed
     "old": "the update's forward",
-    "pick_groups": "grpo",
-    "scored_samples": "grpo",
-    "sample": "rollout",
-    "score": "data",
-    "advantages": "grpo",
-    "policy_term": "grpo",
-    "shape_rewards": None,
-    "field_metrics": None,
-    "dump": False,
-    "correct": False,
-    "recording": False,
-    "routing_metrics": False,
-    "adapter": False,
+    "pick_groups": {"grpo"},
+    "sample_groups": {"grpo"},
+    "scored_samples": {"grpo"},
+    "sample": {"rollout"},
+    "score": {"data"},
+    "old_logprobs": {"grpo"},
+    "reference": {"grpo"},
+    "correct": {"grpo"},
+    "advantages": {"grpo"},
+    "update": {"grpo"},
+    "policy_term": {"grpo"},
+    "field_metrics": set(),
+    "prompt_kwargs": {"grpo"},
+    "reference model": False,
 }
 OLD_ORDER = ("vLLM's", "the old pass", "before the update")  # the first need present decides where they come from
 
 
 def expected(features) -> dict:
-    """What a step with these features does, from NEEDS alone: DEFAULTS with each feature's needs; the old log-probs
-    vLLM's if a feature says so, else the old pass if any feature needs them before the update; bypass with the
-    rejection: the policy term rejecting against the current policy (around the loss mode's, if any)."""
-    out = dict(DEFAULTS)
+    """What a step with these features does, from NEEDS alone: each part holds plain GRPO's function unless a
+    feature puts its own in place, plus every feature's own (in place of the default, or around it); the old
+    log-probs vLLM's if a feature says so, else the old pass if any feature needs them before the update; a replay's
+    advantages the dump's; bypass with the rejection: the policy term rejecting against the current policy."""
+    out = {k: (set(v) if isinstance(v, set) else v) for k, v in DEFAULTS.items()}
     for feature in features:
-        out.update({k: v for k, v in NEEDS[feature].items() if k != "old"})
+        for slot, need in NEEDS[feature].items():
+            if slot == "old":
+                continue
+            if slot == "reference model":
+                out[slot] = True
+            elif need.startswith("+"):
+                out[slot].add(need[1:])
+            else:
+                out[slot] = (out[slot] - DEFAULTS[slot]) | {need}
+    if "replay" in features:
+        out[REPLACED_BY_REPLAY] = {"data"}
     olds = {NEEDS[f].get("old") for f in features}
     for old in OLD_ORDER:
         if old in olds:
             out["old"] = "vLLM's" if old == "vLLM's" else "the old pass"
             break
     if {"bypass", "rollout_rs"} <= set(features):
-        out["policy_term"] = ("rollout_correction", out["policy_term"])  # rejecting, around the loss
+        out["policy_term"].add("rollout_correction")  # rejecting, around the loss
     return out
 
 
-def module_of(fn) -> str | None:
-    """The module that defines a part's function (through functools.partial), None for no function."""
-    if fn is None:
-        return None
-    while isinstance(fn, functools.partial):
-        fn = fn.func
-    return fn.__module__
+PROJECT = {os.path.basename(path)[:-3] for path in glob.glob(os.path.join(ROOT, "*.py"))}  # the project's modules
+
+
+def chain(fn, slot: str) -> set[str]:
+    """The modules of a part's function and of every part it wraps: through functools.partial, and through the
+    function a wrapper's closure holds under the part's own name (or moe.measured's `phase`). {} for no function."""
+    found, todo = set(), [fn]
+    while todo:
+        fn = todo.pop()
+        while isinstance(fn, functools.partial):
+            fn = fn.func
+        if fn is None or fn.__module__ not in PROJECT:  # a user's function (a reward file's): not a project part
+            continue
+        found.add(fn.__module__)
+        if inspect.isfunction(fn) and fn.__closure__:
+            inner = inspect.getclosurevars(fn).nonlocals
+            todo += [inner[name] for name in (slot, "phase") if callable(inner.get(name))]
+    return found
 
 
 def what_the_step_does(cfg: dict, parts) -> dict:
     """THE ONE PLACE THAT READS grpo.Parts: what a step with these parts does, in NEEDS' terms. Where the old
     log-probs come from: vLLM's when bypass gives them (parts.given_old), else the update's forward when
-    grpo.on_policy_shortcut says so, else the old-log-prob pass (grpo.setup's run.capture; grpo_step). Each slot: the
-    module of the function it calls ("routing": rollout.generate asking for moe's routing field); a rejecting policy
-    term: ("rollout_correction", the module of the term it wraps). The hooks: set or not (R2's: moe.recording)."""
+    grpo.on_policy_shortcut says so, else the old-log-prob pass (grpo.setup's run.capture; grpo_step). Each part: the
+    modules of the functions it calls (chain: a wrapper and what it wraps); whether the run loads the reference
+    without the KL loss (parts.needs_reference)."""
     import grpo
-    import moe
-    import rollout
-    import rollout_correction
 
-    if parts.given_old is not None:
-        assert parts.given_old is rollout_correction.bypass_old
+    if parts.given_old:
         old = "vLLM's"
     else:
         old = "the update's forward" if grpo.on_policy_shortcut(cfg, parts) else "the old pass"
-    sample = module_of(parts.sample)
-    if isinstance(parts.sample, functools.partial) and parts.sample.keywords.get("output_fields") is moe.routing_fields:
-        assert parts.sample.func is rollout.generate
-        sample = "routing"
-    policy_term = module_of(parts.policy_term)
-    if policy_term == "rollout_correction":  # bypass_rejection's closure around the loss mode's term
-        policy_term = (policy_term, module_of(inspect.getclosurevars(parts.policy_term).nonlocals["policy_term"]))
+    slots = [slot for slot in DEFAULTS if slot not in ("old", "reference model")]
     return {
         "old": old,
-        "pick_groups": module_of(parts.pick_groups),
-        "scored_samples": module_of(parts.scored_samples),
-        "sample": sample,
-        "score": module_of(parts.score),
-        "advantages": module_of(parts.advantages),
-        "policy_term": policy_term,
-        "shape_rewards": module_of(parts.shape_rewards),
-        "field_metrics": module_of(parts.field_metrics),
-        "dump": parts.dump is not None,
-        "correct": parts.correct is not None,
-        "recording": parts.recording is not None and parts.recording is moe.recording,
-        "routing_metrics": parts.routing_metrics is not None,
-        "adapter": parts.adapter is not None,
+        **{slot: chain(getattr(parts, slot), slot) for slot in slots},
+        "reference model": parts.needs_reference,
     }
 
 
@@ -204,13 +209,7 @@ def same_key(a: str, b: str) -> bool:
     return bool(keys(a) & keys(b))
 
 
-PAIRS = [
-    pytest.param(a, b, id=f"{a}+{b}", marks=[pytest.mark.xfail(strict=True, reason=KNOWN[frozenset((a, b))])])
-    if frozenset((a, b)) in KNOWN
-    else pytest.param(a, b, id=f"{a}+{b}")
-    for a, b in itertools.combinations(FEATURES, 2)
-    if not same_key(a, b)
-]
+PAIRS = [pytest.param(a, b, id=f"{a}+{b}") for a, b in itertools.combinations(FEATURES, 2) if not same_key(a, b)]
 
 
 @pytest.fixture(scope="module")

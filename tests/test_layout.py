@@ -1,16 +1,19 @@
-"""The layout's rules, enforced: every optional feature is a file of its own that enters the loop only in grpo.py's
-set-up (choose_parts and the functions that build the run) and finish, and can be deleted with its key off; the
-step's parts are a typed record whose defaults are plain GRPO's.
+"""The layout's rules, enforced: every optional feature is a file of its own that enters the loop only through the
+set-up's records (choose_parts, choose_model_parts) and can be deleted with its key off; a feature replaces a whole
+function of the default path or wraps one (a stream), and never adds a parameter, a branch or an attribute to a
+default function.
 
 - Statically (ast): no project module imports a feature file, but grpo.py inside its set-up and finish functions,
-  and a feature file imports only the component it extends; no phase of grpo.py (every other function) names a
+  and a feature file imports only the components it extends; no phase of grpo.py (every other function) names a
   feature module or a feature's key.
-- The parts (ast and import): grpo.py imports no feature through importlib; Parts is a dataclass whose every field
-  defaults to a GRPO function, to None (an optional hook) or to False (a flag); only main builds the parts
-  (choose_parts), and only choose_parts builds a Parts.
+- The records (ast and import): grpo.py imports no feature through importlib; Parts and ModelParts are dataclasses
+  whose every field defaults to plain GRPO's or the plain dense model's function as listed (None: an optional hook;
+  False: a flag); only main builds the step's parts (choose_parts) and only the set-up the model's
+  (choose_model_parts).
+- The default functions (import): each function a default run enters in the mission files takes exactly the
+  parameters DEFAULT_FUNCTIONS lists for it, and no function of the mission files names a feature in a parameter.
 - The components (ast): the code of sync.py, fsdp_train.py, rollout.py, losses.py and reward.py, comments and
-  docstrings aside, names no feature (FEATURE_WORD): LoRA's merge, MoE's expert repacking and routing field reach
-  them as arguments.
+  docstrings aside, names no feature (FEATURE_WORD), and reads no attribute that a feature file sets.
 - By deletion: for each feature file, a copy of the tree without it imports grpo and prints the configuration
   (`grpo.py --config tiny.yaml --print-config`), all in one process (the libraries imported once).
 """
@@ -45,24 +48,25 @@ COMPONENTS = ("rollout", "reward", "losses", "fsdp_train", "sync", "tiny")
 EXTENDS = {  # a feature may import what it extends
     "grpo_family": {"losses"},
     "rollout_correction": {"losses"},
+    "lora": {"fsdp_train"},  # LoRA's layers in the trainer's model, loaded and exported with its pieces
+    "logit_rules": {"fsdp_train"},  # a family's head and attention in the trainer's log-prob path
+    "moe": {"fsdp_train", "rollout"},  # MoE's FLOPs term; R3's routing with the rollout's samples
     "agent": {"multi_turn"},  # the tool pool's worker design (WorkerPool) and Hermes parser: one of each in the project
 }
 SETUP = {  # grpo.py's set-up and finish code: where a feature's file may be imported (feature), its keys read
     "main",
     "choose_parts",
     "lora_on",
+    "choose_model_parts",
     "rollout_ranks_on",
     "rollout_ranks_run",
+    "fit_to_engine",
     "setup",
     "exact_run",
     "on_policy_shortcut",
     "load_data",
+    "prompt_kwargs",
     "load_models",
-    "model_head",
-    "start_engine",
-    "start_proven_engine",
-    "engine_after_load",
-    "match_engine_dtypes",
     "finish",
     "evaluate",
 }
@@ -185,35 +189,63 @@ def test_a_components_code_names_no_feature(component):
     assert not named, named
 
 
-def test_the_parts_are_a_typed_record_of_grpos_functions_built_once():
-    """grpo.py imports nothing through importlib (a feature's file is a plain import inside its guard); grpo.Parts is a
-    dataclass, every field typed and defaulting to a function of plain GRPO (grpo.py's or a component's), to None
-    (an optional hook, guarded where it is called) or to False (a flag a feature raises); choose_parts is called by
-    main alone, Parts() by choose_parts alone: no product function falls back to building the parts."""
+def test_the_records_are_typed_with_grpos_and_the_dense_models_functions_built_once():
+    """grpo.py imports nothing through importlib (a feature's file is a plain import inside its guard); grpo.Parts and
+    grpo.ModelParts are dataclasses, every field typed and defaulting to plain GRPO's function (the step's) or the
+    plain dense model's (the model's), to None (an optional hook) or to False (a flag a feature raises), as listed
+    here; choose_parts is called by main alone and builds the only Parts, choose_model_parts by the set-up (setup,
+    engine_run) and builds the only ModelParts: no product function falls back to building a record."""
     import dataclasses
 
+    import data
+    import fsdp_train
     import grpo
+    import rollout
+    import sync
 
     tree = modules()["grpo"]
     assert "importlib" not in imported(tree) and "importlib" not in open(os.path.join(ROOT, "grpo.py")).read()
-    assert dataclasses.is_dataclass(grpo.Parts)
-    import data
-    import rollout
-
-    grpos = {  # plain GRPO's step: the functions the README's reading order names
-        "pick_groups": grpo.next_groups,
-        "scored_samples": grpo.sample_and_score,
-        "sample": rollout.generate,
-        "score": data.gsm8k_score,
-        "advantages": grpo.grpo_advantages,
-        "policy_term": grpo.policy_term,
+    defaults = {
+        grpo.Parts: {  # plain GRPO's step: the functions the README's reading order names
+            "pick_groups": grpo.next_groups,
+            "sample_groups": grpo.sample_groups,
+            "scored_samples": grpo.sample_and_score,
+            "sample": rollout.generate,
+            "score": data.gsm8k_score,
+            "old_logprobs": grpo.policy_logprobs,
+            "reference": grpo.reference_logprobs,
+            "correct": grpo.diagnose_rollout,
+            "advantages": grpo.grpo_advantages,
+            "update": grpo.update_actor,
+            "policy_term": grpo.policy_term,
+            "field_metrics": None,
+            "prompt_kwargs": grpo.template_kwargs,
+            "needs_old_pass": False,
+            "needs_reference": False,
+            "given_old": False,
+        },
+        grpo.ModelParts: {  # the plain dense model's
+            "load": fsdp_train.load_model,
+            "flops": fsdp_train.estimate_flops,
+            "weights": sync.full_params,
+            "buffers": grpo.no_buffers,
+            "push": sync.push_weights,
+            "start_engine": grpo.start_engine,
+            "save": fsdp_train.save_checkpoint,
+            "resume": fsdp_train.load_checkpoint,
+            "export": fsdp_train.export_hf,
+        },
     }
-    fields = dataclasses.fields(grpo.Parts)
-    for field in fields:
-        assert field.type is not dataclasses.MISSING and field.default is not dataclasses.MISSING, field.name
-        plain = grpos.get(field.name, False if field.type is bool else None)  # a hook: None; a feature's need: False
-        assert field.default is plain, f"Parts.{field.name} defaults to {field.default!r}"
-    assert set(grpos) <= {f.name for f in fields}
+    for record, plain in defaults.items():
+        assert dataclasses.is_dataclass(record)
+        fields = dataclasses.fields(record)
+        assert [f.name for f in fields] == list(plain), record
+        for field in fields:
+            assert field.type is not dataclasses.MISSING, f"{record.__name__}.{field.name} has no type"
+            assert field.default is plain[field.name], f"{record.__name__}.{field.name} defaults to {field.default!r}"
+    builders = {"choose_parts": {("grpo", "main")}, "Parts": {("grpo", "choose_parts")},
+                "choose_model_parts": {("grpo", "setup"), ("grpo", "engine_run")},
+                "ModelParts": {("grpo", "choose_model_parts")}}  # fmt: skip
     for name, module in modules().items():
         for function in (n for n in ast.walk(module) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))):
             called = {
@@ -221,10 +253,296 @@ def test_the_parts_are_a_typed_record_of_grpos_functions_built_once():
                 for n in ast.walk(function)
                 if isinstance(n, ast.Call)
             }
-            if "choose_parts" in called:
-                assert (name, function.name) == ("grpo", "main"), f"{name}.{function.name} builds the parts"
-            if "Parts" in called:
-                assert (name, function.name) == ("grpo", "choose_parts"), f"{name}.{function.name} builds a Parts"
+            for built in called & set(builders):
+                assert (name, function.name) in builders[built], f"{name}.{function.name} calls {built}"
+
+
+# Every function a default 2-rank tiny.yaml run enters in the mission files (bench/learner_read.py --entered), with
+# the parameters it takes: none is a feature's. A feature replaces a whole function (a record's field) or wraps one;
+# it never adds a parameter to one of these. A change here is a change of the default path: say why in its commit.
+DEFAULT_FUNCTIONS = {
+    "grpo.main": ["argv"],
+    "grpo.train": ["cfg", "parts", "mode"],  # mode: the run mode (a replay's, rollout ranks'), called by name
+    "grpo.grpo_step": ["run", "step"],
+    "grpo.sample_batch": ["run", "step", "t"],
+    "grpo.next_groups": ["run", "t"],
+    "grpo.next_prompts": ["run"],
+    "grpo.groups_to_batch": ["groups", "pad_id"],
+    "grpo.sample_groups": ["run", "prompts", "t"],
+    "grpo.sample_and_score": ["run", "prompts", "t", "sampling"],
+    "grpo.reference_logprobs": ["run", "batch", "t"],
+    "grpo.compute_logprobs": ["run", "model", "batch", "entropy_fn"],
+    "grpo.correct_rollout": ["run", "batch", "old", "apply"],
+    "grpo.diagnose_rollout": ["batch", "old", "rollout_logp", "sampled", "mask", "mine", "apply"],
+    "grpo.grpo_advantages": ["run", "batch"],
+    "grpo.update_actor": ["run", "batch", "t"],
+    "grpo.first_update_rows": ["run", "batch"],
+    "grpo.update_weights": ["run", "step", "t"],
+    "grpo.push": ["run", "model", "send"],
+    "grpo.no_buffers": ["model", "dtype"],
+    "grpo.start_engine": ["run", "model_path", "engine_kwargs"],  # more of vLLM's own engine arguments
+    "grpo.sync_gap": ["run"],
+    "grpo.validate_and_save": ["run", "step", "t"],
+    "grpo.grpo_loss_fn": ["cfg", "term"],
+    "grpo.policy_term": ["actor", "logp", "old_logp", "mb", "aggregate"],
+    "grpo.kl_loss_on": ["actor"],
+    "grpo.validate": ["run", "step"],
+    "grpo.stop_vote": ["run", "step"],
+    "grpo.template_kwargs": ["tokenizer", "cfg"],
+    "grpo.setup": ["cfg", "parts", "mode"],
+    "grpo.start_proven_engine": ["run", "model_path", "pushing"],
+    "grpo.exact_run": ["cfg", "engine_dtype"],
+    "grpo.on_policy_shortcut": ["cfg", "parts"],
+    "grpo.load_data": ["cfg", "parts", "rank", "world", "train"],
+    "grpo.load_models": ["cfg", "model_path", "device", "model", "needs_reference"],
+    "grpo.build_optimizer": ["cfg", "policy", "total_steps"],
+    "grpo.save": ["run", "step"],
+    "grpo.finish": ["run"],
+    "grpo.sample_seed": ["seed", "gen_batch", "rank"],
+    "rollout.is_cpu": [],
+    "rollout.make_engine": [
+        "model_path",
+        "dtype",
+        "max_model_len",
+        "gpu_memory_utilization",
+        "tensor_parallel_size",
+        "seed",
+        "enable_prefix_caching",
+        "enable_sleep_mode",
+        "enforce_eager",
+        "cudagraph_capture_sizes",
+        "engine_kwargs",
+    ],  # fmt: skip
+    "rollout.check_servable": ["model_path"],
+    "rollout.render_prompt": ["tokenizer", "messages", "template_kwargs"],
+    "rollout.generate": ["llm", "prompts", "sampling"],
+    "rollout.generate_with_outputs": [
+        "llm",
+        "prompts",
+        "n",
+        "temperature",
+        "top_p",
+        "top_k",
+        "max_tokens",
+        "seed",
+        "template_kwargs",
+    ],  # fmt: skip
+    "rollout.check_outputs": ["outputs", "num_prompts", "n"],
+    "rollout.sleep": ["llm", "level"],
+    "rollout.wake": ["llm", "tags"],
+    "reward.make_prompt": ["question"],
+    "reward.extract_ground_truth": ["answer"],
+    "reward.extract_solution": ["solution_str", "method", "clip_chars"],
+    "reward.compute_score": ["solution_str", "ground_truth", "method", "format_score", "score", "clip_chars"],
+    "losses.check_same_shape": ["where", "tensors"],
+    "losses.masked_mean": ["x", "mask", "dim"],
+    "losses.agg_loss": ["values", "mask", "mode", "num_tokens", "num_seqs", "scale_factor"],
+    "losses.grouped": ["where", "rewards", "group_ids"],
+    "losses.grpo_advantages": ["rewards", "group_ids", "eps", "norm_by_std"],
+    "losses.policy_loss": ["logp", "old_logp", "advantages", "clip_low", "clip_high", "clip_c"],
+    "losses.kl_penalty": ["logp", "ref_logp", "kind"],
+    "losses.entropy_from_logits": ["logits"],
+    "losses.offpolicy_metrics": ["old_logp", "rollout_logp", "mask"],
+    "fsdp_train.init_distributed": [],
+    "fsdp_train.all_reduce": ["value", "op"],
+    "fsdp_train.load_model": [
+        "path",
+        "device",
+        "param_dtype",
+        "compute_dtype",
+        "activation_checkpointing",
+        "trainable",
+    ],  # fmt: skip
+    "fsdp_train.empty_model": ["path", "param_dtype", "compute_dtype"],
+    "fsdp_train.shard": ["model", "device", "compute_dtype", "activation_checkpointing"],
+    "fsdp_train.fill": ["model", "full", "trainable"],
+    "fsdp_train.trainer_model_class": ["path", "config"],
+    "fsdp_train.checkpoint_names": ["model"],
+    "fsdp_train.without_dropout": ["config"],
+    "fsdp_train.decoder_layers": ["model"],
+    "fsdp_train.read_hf_weights": ["path", "dtype"],
+    "fsdp_train.make_optimizer": [
+        "model",
+        "lr",
+        "betas",
+        "weight_decay",
+        "warmup_steps",
+        "total_steps",
+        "schedule",
+        "min_lr_ratio",
+    ],  # fmt: skip
+    "fsdp_train.trainable_params": ["model"],
+    "fsdp_train.lr_factor": ["step", "warmup_steps", "total_steps", "schedule", "min_lr_ratio"],
+    "fsdp_train.make_batch": ["prompts", "responses", "pad_id", "fields"],
+    "fsdp_train.add_fields": ["batch", "fields"],
+    "fsdp_train.layout_of": ["batch", "key"],
+    "fsdp_train.select": ["batch", "rows"],
+    "fsdp_train.micro_batches": ["batch", "max_tokens", "num_groups"],
+    "fsdp_train.token_logprobs": ["logits", "targets", "temperature", "entropy_fn", "entropy_grad"],
+    "fsdp_train.pack": ["mb", "packs_sequences"],  # packs_exactly's verdict on the model
+    "fsdp_train.packs_exactly": ["model"],
+    "fsdp_train.attention_implementation": ["compute_dtype"],
+    "fsdp_train.use_varlen_attention": ["model"],
+    "fsdp_train.varlen_attention": [
+        "module",
+        "query",
+        "key",
+        "value",
+        "attention_mask",
+        "dropout",
+        "scaling",
+        "sliding_window",
+        "cu_seq_lens_q",
+        "max_length_q",
+        "kwargs",
+    ],  # transformers'
+    "fsdp_train.rows_attention": [
+        "attend",
+        "query",
+        "key",
+        "value",
+        "attention_mask",
+        "cu_seq_lens_q",
+        "max_length_q",
+        "position_ids",
+    ],  # fmt: skip
+    "fsdp_train.causal_attention": ["module", "q", "k", "v", "mask", "dropout", "scaling", "sliding_window"],
+    "fsdp_train.varlen_mask": ["args", "attention_mask", "kwargs"],
+    "fsdp_train.final_hidden": ["model", "input_ids", "attention_mask", "position_ids", "kwargs"],  # varlen, fields
+    "fsdp_train.token_fields": ["batch"],
+    "fsdp_train.chunked_logprobs": [
+        "hidden",
+        "targets",
+        "head",
+        "temperature",
+        "chunk_size",
+        "entropy_fn",
+        "entropy_grad",
+    ],  # head: logits_head(model), the model's own  # fmt: skip
+    "fsdp_train.response_logprobs": ["model", "packed", "temperature", "entropy_fn", "entropy_grad", "chunk_size"],
+    "fsdp_train.unpack": ["values", "scored"],
+    "fsdp_train.trainer_logits": ["model", "input_ids", "position_ids", "varlen"],
+    "fsdp_train.logits_head": ["model"],
+    "fsdp_train.add_logprob_forward": ["model"],
+    "fsdp_train.check_logits_fn": ["model"],
+    "fsdp_train.logit_rule_keys": ["config"],
+    "fsdp_train.compute_logprobs": ["model", "batch", "temperature", "max_tokens", "entropy_fn", "chunk_size"],
+    "fsdp_train.sequence_logprobs": ["model", "prompt", "response", "temperature", "chunk_size"],
+    "fsdp_train.train_step": [
+        "model",
+        "optimizer",
+        "batch",
+        "loss_fn",
+        "temperature",
+        "max_tokens",
+        "grad_clip",
+        "entropy_fn",
+        "entropy_grad",
+        "chunk_size",
+        "keep_logprobs",
+    ],  # fmt: skip
+    "fsdp_train.peak_flops": [],
+    "fsdp_train.estimate_flops": ["config", "seqlens"],
+    "fsdp_train.decoder_flops": ["config", "seqlens", "mlp"],
+    "fsdp_train.mfu": ["flops", "seconds", "world_size", "peak"],
+    "fsdp_train.save_checkpoint": ["root", "step", "model", "optimizer", "scheduler", "extra", "keep"],
+    "fsdp_train.list_checkpoints": ["root"],
+    "fsdp_train.export_hf": ["model", "out_dir", "tokenizer"],
+    "fsdp_train.full_state_dict": ["model"],
+    "fsdp_train.write_hf": ["model", "full", "out_dir", "tokenizer"],
+    "sync.full_params": ["model", "dtype"],
+    "sync.hf_name": ["name"],
+    "sync.engine_dtype": ["llm"],
+    "sync.push_weights": ["llm", "named_tensors"],
+    "sync.weight_group": ["name"],
+    "sync.bit_sum": ["tensor"],
+    "sync.with_bit_sums": ["named_tensors", "sums"],
+    "sync.engine_sums": ["llm"],
+    "sync.engine_buffers": ["llm"],
+    "sync.check_push": ["llm", "pushed", "buffers_at_load", "when"],
+    "sync.describe_buffers": ["buffers"],
+    "sync.record_cpu_packing": [],
+    "sync.record_packed": ["layer", "weights"],
+    "sync.default_probe": ["llm", "max_tokens"],
+    "sync.check_sync": ["llm", "trainer_logprobs", "probe_ids", "max_tokens", "temperature"],
+}
+
+
+def test_the_default_functions_take_no_features_parameter():
+    """Each function of the default path takes exactly the parameters DEFAULT_FUNCTIONS lists (none a feature's:
+    LoRA's adapter, a family's head, MoE's after-load or routing fields, checkpoint renames, ... reach them through
+    the records, as whole functions or wrapped streams), and no function of the mission files names a feature in a
+    parameter (FEATURE_WORD)."""
+    import importlib
+    import inspect
+
+    for qualified, expected in DEFAULT_FUNCTIONS.items():
+        module, name = qualified.split(".")
+        function = getattr(importlib.import_module(module), name)
+        assert list(inspect.signature(function).parameters) == expected, qualified
+    for name in ("grpo", *GRPO_ALONE):
+        for function in (
+            n for n in ast.walk(modules()[name]) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))
+        ):
+            params = [a.arg for a in function.args.args + function.args.kwonlyargs]
+            assert not [p for p in params if FEATURE_WORD.search(p)], f"{name}.{function.name}({', '.join(params)})"
+
+
+SAME_NAME = {  # attribute names a feature file sets and a component reads on something else, each checked by hand
+    "logprobs": "vLLM's CompletionOutput.logprobs (rollout, sync); a multi-turn trajectory's and an agent's samples",
+    "update": "dict.update (sync); a feature setting its step record's update part",
+    "load": "torch.load (fsdp_train); a feature setting its model record's load",
+    "save": "torch.save (fsdp_train); a feature setting its model record's save",
+    "where": "torch.where (losses); moe's Routing.where",
+}
+
+
+def attributes_set(tree: ast.Module) -> dict[str, int]:
+    """{attribute name: a line} of every attribute a module assigns (x.name = ..., x.name += ..., setattr)."""
+    found = {}
+    for n in ast.walk(tree):
+        targets = (
+            n.targets
+            if isinstance(n, ast.Assign)
+            else [n.target]
+            if isinstance(n, (ast.AugAssign, ast.AnnAssign))
+            else []
+        )
+        for target in targets:
+            for e in target.elts if isinstance(target, ast.Tuple) else [target]:
+                if isinstance(e, ast.Attribute):
+                    found[e.attr] = n.lineno
+        if isinstance(n, ast.Call) and getattr(n.func, "id", "") == "setattr" and isinstance(n.args[1], ast.Constant):
+            found[n.args[1].value] = n.lineno
+    return found
+
+
+def attributes_read(tree: ast.Module) -> dict[str, int]:
+    """{attribute name: a line} of every attribute a module reads (x.name, getattr / hasattr(x, "name"))."""
+    found = {}
+    for n in ast.walk(tree):
+        if isinstance(n, ast.Attribute) and isinstance(n.ctx, ast.Load):
+            found.setdefault(n.attr, n.lineno)
+        if isinstance(n, ast.Call) and getattr(n.func, "id", "") in ("getattr", "hasattr"):
+            if isinstance(n.args[1], ast.Constant):
+                found.setdefault(n.args[1].value, n.lineno)
+    return found
+
+
+def test_no_component_reads_an_attribute_a_feature_file_sets():
+    """No component (sync, fsdp_train, rollout, losses, reward) reads an attribute that a feature file sets: a
+    feature reaches a component through a record's function or a wrapped stream, never through an attribute planted
+    on the model or its modules (model.micro_batch_hook, module.engine_dtypes, model.push_transform, ... before).
+    Attributes of the same name on other objects are listed (SAME_NAME), each with what it is."""
+    found = modules()
+    planted = {}
+    for feature in FEATURES:
+        for attr, line in attributes_set(found[feature]).items():
+            planted.setdefault(attr, f"{feature}.py:{line}")
+    for component in GRPO_ALONE:
+        for attr, line in attributes_read(found[component]).items():
+            if attr in planted and attr not in SAME_NAME:
+                raise AssertionError(f"{component}.py:{line} reads .{attr}, which {planted[attr]} sets")
 
 
 DELETE = """import contextlib, io, json, os, sys

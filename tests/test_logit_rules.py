@@ -19,6 +19,7 @@ import pytest
 import torch
 import transformers
 from test_logprobs import TEMPERATURE, batch, check_all, plain_path, weighted_loss
+from trainer_models import load_as_a_run
 from transformers import AutoModelForCausalLM
 
 import fp32_noise
@@ -73,10 +74,10 @@ def family_models(tiny_tokenizer, tmp_path_factory):
 
 
 def load(path: str, scale: str, largest: float = LARGE):
-    """The model in fp32 with its family's head, as fsdp_train.load_model attaches it (logit_rules.logits_head);
+    """The model in fp32 with its family's rule, as logit_rules.loader gives it (logit_rules.use_rule);
     at scale "large" its output embedding multiplied until its largest logit on the test batch is `largest`."""
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-    model.logits_rule, model.logits_head = logit_rules.logits_head(model)
+    logit_rules.use_rule(model)
     if scale == "large":
         b = batch(model.config.vocab_size)
         with torch.no_grad():
@@ -164,14 +165,14 @@ def test_large_softcapped_logits_at_world_size_2(family_models, tmp_path):
 
 @pytest.mark.parametrize("rule", list(RULES))
 def test_the_start_up_check_sees_a_missing_rule_even_at_the_tiny_shape(family_models, monkeypatch, rule):
-    """Without the family's head (load_model's `head` not handed over), load_model stops with one line naming the
-    rule's config key, on the random tiny model whose own logits are ~0.1 (the check scales the head's logits to
-    PROBE_LOGIT)."""
+    """Without the family's rule (fsdp_train.load_model alone, logit_rules.loader not used), the start-up check
+    (check_logits_fn) stops with one line naming the rule's config key, on the random tiny model whose own logits
+    are ~0.1 (the check scales the head's logits to PROBE_LOGIT)."""
     path = family_models(rule)
     ft.init_distributed()
-    ft.load_model(path, device=torch.device("cpu"), head=logit_rules.logits_head)  # the rule known: no error
+    load_as_a_run(path, device=torch.device("cpu"))  # the rule known: no error
     with pytest.raises(ft.UnsupportedModel) as e:
-        ft.load_model(path, device=torch.device("cpu"))
+        ft.check_logits_fn(ft.load_model(path, device=torch.device("cpu")))
     key = RULES[rule][2].split(":")[0]
     assert "\n" not in str(e.value) and f"{key}=" in str(e.value), str(e.value)
 
@@ -193,7 +194,7 @@ def test_a_family_with_an_unknown_rule_stops_at_start_up(tiny_tokenizer, tmp_pat
     path = tiny.save_random_family_model(str(tmp_path / "m"), tiny_tokenizer, config_class, **keys)
     ft.init_distributed()
     with pytest.raises(ft.UnsupportedModel) as e:
-        ft.load_model(path, device=torch.device("cpu"), head=logit_rules.logits_head)
+        load_as_a_run(path, device=torch.device("cpu"))
     message = str(e.value)
     assert "\n" not in message and named in message, message
     assert message.startswith(f"model {path}: {config_class.__name__[:-6]}"), message

@@ -1,7 +1,7 @@
 """grpo.py's step phases against an independent computation, at 1 and 2 ranks.
 
 tests/helpers/loop_worker.py runs the advantages part (grpo.choose_parts), grpo.update_actor (fsdp_train.train_step with
-grpo.grpo_loss_fn) and grpo.batch_metrics on a known batch under torchrun. Here the same quantities are
+grpo.grpo_loss_fn) and metrics.batch_metrics on a known batch under torchrun. Here the same quantities are
 written out from veRL's formulas in plain PyTorch (one process, the whole batch, no losses.py), with
 the recipe's regularisers on (entropy_coeff 0.003, low_var_kl 0.001), temperature 0.7, clip 0.2 / 0.28
 and the dual clip firing.

@@ -1,4 +1,4 @@
-"""LoRA (fsdp_train.LoraLinear and friends) against PEFT itself, a test-only dependency: the layer's output and
+"""LoRA (lora.LoraLinear and friends) against PEFT itself, a test-only dependency: the layer's output and
 gradients, which modules a target list adapts, the adapter files; then the training side under torchrun
 (tests/helpers/train_worker.py --lora): the policy at step 0 is the base bit for bit and its KL 0, world sizes 1 and 2
 equal the float64 plain run, kill and resume is bitwise with only the adapters in the checkpoint, the exported
@@ -155,15 +155,21 @@ def test_targets_that_match_nothing_name_the_layers_there_are(random_models, tar
 
 
 # ------------------------------------------------------------------ LoRA as the trainer builds it
-def trainer_lora_model(path: str, *overrides: str) -> torch.nn.Module:
-    """The policy as grpo.py loads it (lora.settings from the config's model.* and trainer.seed, lora.adapter, then
-    fsdp_train.load_model), in this process (world size 1)."""
+def trainer_lora_parts(path: str, *overrides: str):
+    """The model's parts a LoRA run chooses (grpo.choose_model_parts: lora.model_parts, from the config's model.* and
+    trainer.seed), in this process (world size 1)."""
     import config
+    import grpo
 
     ft.init_distributed()
-    cfg = config.load_config(None, ["model.lora_rank=4", "model.lora_alpha=8", *overrides])
-    settings = lora.settings(cfg["model"], path, cfg["trainer"]["seed"])
-    return ft.load_model(path, device=torch.device("cpu"), adapt=lora.adapter(settings))
+    return grpo.choose_model_parts(
+        config.load_config(None, ["model.lora_rank=4", "model.lora_alpha=8", *overrides]), path
+    )
+
+
+def trainer_lora_model(path: str, *overrides: str) -> torch.nn.Module:
+    """The policy as grpo.py loads it (its model parts' load: lora.loader)."""
+    return trainer_lora_parts(path, *overrides).load(path, device=torch.device("cpu"))
 
 
 def adapted(model) -> list[str]:
@@ -209,17 +215,18 @@ def test_the_adapters_are_drawn_from_trainer_seed(random_models, seed):
 
 
 def test_a_bf16_engine_receives_the_merged_weights(random_models):
-    """sync.full_params for a bf16 engine (the push's tensors, no engine): every adapted layer's weight is PEFT's
-    merged weight W + (B @ A) * alpha / r cast to bf16 (to one bf16 rounding), not the base; the rest is the
-    base cast to bf16."""
-    model = trainer_lora_model(random_models["tied"])
+    """The push stream for a bf16 engine (the model parts' weights, lora.merged_params; no engine): every adapted
+    layer's weight is PEFT's merged weight W + (B @ A) * alpha / r cast to bf16 (to one bf16 rounding), not the base;
+    the rest is the base cast to bf16."""
+    parts = trainer_lora_parts(random_models["tied"])
+    model = parts.load(random_models["tied"], device=torch.device("cpu"))
     g = torch.Generator().manual_seed(5)
     with torch.no_grad():
         for name in adapted(model):
             model.get_submodule(name).lora_B.weight.copy_(
                 torch.randn(model.get_submodule(name).lora_B.weight.shape, generator=g)
             )
-    pushed = dict(sync.full_params(model, torch.bfloat16, transform=model.push_transform))
+    pushed = dict(parts.weights(model, torch.bfloat16))
     peft = get_peft_model(
         AutoModelForCausalLM.from_pretrained(random_models["tied"], dtype=torch.float32),
         LoraConfig(r=4, lora_alpha=8, target_modules="all-linear"),
@@ -241,6 +248,53 @@ def test_a_bf16_engine_receives_the_merged_weights(random_models):
     assert (pushed[key].double() - base[key].double()).abs().max() > 100 * bf16_step * base[key].abs().max()
 
 
+@pytest.mark.parametrize("written", ["now", "adapt", "lora"])
+def test_a_lora_checkpoint_written_before_resumes_or_is_refused(random_models, tmp_path, written):
+    """A LoRA checkpoint whose loop state holds its settings where an earlier flatgrpo wrote them (now: the saved
+    loop state's "lora"; before issue 60: a top-level "adapt"; before that rename: a top-level "lora"), resumed
+    with the model parts' resume (grpo.setup's): the same settings resume, the adapters exactly as saved; other
+    settings stop in one line naming both; a plain model (no LoRA) stops in one line too."""
+    import cluster
+    import config
+    import grpo
+
+    path_model = random_models["tied"]
+    parts = trainer_lora_parts(path_model)
+    model = parts.load(path_model, device=torch.device("cpu"))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if ".lora_B." in name:
+                p.copy_(torch.randn(p.shape, generator=torch.Generator().manual_seed(len(name))))
+    optimizer = torch.optim.AdamW(ft.trainable_params(model))
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
+    path = parts.save(str(tmp_path), 1, model, optimizer, scheduler, extra={"step": 1})
+    if written != "now":  # the state file as the earlier code wrote it
+        state_file = os.path.join(path, "state_rank0.pt")
+        state = torch.load(state_file, weights_only=False)
+        state[written] = state["extra"].pop("lora")
+        torch.save(state, state_file)
+    cfg = config.load_config(None, [f"trainer.resume={path}"])
+
+    def resume(*overrides: str, lora: bool = True):
+        other_parts = trainer_lora_parts(path_model, *overrides) if lora else grpo.ModelParts()
+        other = other_parts.load(path_model, device=torch.device("cpu"))
+        opt = torch.optim.AdamW(ft.trainable_params(other))
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1.0)
+        load = functools.partial(other_parts.resume, model=other, optimizer=opt, scheduler=sched)
+        return other, cluster.resume(cfg, load, 0, 1)
+
+    other, (start, _) = resume()
+    assert start == 2
+    saved = {k: v for k, v in model.state_dict().items() if ".lora_" in k}
+    assert all(torch.equal(v, other.state_dict()[k]) for k, v in saved.items()) and saved
+    with pytest.raises(lora.LoraError) as error:
+        resume("model.lora_rank=2")
+    assert str(error.value).startswith(f"trainer.resume: {path} was written by LoRA rank 4, alpha 8 on 28 modules")
+    with pytest.raises(ft.CheckpointError) as error:
+        resume(lora=False)
+    assert grpo.one_line(error.value) and "\n" not in str(error.value)
+
+
 @pytest.mark.parametrize(
     "change, message",
     [
@@ -251,21 +305,24 @@ def test_a_bf16_engine_receives_the_merged_weights(random_models):
     ],
 )
 def test_resume_refuses_another_alpha_or_other_targets(random_models, tmp_path, change, message):
-    """A checkpoint of rank 4, alpha 8 on every linear layer, resumed (cluster.resume, as grpo.setup resumes) with
-    one LoRA key changed: one line naming both settings, before anything loads."""
+    """A checkpoint of rank 4, alpha 8 on every linear layer, resumed (cluster.resume with the model parts' resume, as
+    grpo.setup resumes) with one LoRA key changed: one line naming both settings, before anything loads."""
     import cluster
     import config
 
-    model = trainer_lora_model(random_models["tied"])
+    parts = trainer_lora_parts(random_models["tied"])
+    model = parts.load(random_models["tied"], device=torch.device("cpu"))
     optimizer = torch.optim.AdamW(ft.trainable_params(model))
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
-    path = ft.save_checkpoint(str(tmp_path), 1, model, optimizer, scheduler, extra={"step": 1})
-    other = trainer_lora_model(random_models["tied"], change)
+    path = parts.save(str(tmp_path), 1, model, optimizer, scheduler, extra={"step": 1})
+    other_parts = trainer_lora_parts(random_models["tied"], change)
+    other = other_parts.load(random_models["tied"], device=torch.device("cpu"))
     optimizer = torch.optim.AdamW(ft.trainable_params(other))
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
     cfg = config.load_config(None, [f"trainer.resume={path}"])
+    resume = functools.partial(other_parts.resume, model=other, optimizer=optimizer, scheduler=scheduler)
     with pytest.raises(lora.LoraError) as error:
-        cluster.resume(cfg, other, optimizer, scheduler, 0, 1, lora.check_resume)  # grpo.setup's for a LoRA policy
+        cluster.resume(cfg, resume, 0, 1)  # grpo.setup's for a LoRA policy
     assert str(error.value).startswith(
         f"trainer.resume: {path} was written by LoRA rank 4, alpha 8 on 28 modules, {message}"
     )
@@ -273,7 +330,7 @@ def test_resume_refuses_another_alpha_or_other_targets(random_models, tmp_path, 
 
 def plain_lora_model(path: str, settings: dict) -> torch.nn.Module:
     """The HF model (fp32, one process, no FSDP) with LoRA added and initialised exactly as load_model does
-    (fsdp_train._with_adapters from the same seed), the base frozen: the plain computation for the references."""
+    (lora._with_adapters from the same seed), the base frozen: the plain computation for the references."""
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     state = model.state_dict()
     model.adapt_settings = lora.add_lora(model, settings)
@@ -465,9 +522,9 @@ def test_the_exported_adapter_reloads_in_peft_with_the_trainers_logprobs(trained
 
 
 def test_vllm_serves_the_merged_policy_after_a_push(trained, random_models, monkeypatch):
-    """The engine starts on the base; sync.full_params of the trained LoRA model (merged) is pushed: vLLM's samples
-    carry the merged model's log-probs within FACTOR x the fp32 noise, check_sync agrees, the trainer's weights are
-    untouched by the push. Pushing the UNMERGED base instead is what check_sync catches."""
+    """The engine starts on the base; the trained LoRA model's push stream (merged: lora.merged_params) is pushed:
+    vLLM's samples carry the merged model's log-probs within FACTOR x the fp32 noise, check_sync agrees, the trainer's
+    weights are untouched by the push. Pushing the UNMERGED base instead is what check_sync catches."""
     path = random_models["tied"]
     settings = {"adapter_path": str(trained[2][1] / "hf" / "lora_adapter")}
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
@@ -478,9 +535,8 @@ def test_vllm_serves_the_merged_policy_after_a_push(trained, random_models, monk
     llm = rollout.make_engine(path, dtype="float32", max_model_len=256, gpu_memory_utilization=0.2, seed=0)
     trainer_logprobs = functools.partial(ft.sequence_logprobs, model)  # the trainer's own log-prob path
     assert sync.check_sync(llm, trainer_logprobs) > 1e-2  # the engine serves the base: the adapters matter
-    transform = lora.push_transform(model)  # the merged weights, as grpo pushes them (lora.adapter keeps it)
-    pushed = [name for name, _ in sync.full_params(model, transform=transform)]
-    assert sync.push_weights(llm, sync.full_params(model, transform=transform)) == len(pushed)
+    pushed = [name for name, _ in lora.merged_params(model)]  # the merged weights, as grpo pushes them
+    assert sync.push_weights(llm, lora.merged_params(model)) == len(pushed)
     assert not [n for n in pushed if "lora_" in n or "base_layer" in n]  # the base model's own names
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())  # out of place
     assert sync.check_sync(llm, trainer_logprobs) <= 1e-4
@@ -493,7 +549,7 @@ def test_vllm_serves_the_merged_policy_after_a_push(trained, random_models, monk
     monkeypatch.setattr(
         lora.LoraLinear, "merged_weight", lambda self, dtype=None: self.base_layer.weight.detach().clone()
     )
-    sync.push_weights(llm, sync.full_params(model, transform=transform))
+    sync.push_weights(llm, lora.merged_params(model))
     monkeypatch.undo()
     assert sync.check_sync(llm, trainer_logprobs) > 1e-2
     del llm

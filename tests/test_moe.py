@@ -166,7 +166,7 @@ def test_the_trainer_loads_what_transformers_loads_and_pushes_the_checkpoints_pe
     with torch.no_grad():
         assert torch.equal(ft.trainer_logits(model, ids), reference(input_ids=ids).logits)
     assert "model.layers.0.mlp.experts.gate_up_proj" in dict(model.named_parameters())  # merged in the module
-    pushed = dict(sync.full_params(model, None, model.checkpoint_names, model.checkpoint_split))
+    pushed = dict(ft.in_checkpoint_format(model, sync.full_params(model, None)))  # what grpo.push sends
     with safetensors.safe_open(os.path.join(moe_model, "model.safetensors"), "pt") as f:
         stored = {name: f.get_tensor(name) for name in f.keys()}
     assert not reference.config.tie_word_embeddings  # as Qwen3-30B-A3B's: the head is pushed too
@@ -274,7 +274,7 @@ def test_a_router_that_does_not_renormalise_is_replayed_without(family, family_m
 
         ref, noise = fp32_noise.measure(forwards)
     cfg = config.load_config(None, ["actor.use_kl_loss=false", "actor.router_replay.mode=R2"])
-    policy, _ = grpo.load_models(cfg, path, CPU)
+    policy, _ = grpo.load_models(cfg, path, CPU, grpo.choose_model_parts(cfg, path))
     with torch.no_grad():  # no routing given: the router's own experts, its weights recomputed by moe.py's hook
         fp32_noise.check(ft.trainer_logits(policy, ids), ref["logits"], noise["logits"], f"{family} logits")
     logp, _ = ft.compute_logprobs(policy, batch, temperature=1.0, max_tokens=24)  # replayed (R2's way, R3's too)
@@ -452,7 +452,7 @@ def test_r2_with_lora_replays_the_policys_routing_and_the_reference_keeps_the_ba
     batch = sample_batch()
     overrides = ["actor.router_replay.mode=R2", "model.lora_rank=4", "actor.use_kl_loss=true"]
     cfg = config.load_config(None, [*overrides, "actor.ppo_max_token_len_per_gpu=24", "rollout.n=3"])
-    policy, ref = grpo.load_models(cfg, moe_model, CPU, grpo.choose_parts(cfg).adapter)
+    policy, ref = grpo.load_models(cfg, moe_model, CPU, grpo.choose_model_parts(cfg, moe_model))
     assert ref is policy
     torch.manual_seed(0)
     with torch.no_grad():
@@ -469,8 +469,9 @@ def test_r2_with_lora_replays_the_policys_routing_and_the_reference_keeps_the_ba
     print(f"the adapters re-route {moved:.3f} of the (token, layer) pairs")
     assert 0 < moved
     batch["rollout_logprobs"] = torch.zeros_like(batch["response_mask"])  # vLLM's, as a sampled batch has them
+    batch["uid"] = torch.arange(len(batch["input_ids"])) // 3  # [B]: each row's prompt (n = 3)
     parts = grpo.choose_parts(cfg)
-    run = grpo.Run(cfg=cfg, policy=policy, ref=ref, reference=lora.adapters_off, positions=[0], parts=parts)  # n = 3
+    run = grpo.Run(cfg=cfg, policy=policy, ref=ref, positions=list(range(len(batch["input_ids"]) // 3)), parts=parts)
     grpo.old_logprob_pass(run, batch, {})
     given = batch["routed_experts"]
     matches = {name: matching(given, experts, real) for name, experts in (("policy", merged), ("base", base))}
@@ -689,7 +690,54 @@ def test_replay_of_a_dense_model_an_unknown_router_or_from_a_cpu_engine_stops_in
     ft.init_distributed()
     cfg = config.load_config(None, ["actor.router_replay.mode=R3", RETURNED])
     with pytest.raises(moe.ReplayError) as e:
-        grpo.load_models(cfg, moe_model, CPU)
+        grpo.load_models(cfg, moe_model, CPU, grpo.choose_model_parts(cfg, moe_model))
     assert "rollout.enable_rollout_routing_replay: vLLM returns the routing" in str(e.value)
     assert "only with its Model Runner V2, which needs Triton: not on CPU" in str(e.value)
     assert "\n" not in str(e.value)
+
+
+def verl_moe_flops(c, seqlens: list[int], size: int, experts: int) -> float:
+    """veRL 0.9.1's _estimate_qwen2_moe_flops (verl/utils/flops_counter.py), written out: the forward + backward
+    FLOPs of a Mixture-of-Experts decoder over sequences of these lengths, an expert's intermediate size and the
+    experts given (before the division by the step's seconds)."""
+    h, layers, heads, kv_heads = c.hidden_size, c.num_hidden_layers, c.num_attention_heads, c.num_key_value_heads
+    head_dim = getattr(c, "head_dim", None) or h // heads
+    moe_mlp = h * c.num_experts_per_tok * size * 3 + h * experts
+    attn_linear = h * (heads * head_dim + 2 * kv_heads * head_dim + heads * head_dim)
+    dense = (moe_mlp + attn_linear) * layers + c.vocab_size * h * 2
+    return 6 * dense * sum(seqlens) + 6 * sum(s * s for s in seqlens) * head_dim * heads * layers
+
+
+def test_a_moe_runs_mfu_counts_its_active_experts(moe_model, tiny_tokenizer, tmp_path):
+    """perf/mfu/actor of a Mixture-of-Experts run, where the loop computes it (grpo.update_actor with the model's
+    parts a run chooses, grpo.choose_model_parts: moe.estimate_flops), against veRL's MoE count written out: on
+    CPU the peak is 0, so the run's peak is set to 1 FLOP/s and mfu * seconds is the FLOPs counted. Seen failing
+    with the dense formula (the MoE term lost: 3*h*I of the config's dense intermediate size). And a MiniMax (a
+    Mixtral-style config: its experts' size is intermediate_size, their number num_local_experts) counted alike."""
+    import config
+    import fsdp_train as ft
+    import grpo
+
+    ft.init_distributed()
+    overrides = ["actor.use_kl_loss=false", "data.train_batch_size=1", "actor.ppo_mini_batch_size=1", "rollout.n=2"]
+    cfg = config.load_config(None, overrides)
+    model_parts = grpo.choose_model_parts(cfg, moe_model)
+    policy, _ = grpo.load_models(cfg, moe_model, CPU, model_parts)
+    optimizer, scheduler = grpo.build_optimizer(cfg, policy, total_steps=1)
+    batch = ft.make_batch([[5, 6, 7], [8, 9]], [[10, 11], [12, 13, 14, 15]], pad_id=0)
+    batch["uid"], batch["advantages"] = torch.tensor([0, 0]), batch["response_mask"] * torch.tensor([[1.0], [-1.0]])
+    run = grpo.Run(cfg=cfg, policy=policy, optimizer=optimizer, scheduler=scheduler, parts=grpo.choose_parts(cfg),
+                   model=model_parts, peak_flops=1.0, world=1, capture=False)  # fmt: skip
+    t = {}
+    out = run.parts.update(run, batch, t)
+    c = policy.config
+    expected = verl_moe_flops(c, [5, 6], c.moe_intermediate_size, c.num_experts)
+    assert out["perf/mfu/actor"] * t["update_actor"] == pytest.approx(expected, rel=1e-9)
+    hybrid = ["linear_attention"] * 3 + ["full_attention"]  # MiniMax-Text-01's layers (tests/test_moe_rows.py)
+    minimax = tiny.save_random_family_model(
+        str(tmp_path / "minimax"), tiny_tokenizer, transformers.MiniMaxConfig, seed=1, num_experts_per_tok=2,
+        num_local_experts=4, intermediate_size=64, block_size=16, layer_types=hybrid,
+    )  # fmt: skip
+    c = transformers.AutoConfig.from_pretrained(minimax)
+    counted = grpo.choose_model_parts(cfg, minimax).flops(c, [7, 9])
+    assert counted == verl_moe_flops(c, [7, 9], c.intermediate_size, c.num_local_experts)

@@ -27,12 +27,11 @@ attention), 4 experts, top-2. vLLM 0.32 on a CPU serves neither MiniMax nor Qwen
 "Mixture-of-Experts"), so they run here without the loop's engine. Cost: ~1 minute in process, and the Qwen3-Next run
 ~1.5 minutes."""
 
-import contextlib
-
 import pytest
 import torch
 import transformers
 from test_moe import MOE, routed, vllm_layout
+from trainer_models import load_as_a_run
 from transformers import AutoModelForCausalLM
 
 import fp32_noise
@@ -218,8 +217,8 @@ def test_r2_records_each_sequences_own_routing_and_the_update_replays_it_in_righ
             "actor.lr=1e-2",
         ],
     )
-    parts = grpo.choose_parts(cfg)
-    policy, ref = grpo.load_models(cfg, path, CPU)
+    parts, model_parts = grpo.choose_parts(cfg), grpo.choose_model_parts(cfg, path)
+    policy, ref = grpo.load_models(cfg, path, CPU, model_parts)
     assert ref is None and not policy.packs_sequences  # right-padded rows (fsdp_train.packs_exactly)
     optimizer, scheduler = ft.make_optimizer(policy, lr=cfg["actor"]["lr"])
     after_first = []  # the weights after the first mini-batch's optimizer step
@@ -229,13 +228,15 @@ def test_r2_records_each_sequences_own_routing_and_the_update_replays_it_in_righ
     assert row_lengths_differ_within_a_micro_batch(batch)
     batch["rollout_logprobs"] = torch.zeros_like(batch["response_mask"])  # vLLM's, as a sampled batch has them
     batch["advantages"] = torch.tensor([1.0, -1.0, 0.5, -1.0, 1.0, -0.5])[:, None] * batch["response_mask"]
+    batch["uid"] = torch.tensor([0, 0, 0, 1, 1, 1])  # [B]: each row's prompt
     run = grpo.Run(
         cfg=cfg,
         policy=policy,
         ref=None,
-        reference=contextlib.nullcontext,
         positions=[0, 1],
         parts=parts,
+        model=model_parts,
+        peak_flops=0.0,
         world=1,
         optimizer=optimizer,
         scheduler=scheduler,
@@ -252,7 +253,7 @@ def test_r2_records_each_sequences_own_routing_and_the_update_replays_it_in_righ
     assert (recorded[~real] == -1).all() and "routing_index" not in batch and "routing_index" not in batch["layouts"]
     fp32_noise.check(batch["old_logprobs"], own["logp"], noise["logp"], f"{family} old log-probs")
 
-    out = grpo.update_actor(run, batch, {})
+    out = run.parts.update(run, batch, {})  # grpo.update_actor, measured (moe.replay_parts)
     assert len(after_first) == 2  # one optimizer step per mini-batch
     second = slice(3, 6)  # the second mini-batch's rows (prompt 1)
     updated = oracle(path, after_first[0])
@@ -323,7 +324,7 @@ def test_a_routing_the_batch_carries_is_replayed_in_the_forwards_layout_or_only_
 
     path, batch, ref, noise = given_routing(family)
     ft.init_distributed()
-    policy = ft.load_model(path, device=CPU, activation_checkpointing=True)
+    policy = load_as_a_run(path, device=CPU, activation_checkpointing=True)
     assert policy.packs_sequences == (family == "qwen3_moe")
     if layout == "rows":
         monkeypatch.setattr(policy, "packs_sequences", False)
@@ -356,7 +357,7 @@ def test_no_decoder_layer_of_the_loops_models_receives_the_routing(given_routing
 
     path, batch, ref, noise = given_routing("qwen3_moe")
     ft.init_distributed()
-    policy, reference, bare = (ft.load_model(path, device=CPU) for _ in range(3))
+    policy, reference, bare = (load_as_a_run(path, device=CPU) for _ in range(3))
     moe.attach_for_run(policy, reference, "disabled", returned=True, engine_returns_routing=True)
     for model, reaches in ((policy, False), (reference, False), (bare, True)):
         seen = []  # the first decoder layer's keyword arguments, per forward

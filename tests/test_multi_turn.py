@@ -586,7 +586,8 @@ def test_prompts_are_measured_as_rendered_with_the_tools(tools_build, tokenizer,
     overrides = ["model.path=tiny_tools", "rollout.multi_turn.enable=true", f"data.train={rows}", f"data.val={rows}"]
     overrides += [f"data.max_prompt_length={limit}", "data.train_batch_size=1", "actor.ppo_mini_batch_size=1"]
     fsdp_train.init_distributed()
-    _, _, train_rows, val_rows, _ = grpo.load_data(config.load_config("tiny.yaml", overrides), 0, 1)
+    cfg = config.load_config("tiny.yaml", overrides)
+    _, _, train_rows, val_rows, _ = grpo.load_data(cfg, grpo.choose_parts(cfg), 0, 1)
     assert len(fits) == 4
     assert [r["extra_info"]["question"] for r in train_rows] == [r["extra_info"]["question"] for r in val_rows] == fits
 

@@ -27,11 +27,11 @@ import transformers
 from test_families import FAMILIES
 from test_logit_rules import FALCON_H1_SMALL
 from test_moe import MOE
+from trainer_models import load_as_a_run
 from transformers import AutoModelForCausalLM
 
 import fp32_noise
 import fsdp_train as ft
-import logit_rules
 import losses
 import tiny
 
@@ -135,7 +135,7 @@ def trainer_and_oracle(family_model):
     def get(family):
         if family not in cache:
             path = family_model(family)
-            model = ft.load_model(path, device=torch.device("cpu"), head=logit_rules.logits_head)
+            model = load_as_a_run(path, device=torch.device("cpu"))
             prompts, responses = rows(model.config.get_text_config().vocab_size)
             own = oracle(path)
             cache[family] = model, prompts, responses, fp32_noise.measure(lambda d: alone(own, prompts, responses, d))
@@ -257,7 +257,7 @@ def test_a_model_that_carries_state_along_a_row_runs_right_padded_rows(tiny_toke
         str(tmp_path / "falcon_h1"), tiny_tokenizer, transformers.FalconH1Config, seed=2, **FALCON_H1_SMALL
     )
     ft.init_distributed()
-    model = ft.load_model(path, device=torch.device("cpu"), head=logit_rules.logits_head)
+    model = load_as_a_run(path, device=torch.device("cpu"))
     assert not model.packs_sequences
     prompts, responses = rows(model.config.vocab_size)
     own = oracle(path)
@@ -274,17 +274,26 @@ def test_a_model_that_carries_state_along_a_row_runs_right_padded_rows(tiny_toke
 def test_a_padded_batch_through_varlen_attention_is_transformers_own(family_model, family, own):
     """Outside packed rows (check_logits_fn's probe, a model switched by use_varlen_attention and then given a
     left-padded batch with its 2-D mask) varlen_attention runs transformers' own mask: the logits of transformers'
-    sdpa bit for bit, windows included; Gemma 2's those of eager, the implementation that honours its soft-cap."""
+    sdpa bit for bit, windows included; Gemma 2's soft-capped attention (logit_rules.softcapped_attention, what its
+    rule gives it) those of eager, the implementation that honours its soft-cap, and varlen_attention refuses it in
+    one line rather than drop the cap."""
+    import logit_rules
+
     path = family_model(family)
     ids = torch.randint(3, 300, (2, 40), generator=torch.Generator().manual_seed(0))
     mask = torch.ones(2, 40, dtype=torch.long)
     mask[0, :7] = 0  # a left-padded row
     position_ids = (mask.cumsum(-1) - 1).clamp(min=0)
+    ours = logit_rules.SOFTCAPPED_ATTENTION if family == "gemma2" else ft.VARLEN_ATTENTION
     with torch.no_grad():
         got, expected = (
             oracle(path, attention)(input_ids=ids, attention_mask=mask, position_ids=position_ids).logits
-            for attention in (ft.VARLEN_ATTENTION, own)
+            for attention in (ours, own)
         )
+        if family == "gemma2":
+            with pytest.raises(ft.UnsupportedModel, match="attn_logit_softcapping=") as e:
+                oracle(path, ft.VARLEN_ATTENTION)(input_ids=ids, attention_mask=mask, position_ids=position_ids)
+            assert "\n" not in str(e.value)
     assert torch.equal(got[mask.bool()], expected[mask.bool()])
 
 
@@ -347,7 +356,7 @@ def test_rows_of_one_length_are_each_sequence_alone_in_the_pass_and_the_update(f
 
     ft.init_distributed()
     path = family_model("qwen2")
-    model = ft.load_model(path, device=torch.device("cpu"), head=logit_rules.logits_head)
+    model = load_as_a_run(path, device=torch.device("cpu"))
     assert model.packs_sequences
     batch, sequences = one_length_batch(model.config.vocab_size)
     groups = ft.micro_batches(batch, budget)

@@ -70,7 +70,7 @@ def submitted(endpoint, episode, bodies: list) -> list:
     threads = [threading.Thread(target=send, args=(k,), daemon=True) for k in range(len(bodies))]
     for thread in threads:
         thread.start()
-    while len(endpoint.inbox) < len(bodies):
+    while endpoint.inbox.qsize() < len(bodies):
         time.sleep(0.01)
     return threads, results
 
@@ -113,7 +113,8 @@ def late(endpoint, row: dict) -> dict:
         endpoint.step()
         steps += 1
     threads[0].join()
-    samples = episode.finish(endpoint, score=None)
+    last = episode.finish(endpoint, score=None)
+    samples = [*last.earlier, last]
     endpoint.open([])
     status, reply = results[0]
     return {"sampling": sampling, "steps": steps, "status": status, "code": reply.get("error", {}).get("code"),
@@ -122,10 +123,14 @@ def late(endpoint, row: dict) -> dict:
 
 
 def summary(samples, rewards) -> dict:
-    """What the tests read of a sampler's samples: each sample's fields, its reward and text, agent.field_metrics."""
-    rows = [{**dataclasses.asdict(s), "fields": {k: v[1] for k, v in s.fields.items()}} for s in samples]
+    """What the tests read of a sampler's samples (each episode's last, the ones before it in its .earlier): every
+    sample's fields, its reward and text, in the episode's order; agent.field_metrics."""
+    rewards = [reward for last, reward in zip(samples, rewards.tolist(), strict=True) for _ in (*last.earlier, last)]
+    samples = [s for last in samples for s in (*last.earlier, last)]
+    rows = [{**dataclasses.asdict(s), "earlier": len(s.earlier), "fields": {k: v[1] for k, v in s.fields.items()}}
+            for s in samples]  # fmt: skip
     fields = {key: [row["fields"][key] for row in rows] for key in rows[0]["fields"]}
-    return {"samples": rows, "rewards": rewards.tolist(), "metrics": agent.field_metrics(fields)}
+    return {"samples": rows, "rewards": rewards, "metrics": agent.field_metrics(fields)}
 
 
 def main(model_dir: str, agents: str, out: str) -> None:

@@ -32,8 +32,7 @@ def main(out: str, dtype: str) -> None:
     prompts = [[{"role": "user", "content": f"Tom has {k} apples and {k + 3} pens."}] for k in range(4)]
     llm = rollout.make_engine(path, dtype=dtype, max_model_len=256, gpu_memory_utilization=0.3,
                               enable_return_routed_experts=True, enforce_eager=True)  # fmt: skip
-    samples = rollout.generate(llm, prompts, n=4, temperature=1.0, max_tokens=32, seed=0,
-                               output_fields=moe.routing_fields)  # fmt: skip
+    samples = moe.routed_generate(llm, prompts, n=4, temperature=1.0, max_tokens=32, seed=0)
     group = {"samples": samples, "rewards": torch.zeros(len(samples)), "extras": [{}] * len(samples)}
     batch = grpo.groups_to_batch([group], pad_id=tokenizer.pad_token_id)
     assert (batch["routed_experts"] >= 0).any(), "vLLM returned no routing"

@@ -13,22 +13,23 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 
 import cluster  # noqa: E402
 import grpo  # noqa: E402
-import sync  # noqa: E402
 
-push = sync.push_weights
-
-
-def push_then_reset(llm, named_tensors, after_load=None) -> int:
-    """sync.push_weights, then the rotary table zeroed: the fault, made in the engine, not in the code under test."""
-    count = push(llm, named_tensors, after_load)
-
-    def reset(model):
-        name = next(name for name, _ in model.named_buffers() if name.endswith("cos_sin_cache"))
-        model.get_buffer(name).zero_()
-
-    llm.apply_model(reset)
-    return count
+choose = grpo.choose_model_parts
 
 
-sync.push_weights = push_then_reset
+def reset(model):
+    name = next(name for name, _ in model.named_buffers() if name.endswith("cos_sin_cache"))
+    model.get_buffer(name).zero_()
+
+
+def choose_resetting(cfg, model_path):
+    """The run's model parts, its push followed by the rotary table zeroed: the fault, made in the engine, not in the
+    code under test."""
+    model = choose(cfg, model_path)
+    push = model.push
+    model.push = lambda llm, named_tensors: (push(llm, named_tensors), llm.apply_model(reset))[0]
+    return model
+
+
+grpo.choose_model_parts = choose_resetting
 cluster.end_process(grpo.main(sys.argv[1:]))  # as grpo.py ends

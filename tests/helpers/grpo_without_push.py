@@ -14,7 +14,17 @@ import cluster  # noqa: E402
 import grpo  # noqa: E402
 import sync  # noqa: E402
 
-sync.push_weights = lambda llm, tensors, after_load=None: sum(1 for _ in tensors)  # the fault: sent, never loaded
+choose = grpo.choose_model_parts
+
+
+def choose_without_push(cfg, model_path):
+    """The run's model parts, its push replaced: the fault, tensors sent and never loaded."""
+    model = choose(cfg, model_path)
+    model.push = lambda llm, tensors: sum(1 for _ in tensors)
+    return model
+
+
+grpo.choose_model_parts = choose_without_push
 if os.environ.get("WITHOUT_PUSH_PROOF"):  # the log-prob probe alone: the exact proof switched off too
     sync.check_push = lambda *args, **kwargs: 0
 cluster.end_process(grpo.main(sys.argv[1:]))  # as grpo.py ends

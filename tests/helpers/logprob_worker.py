@@ -15,9 +15,9 @@ import os
 import torch
 from test_logprobs import ENTROPY_COEF, TEMPERATURE, batch, weighted_loss
 from torch.distributed.tensor import DTensor
+from trainer_models import load_as_a_run
 
 import fsdp_train as ft
-import logit_rules
 import losses
 from reporting import report, shut_down
 
@@ -66,7 +66,7 @@ def main():
     ap.add_argument("--chunk-sizes", default="0,16,40")
     args = ap.parse_args()
     rank, world, device = ft.init_distributed()
-    model = ft.load_model(args.model, device=device, head=logit_rules.logits_head)
+    model = load_as_a_run(args.model, device=device)
     full = batch(model.config.vocab_size)
     rows = ROWS[world][rank]
     mine = ft.select(full, rows)

@@ -143,38 +143,36 @@ def global_batch(vocab: int) -> dict:
 def advantages(cfg: dict, batch: dict, positions: list[int]) -> dict:
     """The loop's advantages part (grpo.choose_parts: grpo.grpo_advantages, or the GRPO family's) on this rank's
     rows (it fills batch); returns its metrics."""
-    run = types.SimpleNamespace(cfg=cfg, positions=positions, kl_coef=cfg["algorithm"]["kl_ctrl"]["kl_coef"])
+    rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
+    run = types.SimpleNamespace(cfg=cfg, positions=positions, rank=rank, world=world, step=1)
     return grpo.choose_parts(cfg).advantages(run, batch)
 
 
 def estimators(path_out: str, batch: dict, positions: list[int]) -> dict:
     """Each ESTIMATORS entry on this rank's rows with HOLES rejected: its KL metrics and batch metrics, and its
-    batch dumped by data.dump_batch to <out>/dump_<name>/step_1.pt (the whole batch, global order)."""
-    rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
+    batch dumped as the loop dumps it (trainer.dump_batches: data.dumping) to <out>/dump_<name>/step_1.pt (the whole
+    batch, global order)."""
+    world = torch.distributed.get_world_size()
     out = {}
     for name, overrides in ESTIMATORS.items():
         cfg = config.load_config(None, CONFIG + overrides + [f"trainer.dump_batches={path_out}/dump_{name}"])
         b = copy_batch(batch)
         out[name] = advantages(cfg, b, positions)
         out[name]["batch"] = metrics.batch_metrics(b, cfg["data"], {}, world)  # critic/rewards, critic/returns
-        run = types.SimpleNamespace(cfg=cfg, positions=positions, rank=rank, world=world)
-        data.dump_batch(run, 1, b)
     return out
 
 
 def adaptive_kl(path_out: str, batch: dict, positions: list[int]) -> list[dict]:
-    """Two steps of the advantages part on one run with ADAPTIVE (the same batch twice), each dumped by
-    data.dump_batch to <out>/dump_adaptive/step_<k>.pt: the KL metrics each step logged."""
+    """Two steps of the advantages part on one run with ADAPTIVE (the same batch twice), each dumped as the loop dumps
+    it (data.dumping) to <out>/dump_adaptive/step_<k>.pt: the KL metrics each step logged."""
     cfg = config.load_config(None, CONFIG + ADAPTIVE + [f"trainer.dump_batches={path_out}/dump_adaptive"])
     rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
-    run = types.SimpleNamespace(
-        cfg=cfg, positions=positions, rank=rank, world=world, kl_coef=cfg["algorithm"]["kl_ctrl"]["kl_coef"]
-    )
+    run = types.SimpleNamespace(cfg=cfg, positions=positions, rank=rank, world=world)
     logged, parts = [], grpo.choose_parts(cfg)
     for step in (1, 2):
         b = copy_batch(batch)
+        run.step = step
         logged.append(parts.advantages(run, b))
-        data.dump_batch(run, step, b)
     return logged
 
 
@@ -224,6 +222,8 @@ def one_update(path: str, cfg: dict, batch: dict, on_policy: bool, device) -> tu
         scheduler=scheduler,
         capture=on_policy,
         parts=grpo.choose_parts(cfg),
+        model=grpo.ModelParts(),
+        peak_flops=0.0,
     )
     before = full_weights(policy)
     result = grpo.update_actor(run, batch, {})
@@ -236,7 +236,15 @@ def rank_rows(cfg: dict, full: dict) -> tuple[list[int], list[int], dict]:
     rank, world, n = torch.distributed.get_rank(), torch.distributed.get_world_size(), cfg["rollout"]["n"]
     positions = data.local_positions(cfg["data"]["train_batch_size"], cfg["actor"]["ppo_mini_batch_size"], world, rank)
     rows = [p * n + j for p in positions for j in range(n)]
-    return positions, rows, ft.select(full, rows)
+    return positions, rows, local_rows(full, positions, n)
+
+
+def local_rows(full: dict, positions: list[int], n: int) -> dict:
+    """This rank's rows of the global batch (sample j of the prompt at position p is row p * n + j), with uid: each
+    row's prompt, its index among this rank's (as grpo.groups_to_batch numbers them)."""
+    batch = ft.select(full, [p * n + j for p in positions for j in range(n)])
+    batch["uid"] = torch.arange(len(positions)).repeat_interleave(n)
+    return batch
 
 
 def corrected_update(path: str, full: dict, device) -> tuple[dict, dict]:
@@ -273,15 +281,16 @@ def schedule(path: str, overrides: list[str], full: dict, device) -> dict:
     rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
     n = cfg["rollout"]["n"]
     positions = data.local_positions(cfg["data"]["train_batch_size"], cfg["actor"]["ppo_mini_batch_size"], world, rank)
-    batch = ft.select(full, [p * n + j for p in positions for j in range(n)])
+    batch = local_rows(full, positions, n)
     advantages(cfg, batch, positions)
     policy = ft.load_model(path, device=device)
     optimizer, scheduler = grpo.build_optimizer(cfg, policy, total_steps=4)
     step_lrs = []
     optimizer.register_step_pre_hook(lambda opt, args, kwargs: step_lrs.append(opt.param_groups[0]["lr"]))
     run = types.SimpleNamespace(
-        cfg=cfg, world=world, policy=policy, optimizer=optimizer, scheduler=scheduler, capture=False
-    )
+        cfg=cfg, world=world, policy=policy, optimizer=optimizer, scheduler=scheduler, capture=False,
+        model=grpo.ModelParts(), peak_flops=0.0,
+    )  # fmt: skip
     run.parts = grpo.choose_parts(cfg)
     lrs, unchanged = [], []
     for _ in range(4):
@@ -299,7 +308,7 @@ def main():
     full = global_batch(vocab=ft.AutoConfig.from_pretrained(path).vocab_size)
     n = cfg["rollout"]["n"]
     positions = data.local_positions(cfg["data"]["train_batch_size"], cfg["actor"]["ppo_mini_batch_size"], world, rank)
-    batch = ft.select(full, [p * n + j for p in positions for j in range(n)])
+    batch = local_rows(full, positions, n)
     holed = copy_batch(batch)
     advantages(cfg, batch, positions)
     result = {"advantages": batch["advantages"].tolist(), "rows": [p * n + j for p in positions for j in range(n)]}
@@ -312,7 +321,7 @@ def main():
     # seq-mean-token-mean with an EMPTY response in the mini-batch: veRL divides by all 16 rows
     cfg_seq = config.load_config(None, CONFIG + ["actor.loss_agg_mode=seq-mean-token-mean"])
     empty = empty_response(full, EMPTY_ROW)
-    part = ft.select(empty, [p * n + j for p in positions for j in range(n)])
+    part = local_rows(empty, positions, n)
     advantages(cfg_seq, part, positions)
     before, after, result["seq_mean_empty"] = one_update(path, cfg_seq, part, False, device)
     if rank == 0:

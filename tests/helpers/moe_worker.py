@@ -4,7 +4,7 @@ per model). Prints one JSON line.
 python tests/helpers/moe_worker.py HF_DIR [DIR ...]
     HF_DIR, an exported model (hf/), served and loaded by the trainer: "sync": vLLM's sampled log-probs against the
     trainer's, max |difference|; "logits": the trainer's logits against transformers' from_pretrained, max |diff|.
-    Each DIR, a model loaded as the loop loads it (its routers hooked: moe.attach_for_run), its weights moved (a
+    Each DIR, a model loaded as the loop loads it (grpo.choose_model_parts: its routers hooked), its weights moved (a
     step's stand-in) and pushed into a vLLM engine serving the checkpoint (grpo.push: the experts under the
     checkpoint's per-expert names): "pushed": {DIR's name: {"before": vLLM against the trainer before the push,
     "after": after it}}.
@@ -15,12 +15,12 @@ import gc
 import json
 import os
 import sys
+import types
 
 import torch
 from transformers import AutoModelForCausalLM
 
 import fsdp_train
-import moe
 import rollout
 import sync
 
@@ -43,11 +43,12 @@ def served_export(path: str) -> dict:
 
 def pushed(path: str) -> dict:
     """vLLM against the trainer (sync.check_sync) before and after the push of the trainer's moved weights."""
+    import config
     import grpo
 
     fsdp_train.init_distributed()  # again after the last model's: vLLM's shutdown destroys the process group
-    model = fsdp_train.load_model(path, device=CPU)
-    moe.attach_for_run(model, None, "disabled", returned=False, engine_returns_routing=False)
+    parts = grpo.choose_model_parts(config.load_config(["tiny.yaml"], []), path)  # as a run of this model chooses
+    model = parts.load(path, device=CPU)
     assert hasattr(model, "moe_routing")  # hooked, as the loop's policy
     llm = rollout.make_engine(path, dtype="float32", max_model_len=256, gpu_memory_utilization=0.5)
     torch.manual_seed(0)
@@ -56,7 +57,7 @@ def pushed(path: str) -> dict:
             p.add_(torch.randn_like(p) * 0.02)
     trainer = functools.partial(fsdp_train.sequence_logprobs, model)
     before = sync.check_sync(llm, trainer, max_tokens=32)
-    grpo.push(llm, model, after_load=grpo.engine_after_load(path))
+    grpo.push(types.SimpleNamespace(llm=llm, model=parts), model)
     after = sync.check_sync(llm, trainer, max_tokens=32)
     del llm
     gc.collect()

@@ -86,7 +86,7 @@ def main(model_dir: str, out: str) -> None:
         llm.generate = plain_generate
         results[name] = {"requests": log, "trajectories": [dataclasses.asdict(t) for t in trajectories]}
     single = rollout.generate(llm, [r["prompt"] for r in rows], n=4, temperature=1.0, max_tokens=96, seed=7,
-                              prompt_ids=prompt_ids)  # fmt: skip
+                              template_kwargs={"tools": pools[None].schemas})  # fmt: skip
     results["single"] = [s.response_ids for s in single]
     with open(out, "w") as f:
         json.dump(results, f)

@@ -31,7 +31,7 @@ ENTROPY_COEF, KL_COEF = 0.003, 0.001
 
 
 def lora_settings(rank: int) -> dict:
-    """lora.adapter's settings for --lora R: alpha 2R (scaling 2), every linear layer, adapters drawn from seed 0."""
+    """lora.loader's settings for --lora R: alpha 2R (scaling 2), every linear layer, adapters drawn from seed 0."""
     return {"rank": rank, "alpha": 2 * rank, "target_modules": "all-linear", "seed": 0}
 
 
@@ -140,13 +140,15 @@ def main():
     rank, world, device = ft.init_distributed()
     os.makedirs(args.out, exist_ok=True)
     torch.manual_seed(0)
-    model = ft.load_model(
+    built = {}  # LoRA's: its settings
+    load = lora.loader(lora_settings(args.lora), built) if args.lora else ft.load_model
+    model = load(
         args.model,
         device=device,
         activation_checkpointing=args.activation_checkpointing,
         compute_dtype=torch.bfloat16 if args.bf16 else None,
-        adapt=lora.adapter(lora_settings(args.lora)) if args.lora else None,
     )
+    ft.check_logits_fn(model)
     step0 = {"step0": lora_checks(args.model, model, rank, world, device)} if args.lora and not args.resume else {}
     optimizer, scheduler = ft.make_optimizer(model, lr=args.lr, warmup_steps=2, total_steps=6, schedule="cosine")
     ckpt_root = os.path.join(args.out, "ckpt")
@@ -207,10 +209,11 @@ def main():
     if args.export:
         from transformers import AutoTokenizer
 
-        convert = None
+        tokenizer, out = AutoTokenizer.from_pretrained(args.model), os.path.join(args.out, "hf")
         if args.lora:  # the merged model and hf/lora_adapter, as grpo.finish exports
-            convert = functools.partial(lora.export, settings=model.adapt_settings, base_model=args.model)
-        ft.export_hf(model, os.path.join(args.out, "hf"), AutoTokenizer.from_pretrained(args.model), convert)
+            lora.export(model, out, tokenizer, built["settings"])
+        else:
+            ft.export_hf(model, out, tokenizer)
         probe = global_batch(99, model.config.vocab_size)
         logp, _ = ft.compute_logprobs(
             model, ft.select(probe, rows_of_rank(rank, world)), temperature=1.0, max_tokens=64
