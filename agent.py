@@ -9,7 +9,7 @@ agent". Imports the standard library and multi_turn.py.
         reply = client.chat.completions.create(model=client.models.list().data[0].id, messages=row["prompt"])
         return 1.0 if "#### " + row["ground_truth"] in (reply.choices[0].message.content or "") else 0.0
 
-    python grpo.py --config tiny.yaml rollout.agent.path=my_agent.py          # grpo.choose_parts: parts(cfg)
+    python grpo.py --config tiny.yaml rollout.agent.path=my_agent.py         # grpo.choose_parts: parts(cfg, parts, ...)
     python grpo.py --config tiny.yaml rollout.agent.command="sh examples/gsm8k_calculator_agent.sh"  # any program
 """
 
@@ -22,10 +22,10 @@ import json
 import math
 import numbers
 import os
+import queue
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -57,9 +57,8 @@ class RequestError(Exception):
 
 # ----------------------------------------------------------------------------------------- the loop's part
 def parts(cfg: dict, parts, group_advantages):
-    """The step's parts (grpo.choose_parts), after check_settings: scored_samples (sampler: one sample per episode,
-    its last, which validation scores), sample_groups (episode_groups), advantages (episode_advantages, GRPO's over
-    episodes: group_advantages, losses.grpo_advantages) and field_metrics (agent/*)."""
+    """The step's parts (grpo.choose_parts), after check_settings: scored_samples (sampler), sample_groups
+    (episode_groups), advantages (episode_advantages over group_advantages: losses.grpo_advantages), field_metrics."""
     check_settings(cfg)
     parts.scored_samples, parts.field_metrics = sampler(cfg), field_metrics
     parts.sample_groups = episode_groups(parts.sample_groups)
@@ -109,8 +108,8 @@ def check_settings(cfg: dict) -> None:
                f"algorithm.adv_estimator={algorithm['adv_estimator']}": algorithm["adv_estimator"] != "grpo",
                "rollout.agent.path and .command": settings["path"] and settings["command"]}.items() if on]  # fmt: skip
     if refused:
-        raise AgentError(f"config: {refused[0]} is not served with an agent (its episodes score themselves and may "
-                         "give several samples, which only GRPO's advantage groups); set it off")  # fmt: skip
+        raise AgentError(f"config: {refused[0]} is not served with an agent (rollout.agent.path/command: its episodes "
+                         "score themselves and may give several samples, grouped by GRPO); set it off")  # fmt: skip
     if settings["command"]:
         program = (settings["command"].split() or [""])[0]
         if shutil.which(program) is None and not os.path.isfile(program):
@@ -118,24 +117,15 @@ def check_settings(cfg: dict) -> None:
     elif not os.path.isfile(settings["path"]):
         raise AgentError(f"rollout.agent.path {settings['path']}: no such file")
     else:
-        pool = episode_workers({**settings, "num_workers": 1})
-        try:
+        with contextlib.closing(episode_workers({**settings, "num_workers": 1})) as pool:
             pool.wait_started()  # ToolSetupError: the worker's line (load_episode's) says why
-        finally:
-            pool.close()
-    port = settings["port"] + int(os.environ.get("LOCAL_RANK", 0)) if settings["port"] else 0
-    try:
-        with socket.socket() as probe:
-            probe.bind(("127.0.0.1", port))
-    except OSError as e:
-        raise AgentError(f"config: rollout.agent.port: 127.0.0.1:{port} cannot be bound ({e.strerror})") from None
+    http_server(settings["port"]).server_close()  # the rank's port, bound as the endpoint binds it, then freed
 
 
 def sampler(cfg: dict):
     """scored_samples(run, rows, t, *, n, ...) -> (samples, rewards [N], extras): n episodes of each row against the
-    rank's endpoint (both started at the first call, kept for the run), each giving samples with its reward (a
-    command's printing none: run.parts.score's): its last, the ones before it in its .earlier. t["gen"]: their wall
-    time (the episodes score themselves: t["reward"] is 0)."""
+    rank's endpoint and workers (started at the first call, kept), each its last sample (Episode.finish), which
+    validation scores, with its reward (a silent command's: run.parts.score's); t["gen"]: their time (t["reward"] 0)."""
     settings, data = cfg["rollout"]["agent"], cfg["data"]
     state = {}
 
@@ -144,11 +134,10 @@ def sampler(cfg: dict):
 
         start = time.perf_counter()
         if not state:
-            port = settings["port"] + int(os.environ.get("LOCAL_RANK", 0)) if settings["port"] else 0
             limits = dict(max_prompt_length=data["max_prompt_length"], max_requests=settings["max_requests"],
                           max_model_len=data["max_prompt_length"] + data["max_response_length"],
                           template_kwargs=data["apply_chat_template_kwargs"])  # fmt: skip
-            state.update(endpoint=Endpoint(run.llm, model=cfg["model"]["path"], port=port, **limits),
+            state.update(endpoint=Endpoint(run.llm, model=cfg["model"]["path"], port=settings["port"], **limits),
                          workers=episode_workers(settings))  # fmt: skip
         sampling, version = dict(temperature=temperature, top_p=top_p, top_k=top_k), policy_version(run, rows)
         episodes = [Episode(k, row, budget=max_tokens, seed=seed, stride=len(rows) * n, sampling=sampling,
@@ -166,10 +155,8 @@ def sampler(cfg: dict):
 def policy_version(run, rows: list) -> int:
     """The step whose weights sample these rows: what rollout ranks hold (run.policy_version); on the rank's own
     engine, step s - 1's for training batch s (run.gen_cursor = s), step s's for validation after step s."""
-    if hasattr(run, "policy_version"):
-        return run.policy_version
     validating = any(row is rows[0] for row in run.val_rows)
-    return getattr(run, "gen_cursor", 0) - (not validating)
+    return getattr(run, "policy_version", run.gen_cursor - (not validating))
 
 
 def field_metrics(fields: dict) -> dict:
@@ -233,11 +220,23 @@ class Episode:
         with self.lock:
             self.error, self.refused = self.error or error, self.refused or refused
 
+    def refuse(self, error: Exception) -> tuple[int, dict]:
+        """(status, body) of a request's error (500: one this code did not foresee); the episode has failed, refused."""
+        if not isinstance(error, RequestError):
+            message = f"the endpoint could not serve the request: {type(error).__name__}: {str(error)[:300]}"
+            error = RequestError(500, message, code="internal_error")
+        self.fail(f"refused ({error.status}): {error}", refused=True)
+        return error.status, error.body
+
+    def over_reply(self) -> tuple[int, dict]:  # to a request of the episode over or failed: its outcome stays
+        reason = "is over" if self.error is None else f"has failed: {self.error}"
+        return 400, RequestError(400, f"episode {self.id} {reason}", code="episode_over").body
+
     def plan(self, request: dict, tokenizer, limits: dict) -> dict:
         """The next call: {"sample" (the one it continues, held; None: a new one), "appended" (the new messages' ids,
-        cut to the room left), "prompt_ids", "max_tokens", "seed"}: it continues the sample whose last call it extends
-        (the longest), unless another call holds it. RequestError for what the template cannot render or the model
-        cannot take, untokenised when its characters exceed the tokens allowed x limits["longest"] (characters)."""
+        cut to the room left), "prompt_ids", "max_tokens", "seed", "seen" (the messages normalised)}: it continues the
+        sample whose last call it extends (the longest), unless another call holds it. RequestError for what the
+        template cannot render or the model cannot take (untokenised past the tokens allowed x limits["longest"])."""
         messages, tools, kwargs = request["messages"], request["tools"], limits["template_kwargs"]
         seen = [normalised(m) for m in messages]
         with self.lock:
@@ -246,7 +245,7 @@ class Episode:
             longest = limits["max_prompt_length"] if not self.samples else limits["max_model_len"] - 1
             self.planned += 1  # call t of the episode
             seed = None if self.seed is None else self.seed + (self.planned - 1) * self.stride + self.k
-            plan = {"sample": sample, "held": sample, "appended": [], "seed": seed}
+            plan = {"sample": sample, "held": sample, "appended": [], "seed": seed, "seen": seen}
             if sample is not None:
                 sample.in_flight += 1
                 so_far = sample.prompt_ids + sample.response_ids  # fixed while the call holds the sample
@@ -277,8 +276,7 @@ class Episode:
                 raise
             message = f"the chat template cannot render the request: {(str(e) or type(e).__name__).splitlines()[0]}"
             raise RequestError(400, message, None, "template_error") from None
-        with self.lock:
-            left = self.budget - self.used - len(plan["appended"])
+        left = self.budget - self.used - len(plan["appended"])  # the budget as it is now (self.used: one read)
         plan["max_tokens"] = min(left, request["max_tokens"] or left, limits["max_model_len"] - len(plan["prompt_ids"]))
         return plan
 
@@ -304,8 +302,7 @@ class Episode:
                 sample.calls.append({"call": self.calls, "prompt_ids": plan["prompt_ids"], "sampled_ids": sampled,
                                      "logprobs": logprobs, "finish": answer["finish_reason"],
                                      "model_version": self.version})  # fmt: skip
-                said = [normalised(m) for m in request["messages"]] + [normalised(template_message(answer["message"]))]
-                sample.history = (said, request["tools"])
+                sample.history = (plan["seen"] + [normalised(template_message(answer["message"]))], request["tools"])
             self.used += len(plan["appended"]) + len(sampled)
             self.text = sample.text if sampled else self.text
 
@@ -342,7 +339,7 @@ def run_episodes(endpoint: "Endpoint", episodes: list[Episode], workers: multi_t
     """The episodes run by the workers until each ends, this thread (the engine's) serving their calls meanwhile."""
     endpoint.open(episodes)
     url = f"http://127.0.0.1:{endpoint.port}/{{}}/v1"  # the episode's id in its URL
-    jobs = {workers.submit({"episode": e.id, "base_url": url.format(e.id), "row": e.row}): e for e in episodes}
+    jobs = {workers.submit({"base_url": url.format(e.id), "row": e.row}): e for e in episodes}
     try:
         while jobs:
             for job, answer in workers.poll(0.0 if endpoint.running else None, wake=endpoint.wake_read):
@@ -363,40 +360,33 @@ class Endpoint:
         self.llm, self.tokenizer, self.model = llm, llm.get_tokenizer(), model
         longest = max(map(len, self.tokenizer.get_vocab()))  # characters: a token's text has at most its raw form's
         self.limits = {**limits, "longest": longest}  # max_prompt_length, max_model_len, max_requests, template_kwargs
-        self.episodes, self.inbox, self.lock = {}, [], threading.Lock()
+        self.episodes, self.inbox = {}, queue.SimpleQueue()  # inbox: the planned calls, from the HTTP threads
         self.wake_read, self.wake_write = os.pipe()
         os.set_blocking(self.wake_read, False)
         self.running, self.added, self.batch_sizes = {}, 0, []  # engine id -> call; calls added; calls per step
-        try:
-            self.server = http.server.ThreadingHTTPServer(("127.0.0.1", port), Handler)
-        except OSError as e:
-            raise AgentError(f"rollout.agent.port: 127.0.0.1:{port} cannot be bound ({e.strerror})") from None
-        self.server.daemon_threads, self.server.endpoint, self.port = True, self, self.server.server_address[1]
+        self.server = http_server(port)
+        self.server.endpoint, self.port = self, self.server.server_address[1]
         threading.Thread(target=self.server.serve_forever, daemon=True, name="agent-endpoint").start()
 
     def open(self, episodes: list[Episode]) -> None:  # the episodes whose requests it serves
-        with self.lock:
-            self.episodes = {e.id: e for e in episodes}
+        self.episodes = {e.id: e for e in episodes}  # a new dict each time: submit reads it without a lock
 
     def close_episodes(self) -> None:  # the episodes have ended: a call still queued or sampled is refused
         self.open([])
         self.serve()
-        if self.running:  # the calls of episodes that ended meanwhile (timed out, exited): never answered
-            self.llm.llm_engine.abort_request(list(self.running))
-            for call in self.running.values():
-                call["episode"].release(call["plan"])
-                _answer(call, _over(call["episode"]))
-            self.running = {}
+        self.llm.llm_engine.abort_request(list(self.running))  # calls of episodes that ended (timed out, exited)
+        for call in self.running.values():  # refused: never answered
+            _answer(call, call["episode"].over_reply())
+        self.running = {}
 
     def submit(self, episode_id: str, body: bytes | None) -> tuple[int, dict | list]:
         """An HTTP thread's request (None: too large), counted, read, planned, queued: (status, reply or chunks)."""
-        with self.lock:
-            episode = self.episodes.get(episode_id)
+        episode = self.episodes.get(episode_id)  # one read of the dict open() set
         if episode is None:
             return 404, RequestError(404, f"no episode {episode_id!r} is running", code="unknown_episode").body
         with episode.lock:
             if episode.over or episode.error is not None:  # refused; its outcome stays
-                return _over(episode).status, _over(episode).body
+                return episode.over_reply()
             episode.requests += 1
             if episode.requests > self.limits["max_requests"]:
                 message = f"more than {self.limits['max_requests']} requests (rollout.agent.max_requests)"
@@ -404,28 +394,25 @@ class Endpoint:
                 return 429, RequestError(429, f"episode {episode.id}: {message}", code="too_many_requests").body
         try:
             if body is None:
-                raise RequestError(413, f"a request body of more than {MAX_BODY} bytes", code="body_too_large")
+                raise RequestError(413, f"a body of over {MAX_BODY} bytes, or no byte count", code="body_too_large")
             call = {"episode": episode, "request": parse_request(body, self.model), "done": threading.Event()}
             call["plan"] = episode.plan(call["request"], self.tokenizer, self.limits)
         except Exception as e:  # a RequestError, or a request this code did not foresee: never the run's end
-            return _refuse(episode, e)
-        with self.lock:
-            self.inbox.append(call)
+            return episode.refuse(e)
+        self.inbox.put(call)
         os.write(self.wake_write, b".")
         call["done"].wait()
         return call["refusal"] if "refusal" in call else (200, self._reply(call))
 
     def serve(self) -> None:
         """On the engine's thread: each planned call joins the running batch (no budget left: "length", unsampled)."""
-        from vllm import SamplingParams
         from vllm.inputs import tokens_input
-        from vllm.sampling_params import RequestOutputKind
+        from vllm.sampling_params import RequestOutputKind, SamplingParams
 
         with contextlib.suppress(BlockingIOError):
             os.read(self.wake_read, 1 << 20)  # the wake-ups: a byte per request (a pipe holds 64 KiB)
-        with self.lock:
-            calls, self.inbox = self.inbox, []
-        for call in calls:
+        while not self.inbox.empty():
+            call = self.inbox.get()
             episode, request, plan = call["episode"], call["request"], call["plan"]
             try:
                 if plan["max_tokens"] <= 0:  # the budget is spent: "length", nothing sampled
@@ -436,31 +423,28 @@ class Endpoint:
                                           output_kind=RequestOutputKind.FINAL_ONLY, **episode.sampling)  # fmt: skip
                 self.added += 1
                 self.llm.llm_engine.add_request(f"agent-{self.added}", tokens_input(plan["prompt_ids"]), sampling)
+                self.running[f"agent-{self.added}"] = call
             except Exception as e:  # what this code did not foresee, the engine's own checks: refused, never the end
-                episode.release(plan)
-                _answer(call, _refuse(episode, e))
-                continue
-            self.running[f"agent-{self.added}"] = call
+                _answer(call, episode.refuse(e))
 
     def step(self) -> None:
         """One step of the engine (every running call advances by a token); each finished call, _finish'ed."""
         self.batch_sizes.append(len(self.running))
-        for output in self.llm.llm_engine.step():
-            if output.finished:
-                call, completion = self.running.pop(output.request_id), output.outputs[0]
-                sampled = list(completion.token_ids)
-                logprobs = [lp[token].logprob for token, lp in zip(sampled, completion.logprobs, strict=True)]
-                ids = sampled[:-1] if completion.finish_reason == "stop" else sampled  # without the eos that ended them
-                text = completion.text if isinstance(completion.stop_reason, str) else self.tokenizer.decode(ids)
-                self._finish(call, sampled, logprobs, completion.finish_reason, text, completion.logprobs)
+        for output in self.llm.llm_engine.step():  # the finished calls alone (FINAL_ONLY)
+            call, completion = self.running.pop(output.request_id), output.outputs[0]
+            sampled = list(completion.token_ids)
+            logprobs = [lp[token].logprob for token, lp in zip(sampled, completion.logprobs, strict=True)]
+            ids = sampled[:-1] if completion.finish_reason == "stop" else sampled  # without the eos that ended them
+            text = completion.text if isinstance(completion.stop_reason, str) else self.tokenizer.decode(ids)
+            self._finish(call, sampled, logprobs, completion.finish_reason, text, completion.logprobs)
 
     def _finish(self, call, sampled, logprobs, finish, text, alternatives=None) -> None:
         """A call's answer recorded (tool call ids call_<call>_<i>); an over episode's is refused, never recorded."""
         episode, request = call["episode"], call["request"]
         with episode.lock:
-            episode.release(call["plan"])
             if episode.over:
-                return _answer(call, _over(episode))
+                return _answer(call, episode.over_reply())
+            episode.release(call["plan"])
             number = episode.calls + 1  # this call's, once recorded
             special = self.tokenizer.all_special_tokens
             answer = assistant_message(text, finish, request["parse_tools"], special, call_ids=f"call_{number}")
@@ -472,7 +456,6 @@ class Endpoint:
         """A recorded call's reply, with vLLM's OpenAI models: a ChatCompletionResponse, or (stream) OpenAI's chunks:
         the role (and log-probs asked for), the content in pieces, each tool call, the finish reason, the usage
         (stream_options.include_usage). Both say what was recorded, and model_version: the policy that sampled it."""
-        from vllm.entrypoints.generate.base.protocol import DeltaToolCall
         from vllm.entrypoints.openai.chat_completion import protocol as api
 
         request, (message, finish), episode = call["request"], call["answer"].values(), call["episode"]
@@ -483,19 +466,15 @@ class Endpoint:
             {**self._logprob(token, ranked[token].logprob), "top_logprobs": [self._logprob(t, lp.logprob) for t, lp in
              sorted(ranked.items(), key=lambda item: item[1].rank)[: request["top_logprobs"]]]}
             for token, ranked in zip(call["sampled"], call["alternatives"] or [], strict=True)]) or None  # fmt: skip
-        calls = [api.ToolCall(id=c["id"], function=c["function"]) for c in message.get("tool_calls", [])]
+        calls = message.get("tool_calls", [])  # dicts, as the message is: vLLM's models read and check them
         if not request["stream"]:
-            said = api.ChatMessage(role="assistant", content=message["content"], tool_calls=calls)
-            choice = api.ChatCompletionResponseChoice(index=0, message=said, logprobs=logprobs, finish_reason=finish)
+            choice = {"index": 0, "message": message, "logprobs": logprobs, "finish_reason": finish}
             return api.ChatCompletionResponse(**head, choices=[choice], usage=usage).model_dump(exclude_none=True)
         deltas = [api.DeltaMessage(role="assistant", content=None if message["content"] is None else "")]
         deltas += [api.DeltaMessage(content=piece) for piece in re.findall(r"\s*\S+|\s+", message["content"] or "")]
-        deltas += [api.DeltaMessage(tool_calls=[DeltaToolCall(index=i, id=c.id, type="function",
-                                                              function=c.function.model_dump())])
-                   for i, c in enumerate(calls)]  # fmt: skip
-        choices = [api.ChatCompletionResponseStreamChoice(index=0, delta=d, logprobs=None if k else logprobs)
-                   for k, d in enumerate(deltas)]  # fmt: skip
-        choices.append(api.ChatCompletionResponseStreamChoice(index=0, delta=api.DeltaMessage(), finish_reason=finish))
+        deltas += [api.DeltaMessage(tool_calls=[{"index": i, **c}]) for i, c in enumerate(calls)]
+        choices = [{"index": 0, "delta": d, "logprobs": None if k else logprobs} for k, d in enumerate(deltas)]
+        choices.append({"index": 0, "delta": {}, "finish_reason": finish})  # the last chunk: the finish reason alone
         chunks = [api.ChatCompletionStreamResponse(**head, choices=[choice]) for choice in choices]
         chunks += [api.ChatCompletionStreamResponse(**head, choices=[], usage=usage)] if request["usage"] else []
         return [chunk.model_dump(exclude_none=True) for chunk in chunks]
@@ -505,42 +484,33 @@ class Endpoint:
         return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
 
 
-def _refuse(episode: Episode, error: Exception) -> tuple[int, dict]:
-    """(status, body) of an error (500 for one this code did not foresee); its episode has failed (refused)."""
-    if not isinstance(error, RequestError):
-        message = f"the endpoint could not serve the request: {type(error).__name__}: {str(error)[:300]}"
-        error = RequestError(500, message, code="internal_error")
-    episode.fail(f"refused ({error.status}): {error}", refused=True)
-    return error.status, error.body
-
-
-def _answer(call: dict, refusal) -> None:  # a refusal: a RequestError or (status, body)
-    call["refusal"] = (refusal.status, refusal.body) if isinstance(refusal, RequestError) else refusal
+def _answer(call: dict, refusal: tuple[int, dict]) -> None:  # a queued call refused: the sample it held released
+    call["episode"].release(call["plan"])
+    call["refusal"] = refusal
     call["done"].set()
 
 
-def _over(episode: Episode) -> RequestError:  # a request of an episode over or failed: its outcome stays
-    reason = "is over" if episode.error is None else f"has failed: {episode.error}"
-    return RequestError(400, f"episode {episode.id} {reason}", code="episode_over")
+def http_server(port: int) -> http.server.ThreadingHTTPServer:
+    """The endpoint's server (Handler) on 127.0.0.1 at rollout.agent.port + LOCAL_RANK (0: a free port); AgentError."""
+    port = port + int(os.environ.get("LOCAL_RANK", 0)) if port else 0
+    try:
+        return http.server.ThreadingHTTPServer(("127.0.0.1", port), Handler)
+    except OSError as e:
+        raise AgentError(f"config: rollout.agent.port: 127.0.0.1:{port} cannot be bound ({e.strerror})") from None
 
 
 class Handler(http.server.BaseHTTPRequestHandler):
-    """HTTP/1.1 (keep-alive): POST /<episode>/v1/chat/completions (Endpoint.submit), answered as JSON or as
-    server-sent events ("data: <chunk>", then "data: [DONE]"); GET [/<episode>]/v1/models; else an OpenAI 404."""
+    """HTTP/1.1 (keep-alive): POST /<episode>/v1/chat/completions (Endpoint.submit), GET models (MODELS); else 404s."""
 
     protocol_version = "HTTP/1.1"
 
     def do_POST(self):
-        parts, length = self.path.split("?")[0].strip("/").split("/"), int(self.headers.get("Content-Length") or 0)
-        self.close_connection = length > MAX_BODY  # such a body is never read (its episode is told: 413)
-        body = None if length > MAX_BODY else self.rfile.read(length)
-        if len(parts) != 4 or parts[1:] != ["v1", "chat", "completions"]:
+        parts, length = self.path.split("?")[0].strip("/").split("/"), self.headers.get("Content-Length") or "0"
+        readable = length.isdigit() and int(length) <= MAX_BODY  # else never read: its episode is told (413)
+        self.close_connection, body = not readable, (self.rfile.read(int(length)) if readable else None)
+        if parts[1:] != ["v1", "chat", "completions"]:
             return self._send(404, RequestError(404, f"no route POST {self.path}", code="not_found").body)
-        status, reply = self.server.endpoint.submit(parts[0], body)
-        if isinstance(reply, list):
-            events = "".join(f"data: {json.dumps(chunk)}\n\n" for chunk in reply) + "data: [DONE]\n\n"
-            return self._send(status, events.encode(), "text/event-stream")
-        self._send(status, reply)
+        self._send(*self.server.endpoint.submit(parts[0], body))
 
     def do_GET(self):
         route, model = MODELS.fullmatch(self.path.split("?")[0]), self.server.endpoint.model
@@ -551,11 +521,13 @@ class Handler(http.server.BaseHTTPRequestHandler):
             return self._send(200, {"object": "list", "data": [served]} if route["model"] is None else served)
         self._send(404, RequestError(404, f"no model `{route['model']}`", "model", "model_not_found").body)
 
-    def _send(self, status: int, body: dict | bytes, kind: str = "application/json") -> None:
-        data = body if isinstance(body, bytes) else json.dumps(body).encode()
+    def _send(self, status: int, body: dict | list) -> None:  # a list: a stream, "data: <chunk>" each, "data: [DONE]"
+        stream = isinstance(body, list)
+        text = "".join(f"data: {json.dumps(c)}\n\n" for c in body) + "data: [DONE]\n\n" if stream else json.dumps(body)
+        data = text.encode()
         try:
             self.send_response(status)
-            self.send_header("Content-Type", kind)
+            self.send_header("Content-Type", "text/event-stream" if stream else "application/json")
             self.send_header("Content-Length", str(len(data)))
             self.end_headers()
             self.wfile.write(data)
@@ -568,9 +540,8 @@ class Handler(http.server.BaseHTTPRequestHandler):
 
 # ------------------------------------------------------------------------------------------- requests
 def parse_request(body: bytes, model: str) -> dict:
-    """A chat-completions body read by vLLM's own OpenAI model (ChatCompletionRequest, as its server reads it);
-    RequestError (OpenAI's status and wording) for what it refuses, and what would make the samples other than the
-    policy's: n > 1, a forced tool_choice, a response format, a logit bias. Sampling fields are ignored."""
+    """A chat-completions body read by vLLM's own OpenAI model (ChatCompletionRequest, as its server reads it), its
+    sampling fields ignored; RequestError (OpenAI's status and wording) for what it refuses and what `refused` lists."""
     from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
     from vllm.exceptions import VLLMClientError
 
@@ -593,7 +564,7 @@ def parse_request(body: bytes, model: str) -> dict:
     kind = getattr(parsed.response_format, "type", "text")
     top, stop = parsed.top_logprobs or 0, [parsed.stop] if isinstance(parsed.stop, str) else parsed.stop or None
     max_tokens = next((m for m in (parsed.max_completion_tokens, vars(parsed)["max_tokens"]) if m is not None), None)
-    refused = {  # key: (refused, why[, code: else unsupported])
+    refused = {  # key: (refused, why[, code: else unsupported, what would make the samples other than the policy's])
         "n": (parsed.n not in (None, 1), f"{parsed.n}: one completion per request (the calls are the samples)"),
         "tool_choice": (parsed.tool_choice not in ("auto", "none"), f"{parsed.tool_choice!r}: accepted auto, none"),
         "response_format": (kind != "text", f"{kind!r}: text only (a format would constrain the sampling)"),
@@ -664,16 +635,11 @@ def episode_workers(settings: dict) -> multi_turn.WorkerPool:
 
 
 def serve_episodes(path: str | None, name: str, command: str | None) -> None:
-    """An episode worker (WorkerPool's): loads the agent, then runs each episode ({"id", "episode", "base_url", "row"},
-    OPENAI_BASE_URL and OPENAI_API_KEY set), answering {"id", "reward" (None: the run's scorer's), "error"}. A process
-    the episode forked ends there, silently; SIGTERM and SIGINT do nothing here (the rank decides when to stop)."""
-    for sig in (signal.SIGTERM, signal.SIGINT):
+    """An episode worker (WorkerPool's): loads the agent, then runs each episode ({"id", "base_url", "row"}, its
+    OPENAI_BASE_URL and OPENAI_API_KEY set), answering {"id", "reward" (None: the run's scorer's), "error"}."""
+    for sig in (signal.SIGTERM, signal.SIGINT):  # do nothing here: the rank decides when to stop
         signal.signal(sig, lambda *_: None)  # a handler, not SIG_IGN, which the agent's subprocesses would inherit
-
-    def load():  # the agent file's function and the openai client's module (a command's worker needs neither)
-        return None if command else (load_episode(path, name), importlib.import_module("openai"))
-
-    jobs, answers, loaded = multi_turn.worker_pipes(load)
+    jobs, answers, loaded = multi_turn.worker_pipes(lambda: None if command else load_episode(path, name))
     (function, openai), worker, client = loaded or (None, None), os.getpid(), None
     for line in jobs:
         job = json.loads(line)
@@ -699,8 +665,7 @@ def run_command(command: str, row: dict) -> tuple:
     """(reward, error) of rollout.agent.command (/bin/sh; the row a JSON line on stdin and in $FLATGRPO_ROW): all it
     prints, a number (nothing: None); exiting non-zero (stderr's last line) or printing anything else, an error."""
     with tempfile.NamedTemporaryFile("w+", suffix=".json") as file, tempfile.TemporaryFile() as err:
-        file.write(json.dumps(row, default=str) + "\n")
-        file.flush()
+        print(json.dumps(row, default=str), file=file, flush=True)
         file.seek(0)
         process = subprocess.Popen(command, shell=True, stdin=file, stdout=subprocess.PIPE, stderr=err,
                                    env={**os.environ, "FLATGRPO_ROW": file.name})  # fmt: skip
@@ -717,8 +682,8 @@ def run_command(command: str, row: dict) -> tuple:
     return None, f"printed {printed[:200]!r}, not a reward (a number, or nothing: the run's scorer)"
 
 
-def load_episode(path: str, name: str):
-    """The agent file's function `name`, taking (client, row); AgentError (one line) otherwise."""
+def load_episode(path: str, name: str) -> tuple:
+    """(The agent file's function `name`, taking (client, row); the openai module); AgentError (one line) otherwise."""
     where = f"rollout.agent.path {path}"
     function = getattr(multi_turn.load_file(path, where, AgentError), name, None)
     if not callable(function):
@@ -727,7 +692,7 @@ def load_episode(path: str, name: str):
         inspect.signature(function).bind(None, None)
     except (TypeError, ValueError):
         raise AgentError(f"{where}: {name}() must take two arguments, (client, row)") from None
-    return function
+    return function, importlib.import_module("openai")  # its client's module, imported here, once
 
 
 if __name__ == "__main__":  # an episode worker: python agent.py --serve-episodes '[path, name, command]'

