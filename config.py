@@ -159,6 +159,24 @@ SCHEMA = {
         },
         "filter_groups": {"enable": False, "max_num_gen_batches": (0, ">= 0 (0: no limit)")},
     },
+    # on-policy distillation (distill.py), veRL's top-level distillation.*: docs/features.md "On-policy distillation"
+    "distillation": {
+        "enabled": False,
+        "teacher_models": {"teacher_model": {"model_path": (None, str)}},  # one teacher (veRL's default entry)
+        "distillation_loss": {
+            "loss_mode": ("k3", (*losses.KL_KINDS, "forward_kl_topk")),
+            "topk": (32, (int, type(None))),
+            "use_task_rewards": True,
+            "distillation_loss_coef": (1.0, GE0),
+            "loss_max_clamp": (None, "> 0 (null: no clamp)"),
+            "log_prob_min_clamp": (None, float),
+            "use_policy_gradient": False,
+            "policy_loss_mode": ("vanilla", ("vanilla",)),  # veRL 0.9.1 refuses the others
+            "clip_ratio": (0.2, GE0),
+            "clip_ratio_low": (0.2, (float, type(None))),
+            "clip_ratio_high": (0.2, (float, type(None))),
+        },
+    },
     "async_training": {  # rollout ranks: how many steps a batch may lag the weights it is trained on (veRL's name)
         "staleness_threshold": (0, ">= 0 (steps; 0: synchronous; >= 1 needs rollout ranks and a rollout correction)"),
     },
@@ -203,6 +221,7 @@ TYPES = {
     "rollout.multi_turn.max_assistant_turns": int,
     "rollout.multi_turn.max_user_turns": int,
     "rollout.cudagraph_capture_sizes": list,
+    "distillation.distillation_loss.loss_max_clamp": float,
 }
 RULES = {
     "two numbers in [0, 1)": lambda v: len(v) == 2 and all(isinstance(b, (int, float)) and 0 <= b < 1 for b in v),

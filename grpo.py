@@ -310,7 +310,7 @@ def update_actor(run: "Run", batch: dict, t: dict) -> dict:
     actor, sampling = run.cfg["actor"], run.cfg["rollout"]
     share = actor["ppo_mini_batch_size"] // run.world  # this rank's prompts in one mini-batch
     prompts = batch["uid"].tolist()  # [B]: the prompt each row answers
-    loss_fn = grpo_loss_fn(run.cfg, run.parts.policy_term)
+    loss_fn = run.parts.loss(run.cfg, run.parts.policy_term)
     need_entropy = actor["entropy_coeff"] or run.capture  # in the loss, or logged in place of the old pass's
     update_logprobs, update_entropy = torch.zeros_like(batch["response_mask"]), torch.zeros_like(batch["response_mask"])
     first_logprobs = None  # [B, R]: the step's first mini-batch's rows, by the weights that sampled them
@@ -563,6 +563,7 @@ Correct = Callable[..., dict]  # (batch, old, rollout, sampled, mask [B_all, R],
 Advantages = Callable[["Run", dict], dict]  # (run, batch) -> metrics; sets batch["advantages"] [B, R]
 Update = Callable[["Run", dict, dict], dict]  # (run, batch, t) -> metrics: the optimizer steps of the global step
 PolicyTerm = Callable[..., tuple[torch.Tensor, dict]]  # (actor keys, logp, old_logp, mb, aggregate) -> loss, metrics
+Loss = Callable[[dict, PolicyTerm], Callable]  # (cfg, policy term) -> loss_fn(logp, entropy, mb, counts): train_step's
 FieldMetrics = Callable[[dict], dict]  # (the samples' own fields over the global batch) -> metrics
 PromptKwargs = Callable[[object, dict], dict | None]  # (tokenizer, cfg) -> the chat template's keyword arguments
 
@@ -583,6 +584,7 @@ class Parts:
     advantages: Advantages = grpo_advantages  # RLOO, ..., the KL in the reward (grpo_family); an agent's; dumps
     update: Update = update_actor  # a Mixture-of-Experts model's routing metrics (moe.measured)
     policy_term: PolicyTerm = policy_term  # GSPO, CISPO, ... (grpo_family); bypass's rejection (rollout_correction)
+    loss: Loss = grpo_loss_fn  # the update's whole loss: on-policy distillation's term beside the task's (distill)
     field_metrics: FieldMetrics | None = None  # multi-turn's turns and tool calls; an agent's (agent.parts)
     prompt_kwargs: PromptKwargs = template_kwargs  # the tools' schemas in every prompt (multi_turn.prompt_kwargs)
     needs_old_pass: bool = False  # the old-log-prob pass before the update: the rollout correction, ..., dumps
@@ -675,6 +677,11 @@ def choose_parts(cfg: dict) -> Parts:
         import lora
 
         parts.reference = lora.reference_part(cfg, parts.reference)
+    if cfg["distillation"]["enabled"]:  # on-policy distillation: a teacher scores every sampled token
+        import distill
+
+        load = functools.partial(frozen_model, cfg)
+        parts = distill.parts(cfg, parts, functools.partial(local_model, cfg), load, config.loss_scale_factor(cfg))
     if trainer["replay_batches"]:  # dumped batches replayed (main's run mode): their log-probs and advantages
         parts.reference, parts.advantages = data.dumped_reference(parts.reference), data.dumped_advantages
         parts.needs_old_pass = True
@@ -716,6 +723,10 @@ def choose_model_parts(cfg: dict, model_path: str) -> ModelParts:
         import engine_dtypes
 
         model.start_engine = engine_dtypes.starting(model.start_engine, sync.engine_dtypes)
+    if cfg["distillation"]["enabled"]:  # on-policy distillation: its teacher checked against the policy first
+        import distill
+
+        model.load = distill.checked_loader(cfg, model.load, functools.partial(local_model, cfg))
     return model
 
 
@@ -994,6 +1005,30 @@ def load_models(cfg: dict, model_path: str, device, model: ModelParts, needs_ref
     ref = model.load(model_path, device=device, param_dtype=compute_dtype, trainable=False)
     fsdp_train.check_logits_fn(ref)
     return policy, ref
+
+
+def local_model(cfg: dict, name: str) -> str:
+    """A model named as model.path names one (one of tiny.py's set-ups, a local directory or a hub id) -> its local
+    directory, built or fetched by each node's first rank (as load_data does model.path's): on-policy
+    distillation's teacher."""
+    if name in tiny.MODELS:
+        build = functools.partial(tiny.build, os.path.join(".cache", "tiny"), seed=cfg["model"]["tiny_seed"])
+        return cluster.node_first(lambda first: build(**tiny.MODELS[name]))["model"]
+    return cluster.node_first(lambda first: data.resolve_model(name, download=first))
+
+
+def frozen_model(cfg: dict, model_path: str, device) -> torch.nn.Module:
+    """A model that is never trained (on-policy distillation's teacher), loaded as load_models loads the reference:
+    FSDP2-sharded, frozen, in the compute dtype, with its own family's logit rule where its config has one (as
+    choose_model_parts gives the policy's), proven to compute its model's own logits (check_logits_fn)."""
+    load = fsdp_train.load_model
+    if fsdp_train.logit_rule_keys(AutoConfig.from_pretrained(model_path).get_text_config()):
+        import logit_rules
+
+        load = logit_rules.loader(load)
+    model = load(model_path, device=device, param_dtype=DTYPES[cfg["model"]["compute_dtype"]], trainable=False)
+    fsdp_train.check_logits_fn(model)
+    return model
 
 
 def build_optimizer(cfg: dict, policy, total_steps: int) -> tuple:

@@ -42,7 +42,7 @@ from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalize
 from transformers import AutoModelForCausalLM, GenerationConfig, PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 
 VERSION = 2  # bump when anything below changes what gets built
-MODELS = {"tiny": {}, "tiny_tools": {"tools": True}}  # model.path's names of tiny.py's set-ups: build's keywords
+MODELS = {"tiny": {}, "tiny_tools": {"tools": True}, "tiny_teacher": {"teacher": True}}  # names -> build's keywords
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 CHAT_TEMPLATE = (
     "{%- for message in messages %}"
@@ -115,6 +115,8 @@ FORMAT_SHARE = 0.3  # share of warm-start targets that end with "#### N"
 VOCAB_SIZE = 512
 N_TRAIN, N_TEST = 4000, 200
 SFT_STEPS, SFT_BATCH, SFT_LR = 600, 32, 2e-3
+# tiny_teacher: the tiny model trained further on answers that all end with "#### N" (on-policy distillation's demo)
+TEACHER_STEPS, TEACHER_LR, TEACHER_FORMAT_SHARE = 40, 3e-4, 1.0
 KINDS = ["add", "sub", "mul", "add_sub"]
 # Operands of add / sub / add_sub in LO..HI, of mul in 2..MUL_HI: single digits, so that the warm start
 # gets the arithmetic right (~94% greedy, ignoring the format) within its ~2-minute budget; GRPO's
@@ -261,16 +263,24 @@ def _save(model, tokenizer, path: str) -> None:
 
 # ------------------------------------------------------------------------------- warm start
 def warm_start(
-    model, tokenizer, rows: list[dict], seed: int, steps: int | None = None, verbose: bool = False, tools: bool = False
+    model,
+    tokenizer,
+    rows: list[dict],
+    seed: int,
+    steps: int | None = None,
+    verbose: bool = False,
+    tools: bool = False,
+    lr: float = SFT_LR,
+    format_share: float = FORMAT_SHARE,
 ) -> None:
     """Supervised fine-tuning on chat-formatted (prompt, response) pairs; loss on the response only (with tools: on
-    the model's own turns, not on the tool responses). verbose: a progress line every PROGRESS_EVERY steps (the
-    build's longest part: ~1-2 minutes on 2 cores)."""
+    the model's own turns, not on the tool responses); format_share of the answers end with "#### N". verbose: a
+    progress line every PROGRESS_EVERY steps (the build's longest part: ~1-2 minutes on 2 cores)."""
     steps = SFT_STEPS if steps is None else steps
     rng = random.Random(seed)
     gen = torch.Generator().manual_seed(seed)
-    examples = [sft_example(tokenizer, row, rng, tools) for row in rows]
-    opt = torch.optim.AdamW(model.parameters(), lr=SFT_LR, weight_decay=0.0)
+    examples = [sft_example(tokenizer, row, rng, tools, format_share) for row in rows]
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 50) * max(0.05, 1 - s / steps))
     model.train()
     start = time.time()
@@ -294,10 +304,12 @@ def warm_start(
     model.eval()
 
 
-def sft_example(tokenizer, row: dict, rng: random.Random, tools: bool) -> tuple[list[int], list[int]]:
+def sft_example(
+    tokenizer, row: dict, rng: random.Random, tools: bool, format_share: float = FORMAT_SHARE
+) -> tuple[list[int], list[int]]:
     """One warm-start example: (token ids, loss mask), the mask 1 on the model's own tokens. Each segment is
     tokenised alone, as a multi-turn rollout appends them (token in, token out)."""
-    use_hashes = rng.random() < FORMAT_SHARE
+    use_hashes = rng.random() < format_share
     user = [{"role": "user", "content": row["question"] + " " + INSTRUCTION}]
     schemas = [CALCULATOR_SCHEMA] if tools else None
     prompt = tokenizer.apply_chat_template(user, tools=schemas, add_generation_prompt=True, tokenize=False)
@@ -351,9 +363,12 @@ def cache_key(seed: int, tools: bool = False) -> str:
     return hashlib.sha256(json.dumps(recipe).encode()).hexdigest()[:10]
 
 
-def build(out_dir: str = ".cache/tiny", seed: int = 0, tools: bool = False) -> dict[str, str]:
+def build(out_dir: str = ".cache/tiny", seed: int = 0, tools: bool = False, teacher: bool = False) -> dict[str, str]:
     """Build (or reuse) everything; returns paths: model, base, train, test, dir. tools: the tiny_tools set-up
-    (a tokenizer and template for tool calls, a warm start that calls the calculator; the same data)."""
+    (a tokenizer and template for tool calls, a warm start that calls the calculator; the same data). teacher: the
+    tiny_teacher set-up (build_teacher)."""
+    if teacher:
+        return build_teacher(out_dir, seed)
     key = cache_key(seed, tools)
     root = os.path.join(out_dir, f"seed{seed}-{'tools-' if tools else ''}{key}")
     paths = {
@@ -396,6 +411,40 @@ def build(out_dir: str = ".cache/tiny", seed: int = 0, tools: bool = False) -> d
     return paths
 
 
+def build_teacher(out_dir: str = ".cache/tiny", seed: int = 0) -> dict[str, str]:
+    """The tiny_teacher set-up: the tiny set-up's model (build) trained TEACHER_STEPS more warm-start steps on answers
+    that all end with "#### N" (TEACHER_FORMAT_SHARE), so that greedy decoding answers in the scorer's format: a
+    teacher that solves the demo's task, with the student's tokenizer and data (on-policy distillation's demo,
+    recipes/tiny_distill.yaml). Cached beside it by its own key; returns the same paths, model the teacher's."""
+    student = build(out_dir, seed)
+    recipe = [cache_key(seed), TEACHER_STEPS, TEACHER_LR, TEACHER_FORMAT_SHARE]
+    root = os.path.join(out_dir, f"seed{seed}-teacher-{hashlib.sha256(json.dumps(recipe).encode()).hexdigest()[:10]}")
+    paths = {**student, "dir": root, "model": os.path.join(root, "model")}
+    if os.path.exists(os.path.join(root, "COMPLETE")):
+        return paths
+    say(f"building the tiny teacher in {root} (once; about a minute on 2 cores)")
+    start, tmp = time.time(), f"{root}.tmp-{os.getpid()}"
+    model = Qwen2ForCausalLM.from_pretrained(student["model"], dtype=torch.float32)
+    tokenizer = PreTrainedTokenizerFast.from_pretrained(student["model"])
+    threads = torch.get_num_threads()
+    torch.set_num_threads(os.cpu_count() or 1)  # the build runs alone (other ranks wait for it)
+    try:
+        rows = make_dataset(seed)["train"]
+        warm_start(
+            model, tokenizer, rows, seed + 1, TEACHER_STEPS, True, lr=TEACHER_LR, format_share=TEACHER_FORMAT_SHARE
+        )
+    finally:
+        torch.set_num_threads(threads)
+    _save(model, tokenizer, os.path.join(tmp, "model"))
+    open(os.path.join(tmp, "COMPLETE"), "w").close()
+    try:
+        os.rename(tmp, root)  # atomic, as build's
+    except OSError:  # another process finished first: use theirs
+        shutil.rmtree(tmp, ignore_errors=True)
+    say(f"teacher built in {time.time() - start:.0f} s")
+    return paths
+
+
 def say(message: str) -> None:
     """One progress line of the build on the console (the build runs once, before anything else prints)."""
     print(f"tiny: {message}", flush=True)
@@ -406,6 +455,7 @@ if __name__ == "__main__":
     ap.add_argument("--out", default=".cache/tiny")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--tools", action="store_true", help="the tiny_tools set-up (multi-turn with a calculator)")
+    ap.add_argument("--teacher", action="store_true", help="the tiny_teacher set-up (on-policy distillation's demo)")
     args = ap.parse_args()
     t0 = time.time()
-    print(json.dumps(build(args.out, args.seed, args.tools), indent=1), f"\n({time.time() - t0:.1f} s)")
+    print(json.dumps(build(args.out, args.seed, args.tools, args.teacher), indent=1), f"\n({time.time() - t0:.1f} s)")

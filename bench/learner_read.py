@@ -56,14 +56,14 @@ PART_HOOKS = {  # the optional parts reached as parts.<name> (None by default), 
 }  # fmt: skip
 FEATURE_FILES = {  # a name or string equal to one of these names a feature's file (an import, feature("dapo"))
     "rollout_correction", "dapo", "grpo_family", "multi_turn", "moe", "lora", "logit_rules", "reward_files",
-    "rollout_ranks", "engine_dtypes", "agent",
+    "rollout_ranks", "engine_dtypes", "agent", "distill",
 }  # fmt: skip
 FEATURE_KEYS = {  # a subscript by one of these reads a feature's key (tests/test_layout.py's list): cfg["agent"]
     "rollout_correction", "rollout_is", "rollout_rs", "bypass_mode", "filter_groups", "overlong_buffer",
     "adv_estimator", "use_kl_in_reward", "policy_loss", "loss_mode", "kl_ctrl", "kl_penalty", "gamma", "multi_turn",
     "router_replay", "enable_rollout_routing_replay", "lora_rank", "lora_alpha", "lora_adapter_path",
     "target_modules", "exclude_modules", "custom_reward_function", "replay_batches", "dump_batches", "nnodes",
-    "n_gpus_per_node", "async_training", "staleness_threshold", "agent",
+    "n_gpus_per_node", "async_training", "staleness_threshold", "agent", "distillation",
 }  # fmt: skip
 PROSE_FEATURE = re.compile(  # a docstring or comment line that names an optional feature
     r"lora|adapter|mixture-of-experts|\bmoe\b|expert|router|routing|\bR[23]\b|multi-turn|multi_turn|(?<![a-z])tool"

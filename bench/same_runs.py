@@ -135,6 +135,9 @@ def compare(before: str, after: str) -> int:
     differences = 0
     for name in RUNS:
         a, b = os.path.join(before, name), os.path.join(after, name)
+        if not (os.path.isdir(a) and os.path.isdir(b)):  # recorded with --only on one side
+            print(f"{name}: not recorded in {before if not os.path.isdir(a) else after}: not compared")
+            continue
         checked, notes = 0, []
         for x, y in zip(metrics(a), metrics(b), strict=True):
             for key in sorted(set(x) | set(y)):

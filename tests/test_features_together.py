@@ -58,6 +58,7 @@ FEATURES = {
     "lora": ["model.lora_rank=8"],
     "lora_adapter": ["model.lora_adapter_path={adapter}"],
     "agent": ["rollout.agent.path={agent}"],
+    "distill": ["distillation.enabled=true", "distillation.teacher_models.teacher_model.model_path=tiny_teacher"],
 }
 LOSS_MODES, ESTIMATORS = (
     ("gspo", "cispo", "sapo", "geo_mean"),
@@ -97,6 +98,9 @@ NEEDS = {
     "lora": {"reference": "+lora"},  # the reference's pass with the policy's adapters off
     "lora_adapter": {"reference": "+lora"},
     "agent": {"scored_samples": "agent", "sample_groups": "+agent", "advantages": "agent", "field_metrics": "agent"},
+    # the teacher's pass before the task's advantages; its term beside the task's loss; the student's top-k in the
+    # update's forward and veRL's metric names (a replay keeps the dump's teacher log-probs: REPLACED_BY_REPLAY)
+    "distill": {"advantages": "+distill", "loss": "+distill", "update": "+distill"},
 }
 REPLACED_BY_REPLAY = "advantages"  # a replayed batch keeps its dumped advantages, whatever estimator made them
 # Pairs that cannot run together, refused at start-up in one line naming a key of each (set: the pair, either order)
@@ -128,6 +132,7 @@ DEFAULTS = {  # plain GRPO's step: the module of each part's function, the on-po
     "advantages": {"grpo"},
     "update": {"grpo"},
     "policy_term": {"grpo"},
+    "loss": {"grpo"},
     "field_metrics": set(),
     "prompt_kwargs": {"grpo"},
     "reference model": False,

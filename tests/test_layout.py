@@ -43,6 +43,7 @@ FEATURES = (
     "rollout_ranks",
     "engine_dtypes",
     "agent",
+    "distill",
 )
 COMPONENTS = ("rollout", "reward", "losses", "fsdp_train", "sync", "tiny")
 EXTENDS = {  # a feature may import what it extends
@@ -52,6 +53,9 @@ EXTENDS = {  # a feature may import what it extends
     "logit_rules": {"fsdp_train"},  # a family's head and attention in the trainer's log-prob path
     "moe": {"fsdp_train", "rollout"},  # MoE's FLOPs term; R3's routing with the rollout's samples
     "agent": {"multi_turn"},  # the tool pool's worker design (WorkerPool) and Hermes parser: one of each in the project
+    # distillation's estimators and policy loss; the teacher's pass and both models' top-k through fsdp_train's
+    # token-field door (compute_logprobs, token_fields, logits_head)
+    "distill": {"losses", "fsdp_train"},
 }
 SETUP = {  # grpo.py's set-up and finish code: where a feature's file may be imported (feature), its keys read
     "main",
@@ -67,6 +71,7 @@ SETUP = {  # grpo.py's set-up and finish code: where a feature's file may be imp
     "load_data",
     "prompt_kwargs",
     "load_models",
+    "frozen_model",
     "finish",
     "evaluate",
 }
@@ -81,6 +86,7 @@ FEATURE_KEYS = {  # the keys that turn an optional feature on or set it
     "replay_batches", "dump_batches",  # dumps and their replay
     "nnodes", "n_gpus_per_node", "async_training", "staleness_threshold",  # rollout ranks
     "agent",  # an agent's episodes
+    "distillation",  # on-policy distillation
 }  # fmt: skip
 
 
@@ -218,6 +224,7 @@ def test_the_records_are_typed_with_grpos_and_the_dense_models_functions_built_o
             "advantages": grpo.grpo_advantages,
             "update": grpo.update_actor,
             "policy_term": grpo.policy_term,
+            "loss": grpo.grpo_loss_fn,
             "field_metrics": None,
             "prompt_kwargs": grpo.template_kwargs,
             "needs_old_pass": False,
