@@ -529,9 +529,10 @@ def episode(client, row):
         _write(_answers(), "not an answer\\n", 0.0)
     if row["case"] == "second_line":  # its answer, then a second line (a thread writes it 0.3 s later)
         threading.Thread(target=_write, args=(_answers(), '{"not": "an answer"}\\n', 0.3)).start()
-    if row["case"] == "answer_and_line":  # its answer and a second line in one write (then the worker's answer)
-        job = _answers("job")["id"]
-        _write(_answers(), '{"id": %d, "reward": 0.875, "error": null}\\nmore\\n' % job, 0.0)
+    if row["case"] == "answer_and_line":  # its answer, a second one naming its job, a line, in one write (then the
+        job = _answers("job")["id"]  # worker's answer): the first answer is the job's
+        lines = '{"id": %d, "reward": 0.875, "error": null}\\n{"id": %d, "reward": 0.0, "error": null}\\n'
+        _write(_answers(), lines % (job, job) + "more\\n", 0.0)
     return row["reward"]
 """
 RANK = """import json, os, signal, sys, time
@@ -572,8 +573,8 @@ def test_episode_workers_answer_by_id_and_outlive_the_ranks_stop_signal(tmp_path
     from it too, gets its own reward (0.5, the worker's), never the child's, and the run goes on; a SIGTERM to the
     rank's process group (torchrun forwards its own signals so) mid-episode stops nothing: the rank decides, and the
     episode in flight gives its reward; a worker that writes a line that is no answer before its answer, or a second
-    line after it (in the read of its answer, or later), keeps its episode's answer, and each line is counted
-    (dropped); every later episode gets its own answer."""
+    line after it (in the read of its answer, or later), or a second answer naming its job in the read of its first,
+    keeps its episode's (first) answer, and each line is counted (dropped); every later episode gets its own answer."""
     import signal
     import subprocess
     import time
