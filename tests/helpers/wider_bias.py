@@ -16,9 +16,12 @@ def keep_biases_wider() -> None:
         return
 
     def keeping_the_bias_wider(layer, remove_weight):
-        dispatch(layer, remove_weight)
-        if getattr(layer, "bias", None) is not None and layer.bias.dtype != torch.float32:
-            layer.bias.data = layer.bias.to(torch.float32)
+        bias = getattr(layer, "bias", None)
+        if bias is not None and not layer.weight.is_meta:  # a reload loaded into the fp32 bias: its values are bf16's
+            bias.data = bias.to(layer.weight.dtype)
+        dispatch(layer, remove_weight)  # at load and at every reload: a fresh kernel (cpu_linear) each time
+        if bias is not None and bias.dtype != torch.float32:  # the kernel takes the activations' dtype (oneDNN's)
+            bias.data = bias.to(torch.float32)
             linear = layer.cpu_linear
             layer.cpu_linear = lambda x, weight, bias: linear(x, weight, None if bias is None else bias.to(x.dtype))
 
